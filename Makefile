@@ -1,0 +1,33 @@
+# The README's commands. Each creates .venv and installs what it needs on first use.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# torch==2.13.0 is a CPU build on this project's machines; deepspeed builds against the installed torch,
+# hence --no-build-isolation after torch is in.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup test demo bench lint clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q --no-build-isolation -e '.[train,bench,dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VENV)/bin/sage-train
+
+bench: $(STAMP)
+	$(VENV)/bin/sage-bench loss
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check sage_kernels sage_train benchmarks tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

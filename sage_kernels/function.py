@@ -1,0 +1,93 @@
+"""The public entry points: `fused_linear_sage_loss` and `logprobs_and_entropy`.
+
+They validate once (`spec.validate_inputs`), pick a backend and hand it canonical
+inputs. Each backend keeps its own autograd Function beside its kernels:
+
+- ``"reference"``: `reference.py`, materialises the logits (the oracle).
+- ``"cpu"``: `cpu.py`, the native csrc operator, or chunked PyTorch without a compiler.
+- ``"triton"``: `triton/`, the fused GPU kernels (CPU tensors too under TRITON_INTERPRET=1).
+- ``"auto"``: ``"triton"`` for CUDA tensors, ``"cpu"`` otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+from .spec import (FAST_DTYPES, REFERENCE_DTYPES, LossConfig, SageLossOutput, resolve_config,
+                   validate_inputs, validate_scoring_inputs)
+
+BACKENDS = ("reference", "cpu", "triton")
+_BACKEND_MODULES = {"reference": ".reference_backend", "cpu": ".cpu", "triton": ".triton"}
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend name for `backend` ("auto" picks by device)."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "cpu"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {list(BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def _backend_module(name: str):
+    return importlib.import_module(_BACKEND_MODULES[name], __package__)
+
+
+def fused_linear_sage_loss(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+                           mask: torch.Tensor, advantages: torch.Tensor, *,
+                           bias: Optional[torch.Tensor] = None, old_logp: Optional[torch.Tensor] = None,
+                           ref_logp: Optional[torch.Tensor] = None, is_weights: Optional[torch.Tensor] = None,
+                           log_q: Optional[torch.Tensor] = None, config: Optional[LossConfig] = None,
+                           backend: str = "auto", **options) -> SageLossOutput:
+    """The SAGE loss (``../shared/SPEC.md``) from hidden states and the LM head.
+
+    Args:
+        hidden: [B, L, D] or [B*L, D] last hidden states at the positions that predict each
+            completion token (float32, bfloat16 or float16; float64 for the reference).
+        weight: [V, D] LM head, same dtype. With ``requires_grad=False`` no weight gradient
+            is computed.
+        token_ids: [B, L] sampled tokens, in [0, V) where `mask` is set.
+        mask: [B, L] completion mask (bool or 0/1).
+        advantages: [B] or [B, L] advantages.
+        bias: [V] LM-head bias or None.
+        old_logp: [B, L] behaviour-policy log-probs; None means on-policy (ratio 1 with gradient).
+        ref_logp: [B, L] reference log-probs; required when beta != 0.
+        is_weights: [B, L] rollout importance-sampling corrections, multiplying the PG term.
+        log_q: [B, L] external guide; overrides ``config.guide``.
+        config: a `LossConfig`; keyword `options` override its fields (beta, kl, guide, gamma,
+            tau, q_min, q_max, loss_type, eps_low, eps_high, delta_clip, dual_clip_c,
+            importance_sampling, top_entropy_quantile, entropy_coef, temperature,
+            max_completion_length, num_items_in_batch).
+        backend: "auto", "reference", "cpu" or "triton".
+
+    Returns:
+        `SageLossOutput`: ``.loss`` (scalar, differentiable), detached [B, L] ``.logp``,
+        ``.entropy``, ``.q``, ``.kl``, ``.ratio`` and ``.metrics``.
+    """
+    config = resolve_config(config, options)
+    name = resolve_backend(backend, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
+    inputs = validate_inputs(hidden, weight, token_ids, mask, advantages, bias=bias, old_logp=old_logp,
+                             ref_logp=ref_logp, is_weights=is_weights, log_q=log_q, config=config,
+                             allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES)
+    return _backend_module(name).sage_loss(inputs, config)
+
+
+def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, *,
+                         bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
+                         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each token and the entropy (nats) of its next-token distribution, in float32.
+
+    For reference-model and behaviour-policy scoring: no gradient, no [N, V] logits on the
+    fast backends. `hidden` is [*S, D] and `token_ids` is [*S] (S = (B, L) or (N,)); the
+    outputs have shape S.
+    """
+    name = resolve_backend(backend, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
+    hidden2d, ids, lead = validate_scoring_inputs(
+        hidden, weight, token_ids, bias=bias, temperature=temperature,
+        allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES)
+    with torch.no_grad():
+        logp, entropy = _backend_module(name).logprobs_and_entropy(hidden2d, weight, ids, bias, temperature)
+    return logp.view(lead), entropy.view(lead)

@@ -1,0 +1,174 @@
+"""The SAGE loss of ``../shared/SPEC.md`` in plain PyTorch: the oracle every backend is tested against.
+
+It materialises the [N, V] logits, so it is for tests, benchmarks ("naive") and small
+problems. Gradients come from autograd. Run it in float64 for a ground truth.
+
+The per-token stage (`token_stage`) is a function of the per-token log-probs and
+entropies only; the chunked CPU path reuses it (it is O(N) work) and differentiates it
+with autograd to get g = dloss/dlogp and c = dloss/dH.
+
+Choices where SPEC.md is silent, following TRL 0.23's GRPOTrainer (the official SAGE code):
+- old_logp None: ratio = exp(logp - logp.detach()) (1, with gradient).
+- delta_clip caps only the unclipped ratio; the clipped one is clamped from the raw ratio.
+- clip fractions use the (delta-capped) ratio: low = r < 1 - eps_low and A < 0,
+  high = r > 1 + eps_high and A > 0, region = either.
+- the entropy quantile uses torch.quantile's linear interpolation over this call's
+  unmasked positions (TRL gathers across processes first).
+- the KL is computed whenever ref_logp is given (for the metric) and enters the loss only
+  when beta != 0.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .guides import branch_guide
+from .spec import LossConfig, SageInputs, SageLossOutput
+
+
+def logits_of(hidden2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """z = (h W^T + b) / T in `dtype` (the [N, V] tensor the fast paths never build)."""
+    z = hidden2d.to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        z = z + bias.to(dtype)
+    return z / temperature
+
+
+def reference_logprobs_and_entropy(hidden2d, weight, token_ids_flat, *, bias=None, temperature=1.0,
+                                   dtype=torch.float32):
+    """logp[y] and entropy H (nats) per row of `hidden2d`, differentiable."""
+    z = logits_of(hidden2d, weight, bias, temperature, dtype)
+    logprobs = torch.log_softmax(z, dim=-1)
+    logp = logprobs.gather(-1, token_ids_flat[:, None]).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return logp, entropy
+
+
+def kl_estimate(delta: torch.Tensor, kl: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || anchor) from delta = log anchor - log pi at the sampled token."""
+    if kl == "k1":
+        return -delta
+    if kl == "k2":
+        return 0.5 * delta * delta
+    return torch.expm1(delta) - delta
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1.0)
+
+
+def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, config: LossConfig):
+    """Everything after the vocabulary sweep, on [B, L] tensors.
+
+    Returns (loss, per_token) where per_token holds detached q, kl, ratio and the metrics.
+    Differentiable in `logp` and `entropy`; the guide is a constant.
+    """
+    mask = inputs.mask
+    B, L = inputs.shape
+    m = mask.to(logp.dtype)
+    logp = torch.where(mask, logp, 0.0)
+    entropy = torch.where(mask, entropy, 0.0)
+    A = inputs.advantages.to(logp.dtype)
+
+    if inputs.log_q is not None:
+        log_q = inputs.log_q.to(logp.dtype)
+    elif config.guide == "branch":
+        q = branch_guide(entropy, gamma=config.gamma, tau=config.tau, q_min=config.q_min, q_max=config.q_max)
+        log_q = torch.where(mask, q.log(), 0.0)
+    else:
+        log_q = torch.zeros_like(logp)
+
+    if inputs.ref_logp is not None:
+        delta = inputs.ref_logp.to(logp.dtype) + log_q - logp
+        kl = torch.where(mask, kl_estimate(delta, config.kl), 0.0)
+    else:
+        kl = torch.zeros_like(logp)
+
+    old_logp = logp.detach() if inputs.old_logp is None else inputs.old_logp.to(logp.dtype)
+    log_ratio = logp - old_logp
+    if config.importance_sampling == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)).expand(B, L)
+    ratio = torch.exp(log_ratio)
+    clipped = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
+    unclipped = ratio if config.delta_clip is None else ratio.clamp(max=config.delta_clip)
+    pg = -torch.minimum(unclipped * A, clipped * A)
+    if config.dual_clip_c is not None:
+        pg = torch.where(A < 0, torch.minimum(pg, -A * config.dual_clip_c), pg)
+    if config.top_entropy_quantile < 1.0:
+        pg = pg * high_entropy_mask(entropy, mask, config.top_entropy_quantile).to(pg.dtype)
+    if inputs.is_weights is not None:
+        pg = pg * inputs.is_weights.to(pg.dtype)
+
+    per_token_loss = pg - config.entropy_coef * entropy
+    if config.beta != 0:
+        per_token_loss = per_token_loss + config.beta * kl
+    loss = aggregate(per_token_loss, m, config)
+
+    low = (unclipped < 1.0 - config.eps_low) & (A < 0)
+    high = (unclipped > 1.0 + config.eps_high) & (A > 0)
+    q = torch.where(mask, log_q.detach().exp(), 1.0)
+    any_token = mask.any()
+    metrics = {
+        "kl": _masked_mean(kl.detach(), mask),
+        "entropy": _masked_mean(entropy.detach(), mask),
+        "sage/q_mean": _masked_mean(q, mask),
+        "sage/q_min": torch.where(any_token, torch.where(mask, q, float("inf")).min(), 1.0),
+        "sage/q_max": torch.where(any_token, torch.where(mask, q, float("-inf")).max(), 1.0),
+        "clip_ratio/low_mean": _masked_mean(low.to(q.dtype), mask),
+        "clip_ratio/high_mean": _masked_mean(high.to(q.dtype), mask),
+        "clip_ratio/region_mean": _masked_mean((low | high).to(q.dtype), mask),
+    }
+    per_token = {"q": q, "kl": kl.detach(), "ratio": torch.where(mask, ratio.detach(), 1.0),
+                 "metrics": metrics}
+    return loss, per_token
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
+    """Positions whose entropy is at or above the (1 - rho) quantile of the unmasked entropies."""
+    values = entropy.detach()[mask]
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(values.to(torch.float64), 1.0 - rho).to(entropy.dtype)
+    return (entropy.detach() >= threshold) & mask
+
+
+def loss_normaliser(m: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """The divisor of Σ m·l for the token-sum loss types (bnpo, dr_grpo, dapo)."""
+    B, L = m.shape
+    if config.loss_type == "bnpo":
+        return m.sum().clamp(min=1.0)
+    if config.loss_type == "dr_grpo":
+        return torch.tensor(float(B * (config.max_completion_length or L)), dtype=m.dtype, device=m.device)
+    n = config.num_items_in_batch
+    if n is None:
+        return m.sum().clamp(min=1.0)
+    return torch.as_tensor(n, dtype=m.dtype, device=m.device).reshape(())
+
+
+def aggregate(per_token_loss: torch.Tensor, m: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """Reduce [B, L] per-token losses to the scalar loss of `config.loss_type`."""
+    masked = per_token_loss * m
+    if config.loss_type == "grpo":
+        return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    return masked.sum() / loss_normaliser(m, config)
+
+
+def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutput:
+    """The SAGE loss with materialised logits; autograd gives the gradients."""
+    B, L = inputs.shape
+    dtype = inputs.compute_dtype
+    logp, entropy = reference_logprobs_and_entropy(
+        inputs.hidden, inputs.weight, inputs.token_ids.reshape(-1), bias=inputs.bias,
+        temperature=config.temperature, dtype=dtype)
+    logp, entropy = logp.view(B, L), entropy.view(B, L)
+    loss, per_token = token_stage(logp, entropy, inputs, config)
+    mask = inputs.mask
+    return SageLossOutput(
+        loss=loss,
+        logp=torch.where(mask, logp.detach(), 0.0),
+        entropy=torch.where(mask, entropy.detach(), 0.0),
+        q=per_token["q"], kl=per_token["kl"], ratio=per_token["ratio"], metrics=per_token["metrics"])

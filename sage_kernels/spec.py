@@ -1,0 +1,322 @@
+"""The loss contract as code: `LossConfig`, the validated inputs, the output type.
+
+This is the one place where options and inputs are checked (``../shared/SPEC.md``,
+"Bad input"). Every backend receives a `SageInputs` that has passed `validate_inputs`,
+so backends never re-check shapes, dtypes or devices.
+
+String options map to small integer codes in `KL_CODES`, `GUIDE_CODES`, `LOSS_TYPE_CODES`
+and `IS_LEVEL_CODES`: kernels take those codes as compile-time constants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Optional
+
+import torch
+
+KL_CODES = {"k1": 1, "k2": 2, "k3": 3}
+GUIDE_CODES = {"none": 0, "branch": 1}
+LOSS_TYPE_CODES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3}
+IS_LEVEL_CODES = {"token": 0, "sequence": 1}
+
+#: dtypes the fast backends accept for `hidden`, `weight` and `bias`; the reference also takes float64.
+FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REFERENCE_DTYPES = FAST_DTYPES + (torch.float64,)
+
+#: metric names, as logged by TRL and the official SAGE code.
+METRIC_NAMES = (
+    "kl",
+    "entropy",
+    "sage/q_mean",
+    "sage/q_min",
+    "sage/q_max",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _require(condition: bool, name: str, expected: str, value) -> None:
+    if not condition:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Options of the SAGE loss; defaults are the official SAGE code's.
+
+    beta: weight of the KL term. kl: estimator of KL(pi || q*pi_ref) per sampled token,
+    "k1", "k2" or "k3" (default, TRL's). guide: "branch" (q from the policy's entropy) or
+    "none" (q = 1, plain GRPO); an explicit ``log_q`` passed to the loss overrides it.
+    gamma, tau, q_min, q_max: branch guide q = clamp(1 + gamma*(H - tau)+, q_min, q_max).
+    loss_type: "grpo", "bnpo", "dr_grpo" or "dapo" (TRL's normalisers). eps_low, eps_high:
+    PPO clip range [1 - eps_low, 1 + eps_high]. delta_clip: cap on the unclipped ratio
+    (TRL's ``delta``), > 1. dual_clip_c: PPO dual clip (verl's ``clip_ratio_c``), > 1.
+    importance_sampling: "token" or "sequence" (GSPO) ratios. top_entropy_quantile: keep
+    the PG term only on the top rho fraction of tokens by entropy (1.0 keeps all).
+    entropy_coef: entropy bonus. temperature: logits are divided by it.
+    max_completion_length: dr_grpo's normaliser (defaults to the padded length L).
+    num_items_in_batch: dapo's normaliser, the number of completion tokens the loss is
+    divided by (defaults to this call's count; TRL passes the global count divided by the
+    number of processes); a number or a 0-d tensor, so no host sync is needed.
+    """
+
+    beta: float = 0.05
+    kl: str = "k3"
+    guide: str = "branch"
+    gamma: float = 0.3
+    tau: float = 1.2
+    q_min: float = 0.6
+    q_max: float = 1.4
+    loss_type: str = "grpo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    delta_clip: Optional[float] = None
+    dual_clip_c: Optional[float] = None
+    importance_sampling: str = "token"
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    max_completion_length: Optional[int] = None
+    num_items_in_batch: Optional[object] = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("beta", "gamma", "tau", "q_min", "q_max", "eps_low", "eps_high",
+                     "top_entropy_quantile", "entropy_coef", "temperature"):
+            value = getattr(self, name)
+            _require(_is_number(value) and math.isfinite(value), name, "a finite number", value)
+        _require(self.kl in KL_CODES, "kl", f"one of {sorted(KL_CODES)}", self.kl)
+        _require(self.guide in GUIDE_CODES, "guide", f"one of {sorted(GUIDE_CODES)}", self.guide)
+        _require(self.loss_type in LOSS_TYPE_CODES, "loss_type", f"one of {sorted(LOSS_TYPE_CODES)}",
+                 self.loss_type)
+        _require(self.importance_sampling in IS_LEVEL_CODES, "importance_sampling",
+                 f"one of {sorted(IS_LEVEL_CODES)}", self.importance_sampling)
+        _require(self.temperature > 0, "temperature", "> 0", self.temperature)
+        _require(self.gamma >= 0, "gamma", ">= 0", self.gamma)
+        _require(0 < self.q_min <= self.q_max, "q_min", f"in (0, q_max={self.q_max}]", self.q_min)
+        _require(0 <= self.eps_low < 1, "eps_low", "in [0, 1)", self.eps_low)
+        _require(self.eps_high >= 0, "eps_high", ">= 0", self.eps_high)
+        _require(0 < self.top_entropy_quantile <= 1, "top_entropy_quantile", "in (0, 1]",
+                 self.top_entropy_quantile)
+        if self.delta_clip is not None:
+            _require(_is_number(self.delta_clip) and self.delta_clip > 1, "delta_clip",
+                     "None or a number > 1", self.delta_clip)
+        if self.dual_clip_c is not None:
+            _require(_is_number(self.dual_clip_c) and self.dual_clip_c > 1, "dual_clip_c",
+                     "None or a number > 1", self.dual_clip_c)
+        if self.max_completion_length is not None:
+            _require(isinstance(self.max_completion_length, int) and self.max_completion_length > 0,
+                     "max_completion_length", "None or a positive int", self.max_completion_length)
+        n = self.num_items_in_batch
+        if n is not None:
+            if isinstance(n, torch.Tensor):
+                _require(n.numel() == 1, "num_items_in_batch", "a number or a one-element tensor",
+                         tuple(n.shape))
+            else:
+                _require(_is_number(n) and n > 0, "num_items_in_batch", "None or a number > 0", n)
+
+    def replace(self, **options) -> "LossConfig":
+        """A copy with `options` changed; unknown names raise TypeError naming them."""
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(f"unknown loss option(s) {unknown}; expected some of {list(OPTION_NAMES)}")
+        return dataclasses.replace(self, **options)
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossConfig))
+
+
+def resolve_config(config: Optional[LossConfig], options: dict) -> LossConfig:
+    """`config` (or the defaults) with keyword `options` applied."""
+    if config is not None and not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a LossConfig or None, got {type(config).__name__}")
+    return (config or LossConfig()).replace(**options) if options else (config or LossConfig())
+
+
+@dataclass
+class SageInputs:
+    """Validated inputs in canonical form: hidden [N, D]; per-token tensors [B, L].
+
+    Per-token float inputs are cast to the compute dtype (float32, or float64 when
+    `hidden` is float64) and their masked positions are replaced by neutral values
+    (0 for log-probs, 1 for `is_weights`), so garbage under the mask cannot reach the loss.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    token_ids: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logp: Optional[torch.Tensor]
+    ref_logp: Optional[torch.Tensor]
+    is_weights: Optional[torch.Tensor]
+    log_q: Optional[torch.Tensor]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.token_ids.shape)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float64 if self.hidden.dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class SageLossOutput:
+    """The loss and its per-token parts.
+
+    loss: scalar, differentiable. logp, entropy, q, kl, ratio: [B, L], detached; at masked
+    positions logp = entropy = kl = 0 and q = ratio = 1. metrics: detached 0-d tensors named
+    as in `METRIC_NAMES` (means over unmasked positions); no host sync is made for them.
+    """
+
+    loss: torch.Tensor
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    q: torch.Tensor
+    kl: torch.Tensor
+    ratio: torch.Tensor
+    metrics: dict
+
+
+def _check_tensor(name: str, value, *, ndim=None, device=None, float_=False) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if ndim is not None and value.dim() not in ndim:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, "
+                         f"got shape {tuple(value.shape)}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} must be on {device} like hidden, got {value.device}")
+    if float_ and not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+
+
+def _check_finite(name: str, value: torch.Tensor, where: Optional[torch.Tensor] = None) -> None:
+    """Report non-finite values. On CPU: ValueError now. On CUDA: an asynchronous device
+    assertion, so no host-device sync is added to the hot path (it fails at the next sync)."""
+    finite = torch.isfinite(value)
+    if where is not None:
+        finite = finite | ~where
+    message = f"{name} has non-finite values (NaN or inf)"
+    if value.device.type == "cpu":
+        if not bool(finite.all()):
+            raise ValueError(message)
+    else:
+        torch._assert_async(finite.all(), message)
+
+
+def validate_inputs(hidden, weight, token_ids, mask, advantages, *, bias=None, old_logp=None,
+                    ref_logp=None, is_weights=None, log_q=None, config: LossConfig,
+                    allowed_dtypes=FAST_DTYPES, check_values: bool = True) -> SageInputs:
+    """Check everything SPEC.md lists and return canonical `SageInputs`.
+
+    Raises ValueError / TypeError naming the argument and what was expected, before any
+    computation. `check_values` also scans values (token-id range, non-finite numbers).
+    """
+    _check_tensor("hidden", hidden, ndim=(2, 3), float_=True)
+    device = hidden.device
+    if hidden.dtype not in allowed_dtypes:
+        raise TypeError(f"hidden must have dtype in {[str(d) for d in allowed_dtypes]}, got {hidden.dtype}")
+    _check_tensor("weight", weight, ndim=(2,), device=device, float_=True)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    D = hidden.shape[-1]
+    if weight.shape[1] != D:
+        raise ValueError(f"weight must have shape [V, D={D}] to match hidden, got {tuple(weight.shape)}")
+    V = weight.shape[0]
+    if V == 0 or D == 0:
+        raise ValueError(f"weight must be non-empty, got shape {tuple(weight.shape)}")
+    if bias is not None:
+        _check_tensor("bias", bias, ndim=(1,), device=device, float_=True)
+        if tuple(bias.shape) != (V,):
+            raise ValueError(f"bias must have shape [V={V}], got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+
+    _check_tensor("token_ids", token_ids, ndim=(2,), device=device)
+    if token_ids.is_floating_point() or token_ids.dtype == torch.bool or token_ids.is_complex():
+        raise TypeError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+    B, L = token_ids.shape
+    if hidden.dim() == 3 and tuple(hidden.shape[:2]) != (B, L):
+        raise ValueError(f"hidden must have shape [B={B}, L={L}, D] to match token_ids, "
+                         f"got {tuple(hidden.shape)}")
+    if hidden.dim() == 2 and hidden.shape[0] != B * L:
+        raise ValueError(f"hidden given as [N, D] must have N = B*L = {B * L} rows, got {hidden.shape[0]}")
+
+    _check_tensor("mask", mask, device=device)
+    if tuple(mask.shape) != (B, L):
+        raise ValueError(f"mask must have shape [B={B}, L={L}], got {tuple(mask.shape)}")
+    mask = mask.bool() if mask.dtype != torch.bool else mask
+
+    _check_tensor("advantages", advantages, ndim=(1, 2), device=device, float_=True)
+    if advantages.dim() == 1 and advantages.shape[0] != B:
+        raise ValueError(f"advantages must have shape [B={B}] or [B, L], got {tuple(advantages.shape)}")
+    if advantages.dim() == 2 and tuple(advantages.shape) != (B, L):
+        raise ValueError(f"advantages must have shape [B={B}] or [B={B}, L={L}], got {tuple(advantages.shape)}")
+
+    if config.beta != 0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when beta != 0 (beta={config.beta}); pass beta=0 to drop the KL term")
+
+    cd = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    per_token = {}
+    for name, value, neutral in (("old_logp", old_logp, 0.0), ("ref_logp", ref_logp, 0.0),
+                                 ("is_weights", is_weights, 1.0), ("log_q", log_q, 0.0)):
+        if value is None:
+            per_token[name] = None
+            continue
+        _check_tensor(name, value, device=device, float_=True)
+        if tuple(value.shape) != (B, L):
+            raise ValueError(f"{name} must have shape [B={B}, L={L}], got {tuple(value.shape)}")
+        if check_values:
+            _check_finite(name, value, mask)
+        per_token[name] = torch.where(mask, value.detach().to(cd), neutral)
+
+    adv = advantages.detach().to(cd)
+    adv = adv[:, None].expand(B, L) if adv.dim() == 1 else adv
+    if check_values:
+        _check_finite("advantages", adv, mask)
+        _check_finite("hidden", hidden)
+        bad = ((token_ids < 0) | (token_ids >= V)) & mask
+        if device.type == "cpu":
+            if bool(bad.any()):
+                raise ValueError(f"token_ids must be in [0, V={V}) at unmasked positions; found "
+                                 f"{int(token_ids[bad][0])}")
+        else:
+            torch._assert_async(~bad.any(), f"token_ids must be in [0, V={V}) at unmasked positions")
+
+    return SageInputs(
+        hidden=hidden.reshape(B * L, D),
+        weight=weight,
+        bias=bias,
+        token_ids=torch.where(mask, token_ids.long(), 0),
+        mask=mask,
+        advantages=torch.where(mask, adv, 0.0),
+        **per_token,
+    )
+
+
+def validate_scoring_inputs(hidden, weight, token_ids, *, bias=None, temperature=1.0,
+                            allowed_dtypes=FAST_DTYPES):
+    """Checks for `logprobs_and_entropy`; returns (hidden [N, D], token_ids [N], leading shape)."""
+    _require(_is_number(temperature) and temperature > 0, "temperature", "a number > 0", temperature)
+    _check_tensor("hidden", hidden, float_=True)
+    _check_tensor("token_ids", token_ids, ndim=(1, 2), device=hidden.device)
+    lead, n = tuple(token_ids.shape), token_ids.numel()
+    if hidden.dim() < 2 or tuple(hidden.shape[:-1]) not in (lead, (n,)):
+        raise ValueError(f"hidden must have shape [*{list(lead)}, D] or [{n}, D] to match token_ids, "
+                         f"got {tuple(hidden.shape)}")
+    device = hidden.device
+    inputs = validate_inputs(hidden.reshape(n, hidden.shape[-1]), weight, token_ids.reshape(1, n),
+                             torch.ones(1, n, dtype=torch.bool, device=device),
+                             torch.zeros(1, device=device), bias=bias, config=LossConfig(beta=0.0),
+                             allowed_dtypes=allowed_dtypes)
+    return inputs.hidden, inputs.token_ids.reshape(n), lead

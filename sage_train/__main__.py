@@ -1,0 +1,5 @@
+import sys
+
+from .cli import train_main
+
+sys.exit(train_main())
