@@ -1,0 +1,160 @@
+"""Math word problems with LaTeX gold answers, graded by math-verify (`rewards.math_reward`).
+
+`MathTask(source)` reads one of:
+  - a benchmark name: math500, aime24, aime25, amc23, minerva. It resolves to
+    `<root>/<file>.jsonl` when that file exists, where root is `$SAGE_MATH_DATA` or, in a source
+    checkout, `../shared/data/math` beside the repository; otherwise to its Hugging Face hub
+    dataset (needs the `datasets` package and a network connection);
+  - a path to a `.jsonl` file;
+  - "hub:<owner>/<dataset>[:<split>]" for any hub dataset with the same fields.
+
+Rows need the problem text in `problem` (or `question`) and the gold answer in `answer`, or else
+as the last `\\boxed{}` of `solution`. A source is one fixed list: `problems(split, n, seed)`
+returns its first `n` rows in file order whatever the split and seed, so a smaller `n` is a
+prefix of a larger one and an evaluation subset is the same on every run.
+
+Options:
+    template: "sage" (default: the question, then the instruction to reason step by step and
+              put the final answer in \\boxed{}), "plain" (the question alone), or a custom
+              string containing "{question}".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..rewards import math_reward, math_rewards
+from .base import Problem
+
+TEMPLATES = {
+    "sage": "{question}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    "plain": "{question}",
+}
+
+# name -> (shipped file, hub dataset, hub split)
+BENCHMARKS = {
+    "math500": ("math500.jsonl", "HuggingFaceH4/MATH-500", "test"),
+    "aime24": ("aime24.jsonl", "HuggingFaceH4/aime_2024", "train"),
+    "aime25": ("aime25.jsonl", "math-ai/aime25", "test"),
+    "amc23": ("amc23.jsonl", "math-ai/amc23", "test"),
+    "minerva": ("minerva_math.jsonl", "math-ai/minervamath", "test"),
+}
+DATA_ENV = "SAGE_MATH_DATA"
+
+
+def data_root() -> Path:
+    """Where the shipped benchmark files are looked for: $SAGE_MATH_DATA or ../shared/data/math."""
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "math"
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` in `text` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + len("\\boxed{"):i]
+    return None
+
+
+def _gold(row: dict, where: str) -> str:
+    answer = row.get("answer")
+    if answer is None and isinstance(row.get("solution"), str):
+        answer = last_boxed(row["solution"])
+    if answer is None:
+        raise ValueError(f"{where}: no 'answer' field and no \\boxed{{}} in 'solution'")
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)  # AMC golds are JSON floats ("27.0"); models write 27
+    return str(answer).strip()
+
+
+def rows_to_problems(rows, name: str, where: str) -> list[Problem]:
+    """Problems from dict rows; ids are `<name>/<row index>`."""
+    problems = []
+    for i, row in enumerate(rows):
+        question = row.get("problem", row.get("question"))
+        if not isinstance(question, str):
+            raise ValueError(f"{where} row {i}: no 'problem' (or 'question') text")
+        meta = {k: v for k, v in row.items() if k in ("subject", "level", "type", "url", "unique_id")}
+        problems.append(Problem(id=f"{name}/{i}", question=question,
+                                answer=_gold(row, f"{where} row {i}"), meta=meta))
+    return problems
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_hub(dataset: str, split: str) -> list[dict]:
+    """Rows of a Hugging Face hub dataset split (needs the optional `datasets` package)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"loading {dataset!r} from the Hugging Face hub needs the 'datasets' package "
+                          f"(pip install datasets), or set ${DATA_ENV} to a folder with the jsonl "
+                          "files") from e
+    return list(datasets.load_dataset(dataset, split=split))
+
+
+def load_source(source: str) -> tuple[str, list[Problem]]:
+    """(task name, problems) for a benchmark name, a jsonl path or "hub:owner/name[:split]"."""
+    if source in BENCHMARKS:
+        file, hub, split = BENCHMARKS[source]
+        local = data_root() / file
+        if local.is_file():
+            return source, rows_to_problems(read_jsonl(local), source, str(local))
+        return source, rows_to_problems(load_hub(hub, split), source, hub)
+    if source.startswith("hub:"):
+        dataset, _, split = source[len("hub:"):].partition(":")
+        return source, rows_to_problems(load_hub(dataset, split or "test"), source, dataset)
+    path = Path(source)
+    if path.suffix == ".jsonl" and path.is_file():
+        return path.stem, rows_to_problems(read_jsonl(path), path.stem, str(path))
+    raise ValueError(f"source must be one of {sorted(BENCHMARKS)}, a path to an existing .jsonl file, "
+                     f"or 'hub:<owner>/<dataset>[:<split>]'; got {source!r}")
+
+
+@dataclass
+class MathTask:
+    """A math benchmark as a Task: the SAGE prompt and math-verify grading."""
+
+    source: str
+    template: str = "sage"
+    name: str = field(init=False)
+    _problems: list[Problem] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.template not in TEMPLATES and "{question}" not in self.template:
+            raise ValueError(f"template must be one of {sorted(TEMPLATES)} or contain '{{question}}', "
+                             f"got {self.template!r}")
+        self.name, self._problems = load_source(self.source)
+
+    def problems(self, split: str = "test", n: int | None = None, seed: int = 0) -> list[Problem]:
+        """The first `n` problems (all for None); see the module docstring for split and seed."""
+        if n is not None and n < 0:
+            raise ValueError(f"n must be >= 0 or None, got {n}")
+        return list(self._problems if n is None else self._problems[:n])
+
+    def prompt(self, problem: Problem) -> str:
+        template = TEMPLATES.get(self.template, self.template)
+        return template.replace("{question}", problem.question)
+
+    def score(self, completion: str, problem: Problem) -> float:
+        return math_reward(completion, problem.answer)
+
+    def score_batch(self, completions: list[str], problems: list[Problem]) -> list[float]:
+        """`score` of many (completion, problem) pairs, graded in parallel."""
+        return math_rewards(zip(completions, (p.answer for p in problems)))
