@@ -1,0 +1,128 @@
+"""`FusedLinearSAGELoss.from_liger` against the real liger-kernel `LigerFusedLinearGRPOLoss`.
+
+Same constructor arguments, same inputs, guide off: the loss, the metrics tuple and the
+gradients of hidden states, LM head and bias must agree in float32.
+"""
+
+import pytest
+import torch
+
+liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss")
+
+from sage_kernels import FusedLinearSAGELoss  # noqa: E402
+
+B, T, D, V = 3, 7, 16, 37
+BACKEND = "reference"  # the integration is backend-agnostic; the backends are held to the reference elsewhere
+
+CASES = {
+    # id: (Liger constructor arguments, which optional forward inputs to pass)
+    "grpo-token-beta0": (dict(loss_type="grpo", beta=0.0, use_ref_model=False), set()),
+    "bnpo-token-kl-ref_logps": (dict(loss_type="bnpo", beta=0.1), {"ref_logps"}),
+    "dr_grpo-token-kl-ref_input": (dict(loss_type="dr_grpo", beta=0.1, max_completion_length=9), {"ref_input"}),
+    "dapo-token-kl-ref_weight-bias": (dict(loss_type="dapo", beta=0.04), {"ref_input", "ref_weight", "bias"}),
+    "dapo-num_items": (dict(loss_type="dapo", beta=0.0, use_ref_model=False), {"num_items"}),
+    "grpo-sequence-kl": (dict(loss_type="grpo", beta=0.05, importance_sampling_level="sequence"), {"ref_logps"}),
+    "bnpo-sequence-vllm_is": (dict(loss_type="bnpo", beta=0.0, use_ref_model=False,
+                                   importance_sampling_level="sequence"), {"vllm_row"}),
+    "dapo-token-vllm_is-delta": (dict(loss_type="dapo", beta=0.02, delta=1.1, epsilon_high=0.28),
+                                 {"ref_logps", "vllm_token"}),
+    "grpo-temperature": (dict(loss_type="grpo", beta=0.1, temperature=0.7), {"ref_logps", "bias"}),
+}
+
+
+def make_inputs(which, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, T, D, generator=g)
+    weight = torch.randn(V, D, generator=g) * 0.5
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T)
+    mask[0, 5:] = 0
+    mask[2, 2:] = 0
+    adv = torch.tensor([1.0, -0.7, 0.4])
+    with torch.no_grad():
+        logp = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, ids[..., None]).squeeze(-1)
+    inputs = dict(_input=hidden, lin_weight=weight, selected_token_ids=ids, attention_mask=mask, advantages=adv,
+                  old_per_token_logps=logp + 0.3 * torch.randn(B, T, generator=g))
+    if "bias" in which:
+        inputs["bias"] = 0.1 * torch.randn(V, generator=g)
+    if "ref_logps" in which:
+        inputs["ref_per_token_logps"] = logp + 0.5 * torch.randn(B, T, generator=g)
+    if "ref_input" in which:
+        inputs["ref_input"] = hidden + 0.2 * torch.randn(B, T, D, generator=g)
+        if "ref_weight" in which:
+            inputs["ref_weight"] = weight + 0.1 * torch.randn(V, D, generator=g)
+            if "bias" in which:
+                inputs["ref_bias"] = 0.1 * torch.randn(V, generator=g)
+        else:
+            inputs["ref_weight"] = weight  # Liger needs it spelled out; we default to the policy's head
+    if "vllm_row" in which:
+        inputs["vllm_is_ratio"] = torch.rand(B, 1, generator=g) + 0.5
+    if "vllm_token" in which:
+        inputs["vllm_is_ratio"] = torch.rand(B, T, generator=g) + 0.5
+    if "num_items" in which:
+        inputs["num_items_in_batch"] = torch.tensor(23.0)
+    return inputs
+
+
+def run(module, inputs):
+    leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items() if k in ("_input", "lin_weight", "bias")}
+    loss, metrics = module(**{**inputs, **leaves})
+    upstream = 1.7  # a non-unit upstream gradient exercises the backward's scaling
+    (loss * upstream).backward()
+    return loss.detach(), [m.detach() for m in metrics], {k: v.grad for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_liger(case):
+    kwargs, which = CASES[case]
+    inputs = make_inputs(which)
+    liger = liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **kwargs)
+    ours = FusedLinearSAGELoss.from_liger(compiled=False, backend=BACKEND, **kwargs)
+    loss_l, metrics_l, grads_l = run(liger, inputs)
+    loss_s, metrics_s, grads_s = run(ours, inputs)
+    torch.testing.assert_close(loss_s, loss_l, atol=1e-6, rtol=1e-5)
+    assert len(metrics_s) == len(metrics_l)
+    for name, got, want in zip(["kl", "clip"][-len(metrics_l):], metrics_s, metrics_l):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m: f"metric {name}: {m}")
+    assert grads_s.keys() == grads_l.keys()
+    for name in grads_l:
+        torch.testing.assert_close(grads_s[name], grads_l[name], atol=1e-6, rtol=1e-5,
+                                   msg=lambda m: f"grad {name}: {m}")
+
+
+def test_clip_metric_is_measured_before_the_delta_cap():
+    """A ratio above both delta and 1 + eps_high counts as clipped in Liger even though delta caps it."""
+    inputs = make_inputs(set())
+    inputs["old_per_token_logps"] = torch.full((B, T), -20.0)  # every ratio is huge
+    inputs["advantages"] = torch.ones(B)
+    _, metrics, _ = run(FusedLinearSAGELoss.from_liger(beta=0.0, use_ref_model=False, delta=1.1, backend=BACKEND),
+                        inputs)
+    assert metrics[0].item() == 1.0
+
+
+def test_frozen_head_like_liger():
+    """A frozen LM head (LoRA): no weight gradient, the same hidden-state gradient as Liger."""
+    inputs = make_inputs({"ref_logps"})
+    grads = []
+    for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False),
+                   FusedLinearSAGELoss.from_liger(backend=BACKEND)):
+        hidden = inputs["_input"].clone().requires_grad_(True)
+        weight = inputs["lin_weight"].clone()
+        module(**{**inputs, "_input": hidden, "lin_weight": weight})[0].backward()
+        assert weight.grad is None
+        grads.append(hidden.grad)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
+def test_sage_metrics_are_kept_by_name():
+    inputs = make_inputs({"ref_logps"})
+    _, metrics = FusedLinearSAGELoss.from_liger(guide="branch", tau=0.0, gamma=1.0, backend=BACKEND)(**inputs)
+    assert {"sage/q_mean", "sage/q_min", "sage/q_max", "entropy", "kl"} <= metrics.named.keys()
+    assert metrics.named["sage/q_max"].item() > 1.0  # the guide is on: q departs from 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(loss_type="cispo"), dict(use_bias_correction_kl=True),
+                                    dict(loss_type="dr_grpo")], ids=["cispo", "bias_correction_kl", "dr_grpo-no-L"])
+def test_unsupported_liger_options_raise(kwargs):
+    with pytest.raises(ValueError):
+        FusedLinearSAGELoss.from_liger(**kwargs)
