@@ -1,0 +1,162 @@
+"""Knights and knaves: knights always tell the truth, knaves always lie; who is which?
+
+People are named A, B, C, ...; each makes one statement, written "A: <statement>." in the
+question. Statements are of five kinds:
+    "B is a knight" / "B is a knave"
+    "B is a knight and C is a knave"      (either role on each side)
+    "B is a knight or C is a knave"       (either role on each side)
+    "B and C are the same kind"
+    "B and C are different kinds"
+A speaker may name themself. Statements are redrawn until exactly one of the 2^n
+assignments of roles is consistent (a speaker is a knight iff their statement is true),
+checked by enumerating all of them.
+
+Options:
+    people:   how many people, 2 to 8. Default 3.
+    template: "plain" (default: the question and a newline), "instruct" (states the rules,
+              asks for the answer format), or a custom string containing "{question}".
+
+Answer, canonical form: "A=knight,B=knave,C=knight". Grading reads every "<name> <sep> <role>"
+pair in the answer span (see `answer.py`), where <sep> is "=", ":", "-" or "is"/"is a"/"is an",
+in any order, case and punctuation between pairs; it scores 1.0 when the pairs name every
+person exactly once (consistent repeats are tolerated), nobody else, and match the solution.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional
+
+from .answer import answer_span
+from .base import Problem
+from .synthetic import problem_id, render, resolve_template, sample_problems
+
+TEMPLATES = {
+    "plain": "{question}\n",
+    "instruct": ("Knights always tell the truth and knaves always lie. {question} "
+                 "Who is a knight and who is a knave? Answer like \\boxed{A=knight,B=knave}."),
+}
+NAMES = "ABCDEFGH"
+KINDS = ("is", "and", "or", "same", "different")
+_PAIR = re.compile(r"(?<![a-z])([a-z])\s*(?:=|:|-|\s+is(?:\s+an?)?\s+)\s*(knight|knave)(?![a-z])",
+                   re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class KnightsTask:
+    """Seeded knights-and-knaves puzzles with exactly one solution, and their verifier."""
+
+    people: int = 3
+    template: str = "plain"
+    name: ClassVar[str] = "knights"
+
+    def __post_init__(self):
+        if not isinstance(self.people, int) or not 2 <= self.people <= len(NAMES):
+            raise ValueError(f"people must be an integer in [2, {len(NAMES)}], got {self.people!r}")
+        resolve_template(self.template, TEMPLATES)
+
+    @property
+    def max_answer_chars(self) -> int:
+        """Characters of the canonical answer ("A=knight," per person, less the last comma)."""
+        return len("A=knight,") * self.people - 1
+
+    def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
+        """Up to `n` distinct puzzles of `split` ("train" or "test"), deterministic in `seed`."""
+        return sample_problems(self.name, split, n, seed, self._draw)
+
+    def prompt(self, problem: Problem) -> str:
+        """The model input: the template filled with the question."""
+        return render(resolve_template(self.template, TEMPLATES), problem.question)
+
+    def score(self, completion: str, problem: Problem) -> float:
+        """1.0 if the completion assigns every person their role in the solution, else 0.0."""
+        claimed = parse_assignment(completion, problem.meta["people"])
+        return float(claimed is not None and claimed == parse_assignment(problem.answer,
+                                                                         problem.meta["people"]))
+
+    def _draw(self, rng: random.Random) -> tuple[str, Callable[[], Problem]]:
+        while True:
+            statements = [draw_statement(rng, self.people) for _ in range(self.people)]
+            solutions = consistent_assignments(statements)
+            if len(solutions) == 1:
+                break
+        question = " ".join(f"{NAMES[i]}: {statement_text(s)}." for i, s in enumerate(statements))
+        answer = format_assignment(solutions[0])
+        problem = Problem(id=problem_id(self.name, question), question=question, answer=answer,
+                          meta={"sft_completion": answer, "people": self.people,
+                                "statements": [list(s) for s in statements]})
+        return question, lambda: problem
+
+
+def draw_statement(rng: random.Random, people: int) -> tuple:
+    """A random statement as a tuple: ("is", p, role) | ("and"|"or", p, role, q, role) |
+    ("same"|"different", p, q), with people as indices and role True for knight."""
+    kind = rng.choice(KINDS)
+    if kind == "is":
+        return kind, rng.randrange(people), rng.random() < 0.5
+    p, q = rng.sample(range(people), 2)  # distinct, so "B or B" tautologies never arise
+    if kind in ("and", "or"):
+        return kind, p, rng.random() < 0.5, q, rng.random() < 0.5
+    return kind, p, q
+
+
+def is_true(statement: tuple, knights: tuple[bool, ...]) -> bool:
+    """Whether `statement` holds when person i is a knight iff knights[i]."""
+    kind = statement[0]
+    if kind == "is":
+        return knights[statement[1]] == statement[2]
+    if kind == "and":
+        return knights[statement[1]] == statement[2] and knights[statement[3]] == statement[4]
+    if kind == "or":
+        return knights[statement[1]] == statement[2] or knights[statement[3]] == statement[4]
+    if kind == "same":
+        return knights[statement[1]] == knights[statement[2]]
+    return knights[statement[1]] != knights[statement[2]]
+
+
+def consistent_assignments(statements: list[tuple]) -> list[tuple[bool, ...]]:
+    """All role assignments under which each speaker is a knight iff their statement is true."""
+    people = len(statements)
+    found = []
+    for bits in range(1 << people):
+        knights = tuple(bool(bits >> i & 1) for i in range(people))
+        if all(is_true(s, knights) == knights[i] for i, s in enumerate(statements)):
+            found.append(knights)
+    return found
+
+
+def statement_text(statement: tuple) -> str:
+    """The English form of a statement tuple (see `draw_statement`)."""
+    kind = statement[0]
+    if kind == "is":
+        return _role_clause(statement[1], statement[2])
+    if kind in ("and", "or"):
+        return (f"{_role_clause(statement[1], statement[2])} {kind} "
+                f"{_role_clause(statement[3], statement[4])}")
+    p, q = NAMES[statement[1]], NAMES[statement[2]]
+    return f"{p} and {q} are the same kind" if kind == "same" else f"{p} and {q} are different kinds"
+
+
+def format_assignment(knights: tuple[bool, ...]) -> str:
+    """The canonical answer: "A=knight,B=knave,..." in name order."""
+    return ",".join(f"{NAMES[i]}={'knight' if k else 'knave'}" for i, k in enumerate(knights))
+
+
+def parse_assignment(text: str, people: int) -> Optional[tuple[bool, ...]]:
+    """The roles a completion assigns to the `people` persons, or None if it does not assign
+    each exactly one role, or names someone else."""
+    roles: dict[int, bool] = {}
+    for name, role in _PAIR.findall(answer_span(text)):
+        index = NAMES.find(name.upper())
+        knight = role.lower() == "knight"
+        if not 0 <= index < people or roles.setdefault(index, knight) != knight:
+            return None
+    if len(roles) != people:
+        return None
+    return tuple(roles[i] for i in range(people))
+
+
+def _role_clause(person: int, knight: bool) -> str:
+    return f"{NAMES[person]} is a {'knight' if knight else 'knave'}"
