@@ -1,0 +1,249 @@
+"""The `vllm` rollout engines: a colocated `vllm.LLM` in the training process, and a client
+for an external OpenAI-compatible server (`vllm serve`).
+
+Colocated engine (`VLLMEngine`), one per training process, as in the official SAGE code
+(TRL's "colocate" mode):
+- memory is shared with training through sleep mode: after generating, the engine sleeps
+  at level 2 (weights and KV cache released); `sync_weights` wakes the weights, loads the
+  policy's current parameters, and `generate` wakes the KV cache;
+- weights are pushed after every optimizer step in buckets of about `sync_bucket_mb`: one
+  ZeRO-3 gather per bucket (`deepspeed.zero.GatheredParameters`), then
+  `model.load_weights` on vLLM's model; a LoRA policy is merged for the push and unmerged
+  after; the prefix cache is reset after a sync; the sync time is kept in `last_sync_s`;
+- log-probs come back for each sampled token from the temperature-scaled distribution
+  (``logprobs_mode="processed_logprobs"``), so the truncated importance-sampling correction
+  (`sage_train.importance`) compares like with like.
+
+Coded against vLLM's documented Python API (`vllm.LLM`, `SamplingParams`, `LLM.sleep`,
+`LLM.wake_up`, `LLM.reset_prefix_cache`); the supported range is pinned in the `vllm` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from typing import Optional, Sequence
+
+import torch
+
+from .base import Completion, SamplingParams
+
+VLLM_MISSING = "the vllm engine needs vLLM on a CUDA machine: pip install 'sage-rl[vllm]'"
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as error:  # an optional extra
+        raise ImportError(VLLM_MISSING) from error
+    return vllm
+
+
+def _vllm_model(llm):
+    """The torch module inside an in-process vLLM engine (its location moved across versions)."""
+    executor = llm.llm_engine.model_executor
+    for path in ("driver_worker.model_runner.model", "driver_worker.worker.model_runner.model"):
+        obj = executor
+        try:
+            for attr in path.split("."):
+                obj = getattr(obj, attr)
+            return obj
+        except AttributeError:
+            continue
+    raise RuntimeError("cannot reach vLLM's model in this process; run with VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                       "and distributed_executor_backend='external_launcher'")
+
+
+def policy_weights_for_vllm(model):
+    """(name, parameter) pairs of `model` named as in the Hugging Face checkpoint.
+
+    For a PEFT model the adapter must already be merged: the LoRA factors are skipped and
+    the wrapped base layers are renamed to their plain names.
+    """
+    for name, param in model.named_parameters():
+        if "lora_" in name or ("modules_to_save" in name and "original_module" in name):
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        name = name.replace(".modules_to_save.default.", ".")
+        yield name, param
+
+
+def weight_buckets(named_params, bucket_bytes: int):
+    """Group (name, param) pairs into lists of about `bucket_bytes` each."""
+    bucket, size = [], 0
+    for name, param in named_params:
+        nbytes = param.ds_numel * param.element_size() if hasattr(param, "ds_numel") else param.nbytes
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, param))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _gathered(params):
+    """A context that gathers ZeRO-3 partitioned params (no-op for ordinary tensors)."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return torch.no_grad()
+
+
+def to_vllm_sampling(vllm, params: SamplingParams):
+    return vllm.SamplingParams(
+        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        max_tokens=params.max_new_tokens, stop=list(params.stop) or None, include_stop_str_in_output=True,
+        logprobs=0, seed=params.seed)
+
+
+class VLLMEngine:
+    """A colocated vLLM engine that samples from the training policy (see the module docstring).
+
+    Weight state: "loaded" (on the GPU), "offloaded" (sleep level 1: the checkpoint's
+    weights in CPU memory, right after start) or "discarded" (sleep level 2, after each
+    generation). Generating with discarded weights re-pushes the last synced policy first,
+    so repeated generations within one step (DAPO's dynamic sampling) stay correct.
+    """
+
+    def __init__(self, model_name_or_path: str, tokenizer, *, gpu_memory_utilization: float = 0.3,
+                 max_model_len: Optional[int] = None, dtype: str = "bfloat16", seed: int = 0,
+                 enable_sleep_mode: bool = True, sync_bucket_mb: int = 512, tensor_parallel_size: int = 1):
+        vllm = _import_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model in this process
+        self.vllm = vllm
+        self.tokenizer = tokenizer
+        self.enable_sleep_mode = enable_sleep_mode
+        self.sync_bucket_bytes = sync_bucket_mb << 20
+        self.last_sync_s = 0.0
+        self._policy = None
+        self.llm = vllm.LLM(
+            model=model_name_or_path, tokenizer=model_name_or_path, dtype=dtype, seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            enable_sleep_mode=enable_sleep_mode, tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs")
+        self._weights, self._kv_asleep = "loaded", False
+        if enable_sleep_mode:
+            self.llm.sleep(level=1)
+            self._weights, self._kv_asleep = "offloaded", True
+
+    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+        if self._weights == "discarded":
+            self._push(self._policy)
+        elif self._weights == "offloaded":
+            self.llm.wake_up(tags=["weights"])
+            self._weights = "loaded"
+        if self._kv_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_asleep = False
+        requests = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts]
+        outputs = self.llm.generate(requests, sampling_params=to_vllm_sampling(self.vllm, params), use_tqdm=False)
+        results = []
+        for index, output in enumerate(outputs):
+            results.append([
+                Completion(prompt_index=index, prompt_ids=list(output.prompt_token_ids),
+                           completion_ids=list(sample.token_ids), text=sample.text,
+                           logprobs=[lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)]
+                           if sample.logprobs is not None else None,
+                           finish_reason="length" if sample.finish_reason == "length" else "stop")
+                for sample in output.outputs])
+        if self.enable_sleep_mode:
+            # Level 2 drops the weights (training gets the memory back; the next push restores them). Before the
+            # first sync the weights are the checkpoint's, which only level 1 keeps.
+            synced = self._policy is not None
+            self.llm.sleep(level=2 if synced else 1)
+            self._weights, self._kv_asleep = ("discarded" if synced else "offloaded"), True
+        return results
+
+    def sync_weights(self, model) -> None:
+        """Push `model`'s current weights (bucketed, ZeRO-3 gathered, LoRA merged) into vLLM."""
+        start = time.perf_counter()
+        self._policy = model
+        self._push(model)
+        self.llm.reset_prefix_cache()
+        self.last_sync_s = time.perf_counter() - start
+
+    def _push(self, model) -> None:
+        if self._weights != "loaded":
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+        merged = hasattr(model, "merge_adapter")
+        if merged:
+            model.merge_adapter()
+        try:
+            target = _vllm_model(self.llm)
+            for bucket in weight_buckets(policy_weights_for_vllm(model), self.sync_bucket_bytes):
+                with _gathered([p for _, p in bucket]):
+                    target.load_weights([(name, p.data) for name, p in bucket])
+        finally:
+            if merged:
+                model.unmerge_adapter()
+        self._weights = "loaded"
+
+
+class OpenAIServerEngine:
+    """Rollouts from an external OpenAI-compatible server (`vllm serve MODEL`), e.g. on other machines.
+
+    Uses the completions endpoint with vLLM's extra sampling fields (top_k, min_p) and
+    `return_tokens_as_token_ids`, so token ids and per-token log-probs come back exactly.
+    Weight sync goes through vLLM's runtime LoRA loading (`/v1/load_lora_adapter`, server
+    started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora): the adapter is
+    saved to `shared_dir`, which the server must be able to read. Full-weight sync to a
+    remote server is not offered: train with LoRA, or use the colocated engine.
+    """
+
+    def __init__(self, base_url: str, model: str, tokenizer, *, shared_dir: Optional[str] = None,
+                 timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.served_model = model
+        self.tokenizer = tokenizer
+        self.shared_dir = shared_dir
+        self.timeout_s = timeout_s
+        self.version = 0
+        self.last_sync_s = 0.0
+
+    def _post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            text = response.read().decode()
+        return json.loads(text) if text.strip().startswith("{") else {}
+
+    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+        results = []
+        for index, prompt in enumerate(prompts):
+            body = {"model": self.served_model, "prompt": prompt, "n": params.n, "temperature": params.temperature,
+                    "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
+                    "max_tokens": params.max_new_tokens, "stop": list(params.stop) or None,
+                    "include_stop_str_in_output": True, "logprobs": 0, "return_tokens_as_token_ids": True,
+                    "seed": params.seed}
+            reply = self._post("/v1/completions", body)
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            samples = []
+            for choice in sorted(reply["choices"], key=lambda c: c["index"]):
+                tokens = choice["logprobs"]["tokens"]
+                ids = [int(t.split(":", 1)[1]) for t in tokens]
+                samples.append(Completion(prompt_index=index, prompt_ids=prompt_ids, completion_ids=ids,
+                                          text=choice["text"], logprobs=list(choice["logprobs"]["token_logprobs"]),
+                                          finish_reason="length" if choice["finish_reason"] == "length" else "stop"))
+            results.append(samples)
+        return results
+
+    def sync_weights(self, model) -> None:
+        if not hasattr(model, "peft_config"):
+            raise ValueError("OpenAIServerEngine syncs LoRA adapters only; set lora_rank > 0 or use engine=vllm")
+        if not self.shared_dir:
+            raise ValueError("OpenAIServerEngine needs shared_dir, a directory the server can read, to sync adapters")
+        start = time.perf_counter()
+        self.version += 1
+        name = f"policy-{self.version}"
+        path = os.path.join(self.shared_dir, name)
+        model.save_pretrained(path)
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        if self.version > 1:
+            self._post("/v1/unload_lora_adapter", {"lora_name": f"policy-{self.version - 1}"})
+        self.served_model = name
+        self.last_sync_s = time.perf_counter() - start
