@@ -11,7 +11,7 @@ def test_token_level_weights_are_truncated_ratios():
     rollout = torch.tensor([[math.log(0.25), math.log(0.9), -5.0]])
     mask = torch.tensor([[1, 1, 0]])
     w = truncated_is_weights(train, rollout, mask, cap=1.5)
-    assert w.tolist() == pytest.approx([[1.5, 1.0, 1.0]])  # 2.0 capped; masked -> 1
+    assert w[0].tolist() == pytest.approx([1.5, 1.0, 1.0])  # 2.0 capped; masked -> 1
     assert truncated_is_weights(train, rollout, mask, cap=3.0)[0, 0].item() == pytest.approx(2.0)
 
 
