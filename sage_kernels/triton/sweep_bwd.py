@@ -1,0 +1,141 @@
+"""Backward vocabulary sweep: recompute the logit tiles, form d(logits), apply them to W and h.
+
+With g_t = dloss/dlogp_t and c_t = dloss/dH_t from the token stage (already multiplied
+by the upstream gradient, on the device), each tile of the gradient of the logits is
+
+    dz_{t,v} = ( g_t (1[v = y_t] - p_v) - c_t p_v (log p_v + H_t) ) / T,
+
+with p_v = exp(z_v - lse_t) from the saved lse. The kernel recomputes z exactly as the
+forward sweep does (`tl.dot`, fp32 accumulator) and forms dz in fp32.
+
+Why the products with W and h are not fused into the kernel: grad_h[t] = sum_v dz W_v
+reduces over V into a [BLOCK_N, D] accumulator and grad_W[v] = sum_t dz h_t into a
+[BLOCK_V, D] one; with D in the thousands neither fits on chip, so a fused kernel must
+either recompute the logits once per D chunk (D / BLOCK_D times the forward's work) or
+accumulate through global memory with atomics (non-deterministic, and the traffic of one
+[BLOCK, D] read-modify-write per tile). Instead the vocabulary is walked in chunks of
+`chunk_v` columns: the kernel writes dz for one chunk ([N, chunk_v], at most N V / 32
+elements and 256 MiB by default), then two GEMMs consume it:
+
+    grad_h += dz_chunk @ W_chunk              (fp32 accumulator of [N, D])
+    grad_W[chunk] = dz_chunk^T @ h            (complete per chunk: no accumulation across chunks)
+
+Both are deterministic (no atomics) and run at GEMM speed. dz is stored in the input
+dtype before the GEMMs (as PyTorch's own bf16/fp16 backward does; fp32 stays fp32), and
+for 16-bit inputs each chunk's [N, D] product is rounded once to that dtype before it is
+added to the fp32 accumulator: a relative error of 2^-8 per chunk term, well inside the
+bf16 tolerance and smaller than PyTorch's, whose logits are rounded to bf16.
+
+Masked rows are not recomputed: the dz rows of tokens past the valid count are written
+as zeros, so they add nothing to either product. The bias gradient is the column sum of
+dz, in fp32. The weight gradient is skipped when the weight is frozen.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .tiles import dot_precision, dot_upcast, new_buffer, tiles_for
+
+#: default cap on one chunk of dz, in bytes.
+CHUNK_BYTES = 256 * 2**20
+
+
+@triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
+@triton.jit
+def _dlogits_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr,
+                    lse_ptr, entropy_ptr, g_ptr, c_ptr, dz_ptr,
+                    N, V, D, v_begin, chunk_width, stride_h, stride_w, stride_dz, inv_temperature,
+                    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_v = tl.program_id(1).to(tl.int64)
+    count = tl.load(count_ptr).to(tl.int64)
+    start = pid_n * BLOCK_N
+    idx = start + tl.arange(0, BLOCK_N)
+    in_range = idx < N
+    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
+    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = v_begin + local
+    col_ok = (local < chunk_width) & (cols < V)
+    out_ptrs = dz_ptr + rows[:, None] * stride_dz + local[None, :]
+    out_mask = in_range[:, None] & col_ok[None, :]
+    if start < count:
+        valid = idx < count
+        acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_D):
+            ks = k0 + tl.arange(0, BLOCK_D)
+            k_ok = ks < D
+            h = tl.load(hidden_ptr + rows[:, None] * stride_h + ks[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :],
+                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_UPCAST:
+                h, w = h.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
+        g = tl.load(g_ptr + rows, mask=valid, other=0.0)
+        targets = tl.load(ids_ptr + rows, mask=valid, other=-1)
+        log_p = acc * inv_temperature - lse[:, None]
+        p = tl.exp(log_p)
+        dz = g[:, None] * ((cols[None, :] == targets[:, None]).to(tl.float32) - p)
+        if HAS_ENTROPY_GRAD:
+            entropy = tl.load(entropy_ptr + rows, mask=valid, other=0.0)
+            c = tl.load(c_ptr + rows, mask=valid, other=0.0)
+            dz -= c[:, None] * p * (log_p + entropy[:, None])
+        dz = tl.where(valid[:, None] & col_ok[None, :], dz * inv_temperature, 0.0)
+        tl.store(out_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptrs, tl.zeros([BLOCK_N, BLOCK_V], dtype=dz_ptr.dtype.element_ty), mask=out_mask)
+
+
+def chunk_width(n_rows: int, vocab: int, element_size: int, block_v: int) -> int:
+    """Columns of dz per chunk: a multiple of `block_v`, at most V/32 and `CHUNK_BYTES`."""
+    cap = min(vocab // 32, CHUNK_BYTES // max(1, n_rows * element_size))
+    return max(block_v, cap // block_v * block_v)
+
+
+def sweep_backward(grad_loss, hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c,
+                   temperature: float, entropy_grad: bool, need_weight: bool, need_bias: bool):
+    """(grad_hidden, grad_weight or None, grad_bias or None) in the input dtypes.
+
+    `hidden` [N, D], `weight` [V, D] with unit stride along D; `rows`, `count` as from
+    `sweep_fwd.compact_rows`; `lse`, `entropy`, `g`, `c` float32 [N] (zero at masked rows);
+    `grad_loss` the 0-d upstream gradient (a device tensor: no sync).
+    """
+    N, D = hidden.shape
+    V = weight.shape[0]
+    device = hidden.device
+    tiles = tiles_for(hidden.dtype)
+    g = g * grad_loss
+    c = c * grad_loss
+    width = tiles.chunk_v or chunk_width(N, V, hidden.element_size(), tiles.block_v)
+    grad_hidden = torch.zeros((N, D), dtype=torch.float32, device=device)
+    grad_weight = torch.empty_like(weight) if need_weight else None
+    grad_bias = torch.empty_like(bias) if need_bias else None
+    for v0 in range(0, V, width):
+        cols = min(width, V - v0)
+        dz = new_buffer((N, cols), hidden.dtype, device)
+        grid = (triton.cdiv(N, tiles.block_n), triton.cdiv(cols, tiles.block_v))
+        _dlogits_kernel[grid](
+            hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, dz,
+            N, V, D, v0, cols, hidden.stride(0), weight.stride(0), dz.stride(0), 1.0 / temperature,
+            HAS_ENTROPY_GRAD=entropy_grad,
+            DOT_PRECISION=dot_precision(hidden.dtype), DOT_UPCAST=dot_upcast(hidden.dtype),
+            BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        weight_chunk = weight[v0:v0 + cols]
+        if dz.dtype == torch.float32:
+            grad_hidden.addmm_(dz, weight_chunk)
+        else:
+            grad_hidden += dz @ weight_chunk
+        if need_weight:
+            torch.mm(dz.t(), hidden, out=grad_weight[v0:v0 + cols])
+        if need_bias:
+            grad_bias[v0:v0 + cols] = dz.sum(0, dtype=torch.float32)
+    return grad_hidden.to(hidden.dtype), grad_weight, grad_bias

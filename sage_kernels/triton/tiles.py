@@ -1,0 +1,78 @@
+"""Tile sizes, launch settings and output buffers shared by the Triton kernels.
+
+One table per mode: the GPU settings are a known-good Hopper default (128x128 tiles,
+64-wide reduction chunks); under ``TRITON_INTERPRET=1`` the interpreter runs each tile
+op through NumPy, so small tiles keep the CPU tests fast and still exercise padded tails.
+
+`new_buffer` allocates every tensor a kernel writes. Tests set `POISON_BUFFERS` to True
+so those buffers start as NaN and an element a kernel forgets to write fails loudly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+#: set by tests: kernel outputs start as NaN instead of uninitialised memory.
+POISON_BUFFERS = False
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class SweepTiles:
+    """Tile shape of a vocabulary sweep: BLOCK_N tokens x BLOCK_V vocab, reduced over D in BLOCK_D chunks."""
+
+    block_n: int
+    block_v: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    #: forward vocab splits (0: chosen from the grid size) and backward vocab chunk (0: from V).
+    splits: int = 0
+    chunk_v: int = 0
+
+
+def sweep_tiles(dtype: torch.dtype) -> SweepTiles:
+    """The tile shape for inputs of `dtype` on the current platform."""
+    if interpreting():
+        return SweepTiles(block_n=16, block_v=64, block_d=32, num_warps=1, num_stages=1)
+    # fp32 tiles are twice the bytes: one pipeline stage fewer keeps them within shared memory.
+    stages = 2 if dtype == torch.float32 else 3
+    return SweepTiles(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=stages)
+
+
+#: overrides of `sweep_tiles`, set only by tests that force several token blocks, vocab
+#: splits and backward chunks on tiny shapes.
+TILE_OVERRIDE: dict = {}
+
+
+def tiles_for(dtype: torch.dtype) -> SweepTiles:
+    """`sweep_tiles(dtype)` with the test overrides applied."""
+    return dataclasses.replace(sweep_tiles(dtype), **TILE_OVERRIDE)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: exact fp32 products for fp32 inputs (PyTorch's default for
+    matmul), tensor-core inputs as given otherwise."""
+    return "ieee" if dtype == torch.float32 or dot_upcast(dtype) else "tf32"
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Whether kernels cast bf16 dot operands to fp32 first: only under the interpreter, whose
+    tl.dot (Triton 3.9) multiplies the raw uint16 bits of bf16 arrays. bf16 -> fp32 is exact,
+    so the products are the tensor-core ones; only the fp32 summation order differs."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor for a kernel to fill: uninitialised, or NaN when `POISON_BUFFERS` is set."""
+    if POISON_BUFFERS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)

@@ -1,0 +1,299 @@
+"""The per-token stage in Triton: guide, anchor, KL, ratio, clipped PG, loss and its slopes.
+
+One program per sequence (row b) walks its L positions in BLOCK_L chunks:
+
+1. row statistics: the token count and, for sequence-level ratios, sum_t m (logp - old_logp);
+2. every per-token quantity of SPEC.md, written for all positions (masked positions get
+   q = ratio = 1, kl = 0, g = c = 0), the row's share of the loss and of each metric;
+3. sequence-level ratios only: the ratio is shared by the row, so g_t needs the row sum
+   G_b = sum_s scale_s dpg_s/dr from step 2: g_t += G_b r m_t / count_b.
+
+g = dloss/dlogp and c = dloss/dH already include the loss-type normaliser
+(scale_t = m_t / (B max(count_b, 1)) for grpo, m_t / normaliser otherwise). The
+batch-wide inputs (the bnpo/dr_grpo/dapo normaliser and the top-entropy threshold) are
+0-d device tensors computed beforehand by `batch_statistics`, so nothing syncs.
+
+Gradient conventions follow PyTorch autograd of the reference exactly: clamp passes the
+gradient on the closed interval, and `minimum` splits it in half on ties (which is what
+happens inside the clip range, where the clipped and unclipped products coincide).
+Per-row partial sums (loss, metric sums, q min/max) are reduced over rows afterwards in a
+fixed order, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import loss_normaliser
+from ..spec import KL_CODES, LossConfig
+from .tiles import interpreting, new_buffer
+
+#: columns of the per-row statistics buffer.
+ROW_LOSS, ROW_KL, ROW_ENTROPY, ROW_Q, ROW_Q_MIN, ROW_Q_MAX, ROW_LOW, ROW_HIGH, ROW_REGION = range(9)
+N_ROW_STATS = 9
+
+
+@triton.jit
+def _kl_and_slope(delta, KL: tl.constexpr):
+    """The KL estimate from delta = log anchor - logp, and its derivative with respect to logp."""
+    if KL == 1:
+        kl = -delta
+        slope = tl.full(delta.shape, 1.0, tl.float32)
+    elif KL == 2:
+        kl = 0.5 * delta * delta
+        slope = -delta
+    else:
+        # exp(d) - 1 - d cancels for small d in fp32: use its Taylor series there (error < 1e-9 relative).
+        series = delta * delta * (0.5 + delta * (1.0 / 6.0 + delta * (1.0 / 24.0 + delta * (1.0 / 120.0))))
+        em1 = tl.exp(delta) - 1.0
+        kl = tl.where(tl.abs(delta) < 0.1, series, em1 - delta)
+        slope = -em1
+    return kl, slope
+
+
+@triton.jit
+def _tie_weight(a, b):
+    """d min(a, b) / d a as autograd computes it: 1 if a < b, 1/2 on a tie, 0 otherwise."""
+    return tl.where(a < b, 1.0, tl.where(a == b, 0.5, 0.0))
+
+
+@triton.jit
+def _policy_gradient(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
+                     HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+    """(pg, dpg/dratio, the delta-capped ratio) of the clipped PPO term."""
+    low = 1.0 - eps_low
+    high = 1.0 + eps_high
+    if HAS_DELTA:
+        unclipped = tl.minimum(ratio, delta_clip)
+        d_unclipped = (ratio <= delta_clip).to(tl.float32)
+    else:
+        unclipped = ratio
+        d_unclipped = tl.full(ratio.shape, 1.0, tl.float32)
+    clipped = tl.minimum(tl.maximum(ratio, low), high)
+    d_clipped = ((ratio >= low) & (ratio <= high)).to(tl.float32)
+    u_adv = unclipped * adv
+    c_adv = clipped * adv
+    w_unclipped = _tie_weight(u_adv, c_adv)
+    pg = -tl.minimum(u_adv, c_adv)
+    d_pg = -adv * (w_unclipped * d_unclipped + (1.0 - w_unclipped) * d_clipped)
+    if HAS_DUAL:
+        bound = -adv * dual_clip_c
+        negative = adv < 0
+        d_pg = tl.where(negative, d_pg * _tie_weight(pg, bound), d_pg)
+        pg = tl.where(negative, tl.minimum(pg, bound), pg)
+    return pg, d_pg, unclipped
+
+
+@triton.heuristics({
+    "HAS_OLD": lambda args: args["old_ptr"] is not None,
+    "HAS_REF": lambda args: args["ref_ptr"] is not None,
+    "HAS_IS_WEIGHTS": lambda args: args["isw_ptr"] is not None,
+    "HAS_LOG_Q": lambda args: args["log_q_ptr"] is not None,
+    "HAS_QUANTILE": lambda args: args["threshold_ptr"] is not None,
+})
+@triton.jit
+def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_ptr, isw_ptr, log_q_ptr,
+                        threshold_ptr, inv_norm_ptr,
+                        q_ptr, kl_ptr, ratio_ptr, g_ptr, c_ptr, row_stats_ptr,
+                        B, L, beta, gamma, tau, q_min, q_max, eps_low, eps_high, delta_clip, dual_clip_c,
+                        entropy_coef,
+                        KL: tl.constexpr, BRANCH: tl.constexpr, SEQUENCE: tl.constexpr, GRPO: tl.constexpr,
+                        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr,
+                        HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr,
+                        HAS_LOG_Q: tl.constexpr, HAS_QUANTILE: tl.constexpr, N_STATS: tl.constexpr,
+                        BLOCK_L: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * L
+    offs = tl.arange(0, BLOCK_L)
+
+    # 1. row statistics
+    count = tl.zeros([BLOCK_L], dtype=tl.float32)
+    log_ratio_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for l0 in range(0, L, BLOCK_L):
+        in_row = l0 + offs < L
+        m = tl.load(mask_ptr + base + l0 + offs, mask=in_row, other=0) != 0
+        count += m.to(tl.float32)
+        if SEQUENCE and HAS_OLD:
+            lp = tl.load(logp_ptr + base + l0 + offs, mask=in_row, other=0.0)
+            old = tl.load(old_ptr + base + l0 + offs, mask=in_row, other=0.0)
+            log_ratio_sum += tl.where(m, lp - old, 0.0)
+    n_tokens = tl.sum(count, axis=0)
+    per_token_share = 1.0 / tl.maximum(n_tokens, 1.0)
+    if GRPO:
+        scale = per_token_share / B
+    else:
+        scale = tl.load(inv_norm_ptr)
+    seq_ratio = tl.exp(tl.sum(log_ratio_sum, axis=0) * per_token_share)
+    if HAS_QUANTILE:
+        threshold = tl.load(threshold_ptr)
+
+    # 2. per-token values, the row's loss and metric sums
+    loss_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    kl_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    entropy_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    q_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    q_lo = tl.full([BLOCK_L], float("inf"), tl.float32)
+    q_hi = tl.full([BLOCK_L], float("-inf"), tl.float32)
+    low_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    high_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    region_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    ratio_slope_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for l0 in range(0, L, BLOCK_L):
+        at = base + l0 + offs
+        in_row = l0 + offs < L
+        m = tl.load(mask_ptr + at, mask=in_row, other=0) != 0
+        lp = tl.where(m, tl.load(logp_ptr + at, mask=in_row, other=0.0), 0.0)
+        ent = tl.where(m, tl.load(entropy_ptr + at, mask=in_row, other=0.0), 0.0)
+        adv = tl.load(adv_ptr + at, mask=m, other=0.0)
+
+        if HAS_LOG_Q:
+            log_q = tl.load(log_q_ptr + at, mask=m, other=0.0)
+        elif BRANCH:
+            guide = 1.0 + gamma * tl.maximum(ent - tau, 0.0)
+            log_q = tl.log(tl.minimum(tl.maximum(guide, q_min), q_max))
+        else:
+            log_q = tl.zeros([BLOCK_L], dtype=tl.float32)
+        log_q = tl.where(m, log_q, 0.0)
+        q = tl.exp(log_q)
+
+        if HAS_REF:
+            ref = tl.load(ref_ptr + at, mask=m, other=0.0)
+            kl, d_kl = _kl_and_slope(ref + log_q - lp, KL)
+            kl = tl.where(m, kl, 0.0)
+            d_kl = tl.where(m & (beta != 0.0), beta * d_kl, 0.0)
+        else:
+            kl = tl.zeros([BLOCK_L], dtype=tl.float32)
+            d_kl = tl.zeros([BLOCK_L], dtype=tl.float32)
+
+        if SEQUENCE:
+            ratio = tl.zeros([BLOCK_L], dtype=tl.float32) + seq_ratio
+        elif HAS_OLD:
+            ratio = tl.exp(lp - tl.load(old_ptr + at, mask=m, other=0.0))
+        else:
+            ratio = tl.full([BLOCK_L], 1.0, tl.float32)
+        pg, d_pg, unclipped = _policy_gradient(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
+                                               HAS_DELTA, HAS_DUAL)
+        if HAS_QUANTILE:
+            keep = (ent >= threshold).to(tl.float32)
+            pg *= keep
+            d_pg *= keep
+        if HAS_IS_WEIGHTS:
+            weights = tl.load(isw_ptr + at, mask=m, other=1.0)
+            pg *= weights
+            d_pg *= weights
+
+        token_scale = tl.where(m, scale, 0.0)
+        kl_term = tl.where(beta != 0.0, beta * kl, 0.0)
+        loss_sum += tl.where(m, token_scale * (pg + kl_term - entropy_coef * ent), 0.0)
+        kl_sum += kl
+        entropy_sum += ent
+        q_sum += tl.where(m, q, 0.0)
+        q_lo = tl.minimum(q_lo, tl.where(m, q, float("inf")))
+        q_hi = tl.maximum(q_hi, tl.where(m, q, float("-inf")))
+        low = m & (unclipped < 1.0 - eps_low) & (adv < 0)
+        high = m & (unclipped > 1.0 + eps_high) & (adv > 0)
+        low_sum += low.to(tl.float32)
+        high_sum += high.to(tl.float32)
+        region_sum += (low | high).to(tl.float32)
+
+        tl.store(q_ptr + at, tl.where(m, q, 1.0), mask=in_row)
+        tl.store(kl_ptr + at, kl, mask=in_row)
+        tl.store(ratio_ptr + at, tl.where(m, ratio, 1.0), mask=in_row)
+        tl.store(c_ptr + at, -entropy_coef * token_scale, mask=in_row)
+        if SEQUENCE:
+            ratio_slope_sum += tl.where(m, token_scale * d_pg, 0.0)
+        else:
+            tl.store(g_ptr + at, token_scale * (d_pg * ratio + d_kl), mask=in_row)
+
+    # 3. sequence-level ratios: every token's logp moves the shared ratio
+    if SEQUENCE:
+        d_log_ratio = tl.sum(ratio_slope_sum, axis=0) * seq_ratio * per_token_share
+        for l0 in range(0, L, BLOCK_L):
+            at = base + l0 + offs
+            in_row = l0 + offs < L
+            m = tl.load(mask_ptr + at, mask=in_row, other=0) != 0
+            d_kl = tl.zeros([BLOCK_L], dtype=tl.float32)
+            if HAS_REF:
+                lp = tl.load(logp_ptr + at, mask=m, other=0.0)
+                ent = tl.load(entropy_ptr + at, mask=m, other=0.0)
+                if HAS_LOG_Q:
+                    log_q = tl.load(log_q_ptr + at, mask=m, other=0.0)
+                elif BRANCH:
+                    guide = 1.0 + gamma * tl.maximum(ent - tau, 0.0)
+                    log_q = tl.log(tl.minimum(tl.maximum(guide, q_min), q_max))
+                else:
+                    log_q = tl.zeros([BLOCK_L], dtype=tl.float32)
+                ref = tl.load(ref_ptr + at, mask=m, other=0.0)
+                _, d_kl = _kl_and_slope(ref + log_q - lp, KL)
+                d_kl = tl.where(m & (beta != 0.0), beta * d_kl * scale, 0.0)
+            tl.store(g_ptr + at, tl.where(m, d_log_ratio, 0.0) + d_kl, mask=in_row)
+
+    stats = row_stats_ptr + row * N_STATS
+    tl.store(stats + 0, tl.sum(loss_sum, axis=0))
+    tl.store(stats + 1, tl.sum(kl_sum, axis=0))
+    tl.store(stats + 2, tl.sum(entropy_sum, axis=0))
+    tl.store(stats + 3, tl.sum(q_sum, axis=0))
+    tl.store(stats + 4, tl.min(q_lo, axis=0))
+    tl.store(stats + 5, tl.max(q_hi, axis=0))
+    tl.store(stats + 6, tl.sum(low_sum, axis=0))
+    tl.store(stats + 7, tl.sum(high_sum, axis=0))
+    tl.store(stats + 8, tl.sum(region_sum, axis=0))
+
+
+def entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
+    """The (1 - rho) quantile of the unmasked entropies as a 0-d float32 device tensor.
+
+    torch.quantile's linear interpolation, reproduced without a host sync: a sort of the
+    O(N) entropies with masked ones pushed to +inf, then two gathers at device-side ranks.
+    A selection in Triton would save the O(N log N) sort, which is negligible next to the
+    O(N V D) sweep. With no unmasked token the threshold is +inf (no token kept).
+    """
+    ordered = torch.where(mask, entropy, float("inf")).reshape(-1).to(torch.float64).sort().values
+    count = mask.sum().to(torch.float64)
+    rank = (1.0 - rho) * (count - 1.0).clamp(min=0.0)
+    below, above = rank.floor(), rank.ceil()
+    v_below = ordered.gather(0, below.long().reshape(1))
+    v_above = ordered.gather(0, above.long().reshape(1))
+    return torch.lerp(v_below, v_above, rank - below).reshape(()).to(torch.float32)
+
+
+def batch_statistics(entropy: torch.Tensor, mask: torch.Tensor, config: LossConfig):
+    """(inverse normaliser, entropy threshold): the 0-d inputs of the token stage that need the
+    whole batch; either is None when `config` does not use it."""
+    inv_norm = None
+    if config.loss_type != "grpo":
+        inv_norm = (1.0 / loss_normaliser(mask.to(torch.float32), config)).to(torch.float32).reshape(())
+    threshold = None
+    if config.top_entropy_quantile < 1.0:
+        threshold = entropy_threshold(entropy, mask, config.top_entropy_quantile)
+    return inv_norm, threshold
+
+
+def token_stage(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config: LossConfig):
+    """Run the per-token stage on [B, L] float32 inputs.
+
+    Returns (q, kl, ratio, g, c, row_stats): [B, L] outputs, g and c flat [B*L], and the
+    per-row partial sums [B, N_ROW_STATS] (columns named by the ROW_* constants).
+    """
+    B, L = mask.shape
+    device = logp.device
+    inv_norm, threshold = batch_statistics(entropy, mask, config)
+    q, kl, ratio = (new_buffer((B, L), torch.float32, device) for _ in range(3))
+    g, c = (new_buffer((B * L,), torch.float32, device) for _ in range(2))
+    row_stats = new_buffer((B, N_ROW_STATS), torch.float32, device)
+    block_l = min(triton.next_power_of_2(L), 128 if interpreting() else 1024)
+    _token_stage_kernel[(B,)](
+        logp, entropy, mask.contiguous().view(torch.uint8), advantages, old_logp, ref_logp, is_weights, log_q,
+        threshold, inv_norm,
+        q, kl, ratio, g, c, row_stats,
+        B, L, *(float(x) for x in (config.beta, config.gamma, config.tau, config.q_min, config.q_max,
+                                   config.eps_low, config.eps_high, config.delta_clip or 0.0,
+                                   config.dual_clip_c or 0.0, config.entropy_coef)),
+        KL=KL_CODES[config.kl], BRANCH=config.guide == "branch",
+        SEQUENCE=config.importance_sampling == "sequence", GRPO=config.loss_type == "grpo",
+        HAS_DELTA=config.delta_clip is not None, HAS_DUAL=config.dual_clip_c is not None,
+        N_STATS=N_ROW_STATS, BLOCK_L=block_l, num_warps=4)
+    return q, kl, ratio, g, c, row_stats
+
