@@ -24,6 +24,7 @@ person exactly once (consistent repeats are tolerated), nobody else, and match t
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from dataclasses import dataclass
@@ -102,29 +103,43 @@ def draw_statement(rng: random.Random, people: int) -> tuple:
     return kind, p, q
 
 
-def is_true(statement: tuple, knights: tuple[bool, ...]) -> bool:
-    """Whether `statement` holds when person i is a knight iff knights[i]."""
+def consistent_assignments(statements: list[tuple]) -> list[tuple[bool, ...]]:
+    """All role assignments under which each speaker is a knight iff their statement is true.
+
+    All 2^n assignments are checked at once: an assignment is a bit position b (person i a
+    knight iff bit i of b is set), and a statement's truth in every assignment is one integer
+    whose bit b says whether it holds in assignment b.
+    """
+    people = len(statements)
+    columns, everyone = _knight_columns(people)
+    consistent = everyone
+    for speaker, statement in enumerate(statements):
+        consistent &= ~(_truth(statement, columns, everyone) ^ columns[speaker])
+    return [tuple(bool(b >> i & 1) for i in range(people))
+            for b in range(1 << people) if consistent >> b & 1]
+
+
+@functools.lru_cache(maxsize=None)
+def _knight_columns(people: int) -> tuple[tuple[int, ...], int]:
+    """Per person, the assignments where they are a knight (as bits); and all assignments."""
+    columns = tuple(sum(1 << b for b in range(1 << people) if b >> i & 1) for i in range(people))
+    return columns, (1 << (1 << people)) - 1
+
+
+def _truth(statement: tuple, columns: tuple[int, ...], everyone: int) -> int:
+    """The assignments (as bits) in which `statement` holds."""
+    def role(person: int, knight: bool) -> int:
+        return columns[person] if knight else everyone & ~columns[person]
+
     kind = statement[0]
     if kind == "is":
-        return knights[statement[1]] == statement[2]
+        return role(statement[1], statement[2])
     if kind == "and":
-        return knights[statement[1]] == statement[2] and knights[statement[3]] == statement[4]
+        return role(statement[1], statement[2]) & role(statement[3], statement[4])
     if kind == "or":
-        return knights[statement[1]] == statement[2] or knights[statement[3]] == statement[4]
-    if kind == "same":
-        return knights[statement[1]] == knights[statement[2]]
-    return knights[statement[1]] != knights[statement[2]]
-
-
-def consistent_assignments(statements: list[tuple]) -> list[tuple[bool, ...]]:
-    """All role assignments under which each speaker is a knight iff their statement is true."""
-    people = len(statements)
-    found = []
-    for bits in range(1 << people):
-        knights = tuple(bool(bits >> i & 1) for i in range(people))
-        if all(is_true(s, knights) == knights[i] for i, s in enumerate(statements)):
-            found.append(knights)
-    return found
+        return role(statement[1], statement[2]) | role(statement[3], statement[4])
+    differ = columns[statement[1]] ^ columns[statement[2]]
+    return everyone & ~differ if kind == "same" else differ
 
 
 def statement_text(statement: tuple) -> str:

@@ -1,0 +1,82 @@
+"""Arithmetic: generation against Python's own evaluation, and the verifier's reading rule."""
+
+import itertools
+import re
+
+import pytest
+
+from sage_train.tasks.arithmetic import ArithmeticTask, evaluate
+
+
+@pytest.mark.parametrize("digits, ops, operands", [(1, "+-*", 2), (2, "+", 2), (3, "+-*", 4), (5, "-*", 3)])
+def test_answers_match_python(digits, ops, operands):
+    task = ArithmeticTask(digits=digits, ops=ops, operands=operands)
+    for problem in task.problems("train", 50, seed=3):
+        numbers = re.split(r"[-+*]", problem.question)
+        assert len(numbers) == operands
+        assert all(len(x) == digits for x in numbers)
+        assert set(re.sub(r"\d", "", problem.question)) <= set(ops)
+        # The question holds only digits and + - *, so Python evaluates it with the same precedence.
+        assert int(problem.answer) == eval(problem.question)
+        assert problem.meta["sft_completion"] == problem.answer
+
+
+def test_evaluate_all_small_expressions_against_python():
+    for a, b, c in itertools.product(range(10), repeat=3):
+        for op1, op2 in itertools.product("+-*", repeat=2):
+            assert evaluate([a, b, c], [op1, op2]) == eval(f"{a}{op1}{b}{op2}{c}")
+
+
+def test_max_answer_chars_bounds_every_answer():
+    task = ArithmeticTask(digits=1, ops="+-*", operands=3)
+    longest = max(len(str(evaluate([a, b, c], [o1, o2])))
+                  for a, b, c in itertools.product(range(10), repeat=3)
+                  for o1, o2 in itertools.product("+-*", repeat=2))
+    assert longest <= task.max_answer_chars
+
+
+def test_verifier_against_every_nearby_integer():
+    task = ArithmeticTask(digits=3, ops="*", operands=2)
+    problem = task.problems("test", 1, seed=0)[0]
+    gold = int(problem.answer)
+    for guess in range(gold - 300, gold + 301):
+        expected = float(guess == gold)
+        assert task.score(str(guess), problem) == expected
+        assert task.score(f"{guess:,}", problem) == expected
+        assert task.score(f"\\boxed{{{guess}}}", problem) == expected
+
+
+def test_prompt_is_the_bare_expression():
+    task = ArithmeticTask()
+    problem = task.problems("train", 1, seed=0)[0]
+    assert re.fullmatch(r"\d\d\+\d\d=", task.prompt(problem))
+    assert task.prompt(problem) == problem.question + "="
+    instruct = ArithmeticTask(template="instruct").prompt(problem)
+    assert problem.question in instruct and "\\boxed{}" in instruct
+    assert ArithmeticTask(template="Q: {question} A:").prompt(problem) == f"Q: {problem.question} A:"
+
+
+@pytest.mark.parametrize("suffix", ["", "<|endoftext|>", "\n12", " apples", ", done", "."])
+def test_trailing_text_after_the_answer_is_ignored(suffix):
+    task = ArithmeticTask()
+    problem = task.problems("train", 1, seed=0)[0]
+    assert task.score(problem.answer + suffix, problem) == 1.0
+    assert task.score(f"Answer: {problem.answer}{suffix}", problem) == 1.0
+
+
+def test_wrong_or_malformed_answers_score_zero():
+    task = ArithmeticTask()
+    problem = next(p for p in task.problems("train", 50, seed=0) if int(p.answer) >= 100)
+    gold = problem.answer
+    for completion in [gold + "0", gold + ".5", "-" + gold, gold[:-1], f"{gold[:-1]},{gold[-1]}",
+                       "", "\n", "=" + gold, "x" + gold, "- " + gold, f"\\boxed{{{gold}"]:
+        assert task.score(completion, problem) == 0.0, completion
+
+
+@pytest.mark.parametrize("options, argument", [
+    ({"digits": 0}, "digits"), ({"digits": "2"}, "digits"), ({"ops": "/"}, "ops"), ({"ops": ""}, "ops"),
+    ({"operands": 1}, "operands"), ({"template": "no placeholder"}, "template"),
+])
+def test_bad_options_name_the_argument(options, argument):
+    with pytest.raises(ValueError, match=argument):
+        ArithmeticTask(**options)
