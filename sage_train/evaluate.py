@@ -27,6 +27,7 @@ import hashlib
 import json
 import statistics
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -155,3 +156,301 @@ def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Proble
     counts = {s: [(r["n"], r["c"]) for r in records if r["seed"] == s] for s in seeds}
     return {"problems": records, "pass_at_k": summarize(counts, ks),
             "generated": generated, "resumed": resumed}
+
+
+# ----------------------------------------------------------------------------- the CLI: models, tasks, files
+
+RECORDS_FILE = "records.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
+# Settings that change what a sample is: records of another setting must not be mixed in.
+SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model to evaluate: its label (plots, tables, records), HF directory, and run config."""
+
+    label: str
+    path: str
+    run_config: Optional[dict]
+
+
+def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
+    """Run directories (`config.yaml` + `final/`) load `<run>/final`; anything else is an HF
+    directory or hub name. Labels are the run or directory names, full paths if those clash."""
+    resolved = []
+    for given in paths:
+        path = Path(given)
+        if (path / "config.yaml").is_file() and (path / "final").is_dir():
+            import yaml
+
+            config = yaml.safe_load((path / "config.yaml").read_text()) or {}
+            resolved.append((path.resolve().name, str(path / "final"), config))
+        elif path.exists() and not path.is_dir():
+            raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory or a hub name")
+        else:
+            name = path.resolve().name if path.is_dir() else given
+            if name == "final" and path.is_dir():  # runs/<name>/final: call it by the run's name
+                name = path.resolve().parent.name
+            resolved.append((name, given, None))
+    labels = [label for label, _, _ in resolved]
+    if len(set(labels)) < len(labels):
+        resolved = [(path, path, config) for _, path, config in resolved]
+    if len({label for label, _, _ in resolved}) < len(resolved):
+        raise ValueError(f"--model given twice: {list(paths)}")
+    return [ModelSpec(*entry) for entry in resolved]
+
+
+def build_engine(kind: str, model_path: str, device: str) -> RolloutEngine:
+    """A rollout engine sampling from the model at `model_path`. The hf engine gets the loaded
+    model; an engine that loads weights itself (vllm) gets the path as model and tokenizer."""
+    from .rollout import make_engine
+
+    if kind == "hf":
+        from .model import load_pretrained
+
+        model, tokenizer = load_pretrained(model_path)
+        model.to(device).eval()
+        return make_engine("hf", model, tokenizer, device=device)
+    return make_engine(kind, model_path, model_path)
+
+
+def read_records(out: Path) -> dict[tuple[str, str, int, str], dict]:
+    """Finished problems of an earlier run in `out`, keyed by (model, task, seed, problem id).
+
+    A kill can leave the last line half written: it is dropped (that problem is redone) and
+    cut from the file so that new records start on a fresh line."""
+    path = out / RECORDS_FILE
+    if not path.is_file():
+        return {}
+    records, good_bytes = {}, 0
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number} is not a JSON record; remove the file to start afresh")
+        if not line.endswith(b"\n"):
+            break
+        records[(record["model"], record["task"], record["seed"], record["problem_id"])] = record
+        good_bytes += len(line)
+    if good_bytes < path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+    return records
+
+
+def check_sampling(out: Path, sampling: dict) -> None:
+    """Refuse to resume into `out` with different sampling settings; record them on first use."""
+    path = out / "sampling.json"
+    if path.is_file():
+        previous = json.loads(path.read_text())
+        changed = {k: (previous.get(k), sampling[k]) for k in sampling if previous.get(k) != sampling[k]}
+        if changed:
+            raise ValueError(f"--out {out} holds samples drawn with other settings "
+                             f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in changed.items())}); "
+                             "use another --out or the same settings")
+    else:
+        path.write_text(json.dumps(sampling, indent=1) + "\n")
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sage-eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", required=True,
+                   help="a run directory (loads <run>/final), an HF model directory or a hub name; repeatable")
+    p.add_argument("--tasks", default="",
+                   help="comma-separated task names (math500, aime24, aime25, amc23, minerva, a .jsonl path, "
+                        "arithmetic, countdown, knights); default: the first run directory's task")
+    p.add_argument("--task-options", default="{}",
+                   help='JSON options per task, e.g. \'{"arithmetic": {"digits": 3}}\' '
+                        "(default: a run directory's task_options for its task)")
+    p.add_argument("--n", type=int, default=16, help="samples per problem and seed")
+    p.add_argument("--k", default="", help="comma-separated ks (default: 1, 2, 4, ... up to n)")
+    p.add_argument("--seeds", default="0", help="comma-separated sampling seeds")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems of each task")
+    p.add_argument("--engine", default="hf", choices=("hf", "vllm"))
+    p.add_argument("--device", default=None, help="hf engine device (default: cuda if available, else cpu)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: a run directory's eval_max_new_tokens or max_new_tokens, else 1024")
+    p.add_argument("--stop", action="append", default=None, help="a stop string; repeatable")
+    p.add_argument("--samples-per-call", type=int, default=None,
+                   help="split each problem's n samples into generate calls of this many")
+    p.add_argument("--save-completions", action="store_true",
+                   help=f"also write every completion and its score to {COMPLETIONS_FILE}")
+    p.add_argument("--out", default=None, help="output directory (default: <first run dir>/eval, else eval)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve_tasks(args, models: Sequence[ModelSpec]) -> list[tuple[str, dict]]:
+    """(name, options) of each task: --tasks, or else the first run directory's task."""
+    options = json.loads(args.task_options)
+    if not isinstance(options, dict):
+        raise ValueError(f"--task-options must be a JSON object keyed by task name, got {args.task_options!r}")
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    run_config = next((m.run_config for m in models if m.run_config is not None), None)
+    if not names:
+        if run_config is None:
+            raise ValueError("--tasks is required unless a --model is a run directory (its task is used)")
+        names = [run_config.get("eval_task") or run_config["task"]]
+    if run_config is not None:
+        for name in names:
+            if name == run_config.get("task") and name not in options:
+                options[name] = dict(run_config.get("task_options") or {})
+    return [(name, options.get(name, {})) for name in names]
+
+
+def main(argv=None) -> int:
+    """`sage-eval`: evaluate every model on every task; see the module docstring."""
+    args = build_parser().parse_args(argv)
+    models = resolve_models(args.model)
+    run_config = next((m.run_config for m in models if m.run_config is not None), {}) or {}
+    max_new_tokens = args.max_new_tokens or run_config.get("eval_max_new_tokens") \
+        or run_config.get("max_new_tokens") or 1024
+    stop = tuple(args.stop if args.stop is not None else run_config.get("stop") or ())
+    ks = check_ks(parse_ints(args.k, "--k") if args.k else [2 ** i for i in range(args.n.bit_length())], args.n)
+    seeds = parse_ints(args.seeds, "--seeds")
+    if not seeds:
+        raise ValueError("--seeds is empty")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              min_p=args.min_p, max_new_tokens=max_new_tokens, stop=stop)
+    out = Path(args.out or (Path(args.model[0]) / "eval" if models[0].run_config is not None else "eval"))
+    out.mkdir(parents=True, exist_ok=True)
+    check_sampling(out, {"n": args.n, "temperature": args.temperature, "top_p": args.top_p,
+                         "top_k": args.top_k, "min_p": args.min_p, "max_new_tokens": max_new_tokens,
+                         "stop": list(stop), "engine": args.engine})
+
+    from .tasks import get_task
+
+    tasks = [get_task(name, **options) for name, options in resolve_tasks(args, models)]
+    problems = {task.name: list(task.problems("test", args.limit, 0)) for task in tasks}
+    done = read_records(out)
+    config = {"models": {m.label: m.path for m in models}, "tasks": [t.name for t in tasks], "n": args.n,
+              "ks": ks, "seeds": seeds, "limit": args.limit, "engine": args.engine,
+              "sampling": dataclasses.asdict(sampling) | {"n": args.n, "seed": None},
+              "samples_per_call": args.samples_per_call}
+    from tqdm.auto import tqdm
+
+    total = len(models) * len(seeds) * args.n * sum(len(p) for p in problems.values())
+    bar = tqdm(total=total, unit="sample", desc="sage-eval", disable=args.no_progress, dynamic_ncols=True)
+    results = {"config": config, "models": {}, "generated": 0, "resumed": 0}
+    try:
+        with open(out / RECORDS_FILE, "a") as records_file, \
+                (open(out / COMPLETIONS_FILE, "a") if args.save_completions else nullcontext()) as texts_file:
+            for model in models:
+                engine = None
+                results["models"][model.label] = {"path": model.path, "tasks": {}}
+                for task in tasks:
+                    mine = {(seed, pid): r for (label, name, seed, pid), r in done.items()
+                            if label == model.label and name == task.name}
+                    if engine is None and any((s, p.id) not in mine for s in seeds for p in problems[task.name]):
+                        engine = build_engine(args.engine, model.path, _device(args.device))
+
+                    def persist(record, completions, scores, model=model, task=task):
+                        keyed = {"model": model.label, "task": task.name} | record
+                        if texts_file is not None:
+                            texts_file.write(json.dumps(keyed | {"completions": completions,
+                                                                 "scores": scores}) + "\n")
+                            texts_file.flush()
+                        records_file.write(json.dumps(keyed) + "\n")
+                        records_file.flush()
+
+                    bar.set_postfix_str(f"{model.label} / {task.name}")
+                    result = evaluate_engine(engine, task, problems[task.name], n=args.n, ks=ks,
+                                             sampling=sampling, seeds=seeds,
+                                             samples_per_call=args.samples_per_call, done=mine,
+                                             on_record=persist, progress=bar)
+                    results["generated"] += result.pop("generated")
+                    results["resumed"] += result.pop("resumed")
+                    results["models"][model.label]["tasks"][task.name] = result
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"\ninterrupted: finished problems are kept in {out / RECORDS_FILE}; "
+              "rerun the same command to resume", file=sys.stderr)
+        return 130
+    bar.close()
+    write_outputs(out, results)
+    print(markdown_table(results))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass_at_k.png'}")
+    return 0
+
+
+def _device(requested: Optional[str]) -> str:
+    if requested:
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def write_outputs(out: Path, results: dict) -> None:
+    """results.json, results.md and pass_at_k.png in `out`."""
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown_table(results) + "\n")
+    plot_curves(results, out / "pass_at_k.png")
+
+
+def markdown_table(results: dict) -> str:
+    """One table per task: a row per model, a column per k, cells "mean ± std" in percent."""
+    ks = results["config"]["ks"]
+    seeds = len(results["config"]["seeds"])
+    lines = [f"pass@k (%), n = {results['config']['n']}, mean ± std over {seeds} seed(s)"]
+    for task in results["config"]["tasks"]:
+        lines += ["", f"### {task}", "",
+                  "| model | problems | " + " | ".join(f"pass@{k}" for k in ks) + " |",
+                  "|---|---:|" + "---:|" * len(ks)]
+        for label, model in results["models"].items():
+            result = model["tasks"][task]
+            cells = [f"{100 * result['pass_at_k'][k]['mean']:.1f} ± {100 * result['pass_at_k'][k]['std']:.1f}"
+                     for k in ks]
+            problems = len(result["problems"]) // seeds
+            lines.append(f"| {label} | {problems} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_curves(results: dict, path: Path) -> None:
+    """pass@k against k (log2 axis), one panel per task, one line per model, ±std bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = results["config"]["ks"]
+    tasks = results["config"]["tasks"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for label, model in results["models"].items():
+            curve = model["tasks"][task]["pass_at_k"]
+            mean = [curve[k]["mean"] for k in ks]
+            std = [curve[k]["std"] for k in ks]
+            ax.plot(ks, mean, marker="o", markersize=3, label=label)
+            ax.fill_between(ks, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k")
+        ax.set_title(task)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
