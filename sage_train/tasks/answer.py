@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 _BOXED = "\\boxed{"
-_ANSWER_MARK = re.compile(r"answer\s*:", re.IGNORECASE)
+_ANSWER_MARK = re.compile(r"answer\s*:", re.IGNORECASE | re.ASCII)
 
 
 def answer_span(completion: str) -> str:

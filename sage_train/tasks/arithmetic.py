@@ -31,7 +31,7 @@ TEMPLATES = {
     "instruct": "Compute {question}. Put the final answer in \\boxed{}.",
 }
 OPERATORS = "+-*"
-_LEADING_INTEGER = re.compile(r"\s*(-?(?:\d{1,3}(?:,\d{3})+|\d+))(?!\d|[,.]\d)")
+_LEADING_INTEGER = re.compile(r"\s*(-?(?:\d{1,3}(?:,\d{3})+|\d+))(?!\d|[,.]\d)", re.ASCII)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ Options:
 
 Answer, canonical form: "A=knight,B=knave,C=knight". Grading reads every "<name> <sep> <role>"
 pair in the answer span (see `answer.py`), where <sep> is "=", ":", "-" or "is"/"is a"/"is an",
-in any order, case and punctuation between pairs; it scores 1.0 when the pairs name every
-person exactly once (consistent repeats are tolerated), nobody else, and match the solution.
+in any order, case and punctuation between pairs; it scores 1.0 when the pairs give every
+person one role (repeating a pair is harmless), name nobody else, and match the solution.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ TEMPLATES = {
 NAMES = "ABCDEFGH"
 KINDS = ("is", "and", "or", "same", "different")
 _PAIR = re.compile(r"(?<![a-z])([a-z])\s*(?:=|:|-|\s+is(?:\s+an?)?\s+)\s*(knight|knave)(?![a-z])",
-                   re.IGNORECASE)
+                   re.IGNORECASE | re.ASCII)  # ASCII: the Kelvin sign is no "k"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from sage_train.tasks.answer import answer_span
     ("", ""),
     ("reasoning... Answer: 46\nignored", "46"),
     ("answer : first\nANSWER: last", "last"),
+    ("an\u017fwer: 5\n6", "an\u017fwer: 5"),  # a long s is no "s"
     ("Answer: 1 then \\boxed{2} and \\boxed{ 3 }", "3"),
     ("\\boxed{\\frac{1}{2}} trailing", "\\frac{1}{2}"),
     ("\\boxed{A=knight,B=knave}", "A=knight,B=knave"),

@@ -69,7 +69,9 @@ def test_wrong_or_malformed_answers_score_zero():
     problem = next(p for p in task.problems("train", 50, seed=0) if int(p.answer) >= 100)
     gold = problem.answer
     for completion in [gold + "0", gold + ".5", "-" + gold, gold[:-1], f"{gold[:-1]},{gold[-1]}",
-                       "", "\n", "=" + gold, "x" + gold, "- " + gold, f"\\boxed{{{gold}"]:
+                       "", "\n", "=" + gold, "x" + gold, "- " + gold, f"\\boxed{{{gold}",
+                       gold.translate(str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664"
+                                                                  "\u0665\u0666\u0667\u0668\u0669"))]:
         assert task.score(completion, problem) == 0.0, completion
 
 

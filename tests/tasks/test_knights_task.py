@@ -90,7 +90,8 @@ def test_wrong_or_incomplete_assignments_score_zero():
         assert task.score(",".join(pairs), problem) == 0.0
     answer = problem.answer
     for completion in [answer.rsplit(",", 1)[0], answer + ",D=knight", answer + ",A=knight,A=knave",
-                       answer.replace("knight", "knights"), "A knight", "", "\n\n", "\\boxed{" + answer]:
+                       answer.replace("knight", "knights"), answer.replace("k", "\u212a"),
+                       "A knight", "", "\n\n", "\\boxed{" + answer]:
         assert task.score(completion, problem) == 0.0, completion
 
 
