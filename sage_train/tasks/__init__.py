@@ -24,8 +24,10 @@ __all__ = ["TASK_NAMES", "Problem", "Task", "get_task",
 
 def get_task(name: str, **options) -> Task:
     """The task called `name`, built with `options`; unknown options raise a TypeError naming them."""
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"task name must be a non-empty string, got {name!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"task name must be a string, got {name!r}")
+    if not name:
+        raise ValueError("task name must not be empty")
     if name in SYNTHETIC_TASKS:
         task_class = SYNTHETIC_TASKS[name]
         _check_options(name, task_class, options, positional=0)

@@ -29,8 +29,10 @@ def test_unknown_options_raise_type_error_naming_them():
 def test_bad_option_values_and_names():
     with pytest.raises(ValueError, match="people"):
         get_task("knights", people=12)
-    with pytest.raises(TypeError, match="task name"):
+    with pytest.raises(ValueError, match="task name"):
         get_task("")
+    with pytest.raises(TypeError, match="task name"):
+        get_task(None)
 
 
 @dataclass
