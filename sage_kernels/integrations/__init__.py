@@ -1,0 +1,12 @@
+"""Adapters that plug the SAGE loss into other RL codebases.
+
+- `sage_kernels.integrations.trl`: `SAGEGRPOTrainer`, TRL's `GRPOTrainer` computing its loss
+  with `fused_linear_sage_loss` (needs ``trl``).
+- `sage_kernels.integrations.verl`: verl's fused log-prob/entropy interface and a SAGE policy
+  loss for verl's policy-loss registry (registered when ``verl`` imports).
+- `sage_kernels.FusedLinearSAGELoss.from_liger`: the drop-in for Liger-Kernel's
+  ``LigerFusedLinearGRPOLoss``.
+
+Each submodule imports its host package itself, so importing this package needs neither.
+See ``docs/integrations.md``.
+"""

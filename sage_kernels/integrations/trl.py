@@ -1,0 +1,242 @@
+"""`SAGEGRPOTrainer`: TRL's `GRPOTrainer` with its loss computed by `fused_linear_sage_loss`.
+
+Switching is two renames: ``GRPOConfig`` -> `SAGEGRPOConfig`, ``GRPOTrainer`` -> `SAGEGRPOTrainer`.
+Generation, rewards, advantages and the reference/behaviour log-probs stay TRL's; only
+`_compute_loss` changes. It takes the model's last hidden states and LM head (no [B, L, V]
+logits) and computes the whole loss in one fused call: clipped PG term, KL to the SAGE anchor
+q * pi_ref, top-entropy mask and the vLLM importance-sampling correction.
+
+TRL's options are honoured with TRL's meaning: ``loss_type`` (grpo, bnpo, dr_grpo, dapo),
+``beta``, ``epsilon``, ``epsilon_high``, ``delta``, ``importance_sampling_level``,
+``top_entropy_quantile``, ``entropy_coef`` (a static coefficient) and
+``vllm_importance_sampling_correction``; gradient accumulation scales as in TRL. With
+``sage_guide="none"`` the loss and gradients are TRL's. Options TRL has and this trainer does
+not (the cispo/sapo/luspo/vespo loss types, ``off_policy_mask_threshold``,
+``use_bias_correction_kl``, ``use_adaptive_entropy``, MoE auxiliary loss, vision inputs,
+soft-capped or scaled logits) raise ValueError rather than being silently dropped.
+
+Known differences from TRL:
+- with several processes, the top-entropy threshold is the quantile of this process's tokens
+  (TRL gathers all processes' entropies first);
+- the entropy bonus (TRL's mean entropy over the kept tokens) costs a second fused sweep over
+  the vocabulary, since its per-token weight differs from the PG term's.
+
+Metrics: TRL's names (``kl``, ``entropy``, ``clip_ratio/*``, ``policy_loss`` with the entropy
+bonus) with TRL's semantics, plus ``sage/q_mean``, ``sage/q_min``, ``sage/q_max``.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers.utils import ModelOutput
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import nanmax, nanmin
+
+from ..function import fused_linear_sage_loss
+from ..spec import LossConfig
+
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
+_LOGIT_SCALE_KEYS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                     "logits_scaling")
+
+
+@dataclass
+class SAGEGRPOConfig(GRPOConfig):
+    """`GRPOConfig` plus the SAGE options (defaults: the official SAGE code's branch guide).
+
+    sage_guide: "branch" (q = clamp(1 + gamma * (H - tau)+, q_min, q_max) from the policy's
+    entropy H) or "none" (q = 1: TRL's GRPO loss). The guide acts through the KL term, so it
+    needs ``beta`` > 0. sage_kl: KL estimator, "k3" (TRL's), "k2" or "k1".
+    sage_dual_clip_c: PPO dual clip (> 1) for negative advantages, or None.
+    sage_backend: the fused loss's backend ("auto", "cpu", "triton", "reference").
+    use_bias_correction_kl defaults to False here (TRL's default is True): see the field.
+    """
+
+    sage_guide: str = field(default="branch", metadata={"help": "'branch' or 'none'."})
+    sage_gamma: float = field(default=0.3, metadata={"help": "Branch guide slope per nat above tau."})
+    sage_tau: float = field(default=1.2, metadata={"help": "Branch guide entropy threshold, in nats."})
+    sage_q_min: float = field(default=0.6, metadata={"help": "Lower clamp of q."})
+    sage_q_max: float = field(default=1.4, metadata={"help": "Upper clamp of q."})
+    sage_kl: str = field(default="k3", metadata={"help": "KL estimator: 'k1', 'k2' or 'k3'."})
+    sage_dual_clip_c: Optional[float] = field(default=None, metadata={"help": "PPO dual-clip constant (> 1)."})
+    sage_backend: str = field(default="auto", metadata={"help": "Fused loss backend."})
+    # TRL >= 1 defaults to True; the SAGE loss has no ratio-weighted KL (TRL 0.23 and the official
+    # SAGE code have none either), so the default here is False and True is rejected when beta != 0.
+    use_bias_correction_kl: bool = field(default=False, metadata={"help": "Not supported when beta != 0."})
+
+
+@dataclass
+class HiddenStatesOutput(ModelOutput):
+    """What the model returns when called with ``sage_hidden_states=True``."""
+
+    hidden_states: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+
+
+def add_hidden_states_head(model) -> None:
+    """Let ``model(..., sage_hidden_states=True)`` return the backbone's last hidden states and the
+    LM head, without computing logits. Called through the (possibly wrapped) model so DDP and PEFT
+    see an ordinary forward."""
+    inner_forward = model.forward
+
+    def forward(self, *args, sage_hidden_states: bool = False, **kwargs):
+        if not sage_hidden_states:
+            return inner_forward(*args, **kwargs)
+        hidden = self.base_model(*args, use_cache=False, **kwargs).last_hidden_state
+        head = self.get_output_embeddings()
+        return HiddenStatesOutput(hidden_states=hidden, weight=head.weight, bias=head.bias)
+
+    model.forward = types.MethodType(forward, model)
+
+
+class SAGEGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` whose loss is the fused SAGE loss. Takes `GRPOTrainer`'s arguments; `args`
+    must be a `SAGEGRPOConfig`."""
+
+    def __init__(self, model, reward_funcs, args: Optional[SAGEGRPOConfig] = None, **kwargs):
+        if args is not None and not isinstance(args, SAGEGRPOConfig):
+            raise TypeError(f"args must be a SAGEGRPOConfig, got {type(args).__name__}")
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = SAGEGRPOConfig(f"{name.split('/')[-1]}-SAGE-GRPO")
+        _check_supported(args)
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        _check_model(self.model, self.aux_loss_enabled)
+        add_hidden_states_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+        # Validate the SAGE options now rather than at the first step.
+        self._loss_config(num_items_in_batch=None)
+
+    def _loss_config(self, num_items_in_batch) -> LossConfig:
+        args = self.args
+        return LossConfig(
+            beta=self.beta, kl=args.sage_kl, guide=args.sage_guide, gamma=args.sage_gamma, tau=args.sage_tau,
+            q_min=args.sage_q_min, q_max=args.sage_q_max, loss_type=self.loss_type, eps_low=self.epsilon_low,
+            eps_high=self.epsilon_high, delta_clip=args.delta, dual_clip_c=args.sage_dual_clip_c,
+            importance_sampling=self.importance_sampling_level, top_entropy_quantile=self.top_entropy_quantile,
+            temperature=self.temperature, max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items_in_batch)
+
+    def _compute_loss(self, model, inputs):
+        if any(key in inputs for key in _VISION_KEYS):
+            raise ValueError("SAGEGRPOTrainer supports text-only models")
+        completion_ids = inputs["completion_ids"]
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        mask = mask.bool()
+        B, L = completion_ids.shape
+        with self.accelerator.autocast():
+            head = model(input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+                         attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                         sage_hidden_states=True)
+            # The LM head runs in the autocast dtype, as TRL's fused head does, unless TRL is told to keep it in fp32.
+            device_type = head.weight.device.type
+            dtype = head.weight.dtype
+            if torch.is_autocast_enabled(device_type) and not self.args.cast_lm_head_to_fp32:
+                dtype = torch.get_autocast_dtype(device_type)
+        weight = head.weight.to(dtype)
+        bias = None if head.bias is None else head.bias.to(dtype)
+        # Position t predicts token t + 1: the last L + 1 positions but one predict the completion.
+        hidden = head.hidden_states[:, -L - 1:-1].to(dtype)
+
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        num_items = None
+        if self.loss_type == "dapo":
+            # TRL's dapo divisor: the generation batch's token count, per process and accumulation window.
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * accumulation / self.args.steps_per_generation
+        is_weights = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            ratio = inputs["importance_sampling_ratio"]
+            is_weights = ratio.reshape(B, -1).expand(B, L)
+        out = fused_linear_sage_loss(
+            hidden, weight, completion_ids, mask, inputs["advantages"], bias=bias,
+            old_logp=inputs.get("old_per_token_logps"),
+            ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
+            is_weights=is_weights, config=self._loss_config(num_items), backend=self.args.sage_backend)
+        # TRL scales every loss type but dapo (whose divisor already covers the window) for accumulation.
+        loss = out.loss if self.loss_type == "dapo" else out.loss / accumulation
+
+        if self.entropy_coef != 0.0:
+            kept = mask
+            if self.top_entropy_quantile < 1.0:
+                kept = kept & self.get_high_entropy_mask(out.entropy, mask, 1 - self.top_entropy_quantile)
+            loss = loss + self._entropy_bonus(hidden, weight, bias, completion_ids, kept, accumulation)
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(out.loss.detach()).nanmean().item())
+        self._log_loss_metrics(mode, out, inputs["advantages"], mask)
+        return loss
+
+    def _entropy_bonus(self, hidden, weight, bias, token_ids, kept, accumulation) -> torch.Tensor:
+        """-entropy_coef * (mean entropy over the kept tokens) / accumulation, TRL's bonus, differentiable.
+
+        A second fused call with zero advantages and no KL leaves only the entropy term; bnpo
+        aggregation makes it the mean over `kept`."""
+        config = LossConfig(beta=0.0, guide="none", loss_type="bnpo", temperature=self.temperature,
+                            entropy_coef=self.entropy_coef / accumulation)
+        zeros = torch.zeros(token_ids.shape[0], device=hidden.device, dtype=torch.float32)
+        return fused_linear_sage_loss(hidden, weight, token_ids, kept, zeros, bias=bias, config=config,
+                                      backend=self.args.sage_backend).loss
+
+    def _log_loss_metrics(self, mode: str, out, advantages: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL's loss metrics, with TRL's semantics, from the fused call's per-token outputs."""
+        metrics = self._metrics[mode]
+        m = mask.float()
+
+        def global_mean(total: torch.Tensor, count: torch.Tensor) -> float:
+            totals = self.accelerator.reduce(torch.stack([total.float(), count.float()]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if self.beta != 0.0:
+            metrics["kl"].append(global_mean((out.kl * m).sum(), m.sum()))
+        metrics["entropy"].append(global_mean((out.entropy * m).sum(), m.sum()))
+        metrics["sage/q_mean"].append(global_mean((out.q * m).sum(), m.sum()))
+        metrics["sage/q_min"].append(nanmin(self.accelerator.gather(out.metrics["sage/q_min"])).item())
+        metrics["sage/q_max"].append(nanmax(self.accelerator.gather(out.metrics["sage/q_max"])).item())
+
+        ratio = out.ratio if self.args.delta is None else out.ratio.clamp(max=self.args.delta)
+        A = advantages[:, None] if advantages.dim() == 1 else advantages
+        if self.importance_sampling_level == "sequence":
+            # One ratio per sequence (TRL's [B, 1]); a sequence without tokens has ratio 1.
+            count = m.sum(-1, keepdim=True)
+            ratio = torch.where(count > 0, (ratio * m).sum(-1, keepdim=True) / count.clamp(min=1.0), 1.0)
+            weights = torch.ones_like(ratio)
+        else:
+            weights = m
+        low = ((ratio < 1 - self.epsilon_low) & (A < 0)).float()
+        high = ((ratio > 1 + self.epsilon_high) & (A > 0)).float()
+        for name, clipped in (("low", low), ("high", high), ("region", torch.maximum(low, high))):
+            metrics[f"clip_ratio/{name}_mean"].append(global_mean((clipped * weights).sum(), weights.sum()))
+        per_sequence = (low * weights).sum(-1) / weights.sum(-1), (high * weights).sum(-1) / weights.sum(-1)
+        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(per_sequence[0])).item())
+        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(per_sequence[1])).item())
+
+
+def _check_supported(args: SAGEGRPOConfig) -> None:
+    """Reject the TRL options this trainer does not implement, before any model is loaded."""
+    unsupported = {
+        "loss_type": args.loss_type not in SUPPORTED_LOSS_TYPES,
+        "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
+        "use_bias_correction_kl": args.use_bias_correction_kl and args.beta != 0.0,
+        "use_adaptive_entropy": args.use_adaptive_entropy,
+    }
+    for name, bad in unsupported.items():
+        if bad:
+            raise ValueError(f"SAGEGRPOTrainer does not support {name}={getattr(args, name)!r} "
+                             f"(loss types: {', '.join(SUPPORTED_LOSS_TYPES)})")
+
+
+def _check_model(model, aux_loss_enabled: bool) -> None:
+    text_config = model.config.get_text_config()
+    for key in _LOGIT_SCALE_KEYS:
+        if getattr(text_config, key, None) not in (None, 1.0):
+            raise ValueError(f"SAGEGRPOTrainer does not support models whose logits are transformed after the "
+                             f"LM head ({key}={getattr(text_config, key)!r})")
+    if aux_loss_enabled:
+        raise ValueError("SAGEGRPOTrainer does not add the MoE load-balancing loss; set router_aux_loss_coef=0")

@@ -1,0 +1,157 @@
+"""`SAGEGRPOTrainer` against the real TRL `GRPOTrainer`, on a tiny Qwen2 model on the CPU.
+
+With the guide off, both trainers' `compute_loss` on the same batch and the same weights must
+give the same loss, the same parameter gradients and the same logged metrics; with the guide
+on, a few real training steps (generation, reward, loss, optimizer) run and log the SAGE metrics.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+from datasets import Dataset  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+from sage_kernels.integrations.trl import SAGEGRPOConfig, SAGEGRPOTrainer  # noqa: E402
+
+BACKEND = "reference"  # the integration is backend-agnostic; the backends are held to the reference elsewhere
+B, P, L = 4, 3, 6
+
+# TRL's attributes each case sets on both trainers (module-scoped trainers, so every case sets all).
+DEFAULTS = dict(beta=0.04, loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, delta=None,
+                importance_sampling_level="token", top_entropy_quantile=1.0, entropy_coef=0.0, use_vllm=False,
+                accumulation=1, old_logps=True)
+CASES = {
+    "grpo-kl": {},
+    "bnpo-beta0-on_policy": dict(loss_type="bnpo", beta=0.0, old_logps=False),
+    "dr_grpo-accum2": dict(loss_type="dr_grpo", accumulation=2),
+    "dapo-accum2": dict(loss_type="dapo", accumulation=2, epsilon_high=0.28),
+    "grpo-sequence-delta": dict(importance_sampling_level="sequence", delta=1.25),
+    "dapo-token-delta": dict(loss_type="dapo", delta=1.1),
+    "bnpo-top_entropy-entropy_bonus": dict(loss_type="bnpo", top_entropy_quantile=0.4, entropy_coef=0.05),
+    "grpo-entropy_bonus": dict(entropy_coef=0.1, accumulation=2),
+    "dapo-vllm_is": dict(loss_type="dapo", use_vllm=True),
+}
+COMPARED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                    "clip_ratio/low_min", "clip_ratio/high_max", "policy_loss")
+
+
+def letter_a_reward(completions, **kwargs):
+    return [completion.count("a") / max(len(completion), 1) for completion in completions]
+
+
+def make_args(output_dir, **overrides):
+    options = dict(output_dir=output_dir, per_device_train_batch_size=4, num_generations=4,
+                   max_completion_length=L, report_to="none", use_cpu=True, save_strategy="no", logging_steps=1,
+                   max_steps=2, learning_rate=1e-2, beta=0.04, sage_backend=BACKEND, seed=0, bf16=False)
+    return SAGEGRPOConfig(**{**options, **overrides})
+
+
+def make_trainer(cls, model_dir, output_dir, **overrides):
+    from transformers import AutoTokenizer
+
+    dataset = Dataset.from_dict({"prompt": ["ab", "ba", "ca", "ac", "bb", "aa", "cb", "bc"]})
+    return cls(model_dir, reward_funcs=letter_a_reward, args=make_args(output_dir, **overrides),
+               train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+
+@pytest.fixture(scope="module")
+def trainer_pair(tiny_lm_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo")
+    trl_trainer = make_trainer(GRPOTrainer, tiny_lm_dir, str(out / "trl"), sage_guide="none")
+    sage_trainer = make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(out / "sage"), sage_guide="none")
+    for p, q in zip(trl_trainer.model.parameters(), sage_trainer.model.parameters()):
+        assert torch.equal(p, q)
+    return trl_trainer, sage_trainer
+
+
+def make_batch(model, options, seed=0):
+    """A generation batch as `_generate_and_score_completions` returns it, with left-padded prompts."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    prompt_ids = torch.randint(3, V, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[1, 0] = 0
+    prompt_ids[1, 0] = 0
+    completion_ids = torch.randint(3, V, (B, L), generator=g)
+    lengths = torch.tensor([6, 4, 2, 5])
+    completion_mask = (torch.arange(L)[None] < lengths[:, None]).long()
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                       attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits[:, P - 1:-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids[..., None]).squeeze(-1)
+    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                 completion_mask=completion_mask, advantages=torch.tensor([1.0, -0.5, 0.3, -1.2]),
+                 ref_per_token_logps=logp + 0.3 * torch.randn(B, L, generator=g),
+                 num_items_in_batch=completion_mask.sum().float() * 2,
+                 importance_sampling_ratio=torch.rand(B, L, generator=g) + 0.5)
+    if options["old_logps"]:
+        batch["old_per_token_logps"] = logp + 0.25 * torch.randn(B, L, generator=g)
+    return batch
+
+
+def configure(trainer, options):
+    for name in ("beta", "loss_type", "epsilon_low", "epsilon_high", "importance_sampling_level",
+                 "top_entropy_quantile", "entropy_coef", "use_vllm"):
+        setattr(trainer, name, options[name])
+    trainer.args.delta = options["delta"]
+    trainer._entropy_bonus_enabled = options["entropy_coef"] != 0.0
+    trainer.vllm_importance_sampling_correction = True
+    trainer.current_gradient_accumulation_steps = options["accumulation"]
+    trainer.model.train()
+    trainer._metrics["train"].clear()
+
+
+def loss_grads_metrics(trainer, batch):
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    return loss.detach(), grads, metrics
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_guide_off_equals_trl(trainer_pair, case):
+    options = {**DEFAULTS, **CASES[case]}
+    trl_trainer, sage_trainer = trainer_pair
+    batch = make_batch(trl_trainer.model, options)
+    results = []
+    for trainer in trainer_pair:
+        configure(trainer, options)
+        results.append(loss_grads_metrics(trainer, batch))
+    (loss_t, grads_t, metrics_t), (loss_s, grads_s, metrics_s) = results
+    torch.testing.assert_close(loss_s, loss_t, atol=1e-6, rtol=1e-5)
+    assert grads_s.keys() == grads_t.keys() and len(grads_t) > 0
+    for name in grads_t:
+        torch.testing.assert_close(grads_s[name], grads_t[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m: f"grad of {name}: {m}")
+    for name in COMPARED_METRICS:
+        assert (name in metrics_s) == (name in metrics_t), name
+        if name in metrics_t:
+            assert math.isclose(metrics_s[name], metrics_t[name], rel_tol=1e-5, abs_tol=1e-6), name
+    assert metrics_s["sage/q_min"] == metrics_s["sage/q_max"] == 1.0
+
+
+def test_training_steps_with_branch_guide(tiny_lm_dir, tmp_path):
+    trainer = make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(tmp_path), sage_guide="branch", sage_tau=0.0,
+                           sage_gamma=0.5, loss_type="dapo")
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "sage/q_mean" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert math.isfinite(entry["loss"]) and 0.6 <= entry["sage/q_min"] <= entry["sage/q_max"] <= 1.4
+        assert entry["sage/q_max"] > 1.0  # tau = 0: every position with entropy > 0 gets q > 1
+        assert {"kl", "entropy", "clip_ratio/region_mean", "reward"} <= entry.keys()
+    assert any(not torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
+
+
+@pytest.mark.parametrize("overrides", [dict(loss_type="cispo"), dict(use_adaptive_entropy=True),
+                                       dict(off_policy_mask_threshold=0.5), dict(sage_guide="bogus")],
+                         ids=["cispo", "adaptive_entropy", "off_policy_mask", "bad_guide"])
+def test_unsupported_options_raise(tiny_lm_dir, tmp_path, overrides):
+    with pytest.raises(ValueError):
+        make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(tmp_path), **overrides)
