@@ -1,0 +1,136 @@
+"""`sage-eval` end to end on tiny real models (a character-level Qwen2 saved with save_pretrained)
+and a synthetic task: results.json against a regrading of the saved completions, the table and
+the plot, two models in one call, run directories, and resuming an interrupted evaluation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from sage_train.evaluate import main, pass_at_k
+from sage_train.model import build_char_tokenizer, build_tiny_model
+from sage_train.tasks import get_task
+
+TASK_OPTIONS = {"digits": 1}  # "3+4=" -> "7": a tiny model learns the few eval problems quickly
+LIMIT = 4
+
+
+def tiny_model(train_steps: int):
+    """A 1-layer char-level Qwen2, fitted for `train_steps` full-batch steps to answer the first
+    LIMIT test problems (so that some, not all, of its samples are right)."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, max_positions=64, seed=0)
+    task = get_task("arithmetic", **TASK_OPTIONS)
+    texts = [task.prompt(p) + p.answer + tokenizer.eos_token for p in task.problems("test", LIMIT, 0)]
+    batch = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(train_steps):
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{label: saved HF directory}: an untrained model and a briefly trained one."""
+    root = tmp_path_factory.mktemp("models")
+    saved = {}
+    for label, steps in (("untrained", 0), ("fitted", 40)):
+        model, tokenizer = tiny_model(steps)
+        model.save_pretrained(root / label)
+        tokenizer.save_pretrained(root / label)
+        saved[label] = root / label
+    return saved
+
+
+def run(models, out, *extra):
+    return main(["--model", str(models["untrained"]), "--model", str(models["fitted"]),
+                 "--tasks", "arithmetic", "--task-options", json.dumps({"arithmetic": TASK_OPTIONS}),
+                 "--n", "8", "--k", "1,2,8", "--seeds", "0,1", "--max-new-tokens", "3",
+                 "--out", str(out), "--no-progress", "--save-completions", *extra])
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_end_to_end_results_match_the_graded_completions(models, tmp_path):
+    assert run(models, tmp_path, "--limit", str(LIMIT)) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["ks"] == [1, 2, 8] and results["config"]["seeds"] == [0, 1]
+    assert list(results["models"]) == ["untrained", "fitted"]
+    assert results["generated"] == 2 * 2 * LIMIT and results["resumed"] == 0
+
+    task = get_task("arithmetic", **TASK_OPTIONS)
+    problems = {p.id: p for p in task.problems("test", LIMIT, 0)}
+    saved = {(r["model"], r["seed"], r["problem_id"]): r for r in read_jsonl(tmp_path / "completions.jsonl")}
+    for label, model in results["models"].items():
+        records = model["tasks"]["arithmetic"]["problems"]
+        assert sorted((r["seed"], r["problem_id"]) for r in records) == sorted(
+            (seed, pid) for seed in (0, 1) for pid in problems)
+        for record in records:
+            texts = saved[(label, record["seed"], record["problem_id"])]["completions"]
+            assert record["n"] == len(texts) == 8
+            # c is the task's own verdict on the completions that were saved
+            assert record["c"] == sum(task.score(t, problems[record["problem_id"]]) == 1.0 for t in texts)
+        curve = model["tasks"]["arithmetic"]["pass_at_k"]
+        for k in (1, 2, 8):
+            per_seed = [sum(pass_at_k(8, r["c"], k) for r in records if r["seed"] == s) / LIMIT for s in (0, 1)]
+            assert curve[str(k)]["per_seed"] == pytest.approx(per_seed)
+            assert curve[str(k)]["mean"] == pytest.approx(sum(per_seed) / 2)
+    fitted = results["models"]["fitted"]["tasks"]["arithmetic"]
+    assert sum(r["c"] for r in fitted["problems"]) > 0  # the fitted model answers some right
+    assert fitted["pass_at_k"]["8"]["mean"] >= fitted["pass_at_k"]["1"]["mean"]
+
+    table = (tmp_path / "results.md").read_text()
+    assert "| untrained | 4 |" in table and "| fitted | 4 |" in table and "pass@8" in table
+    assert (tmp_path / "pass_at_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_skips_finished_problems(models, tmp_path):
+    assert run(models, tmp_path, "--limit", "2") == 0
+    first = (tmp_path / "records.jsonl").read_text()
+    assert len(first.splitlines()) == 2 * 2 * 2  # models x seeds x problems
+    # A kill while writing leaves a half line behind: it must be dropped, not crash the rerun.
+    with open(tmp_path / "records.jsonl", "a") as f:
+        f.write('{"model": "fitted", "task": "arithm')
+
+    assert run(models, tmp_path, "--limit", str(LIMIT)) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["resumed"] == 2 * 2 * 2 and results["generated"] == 2 * 2 * 2
+    records = (tmp_path / "records.jsonl").read_text()
+    assert records.startswith(first)  # the finished problems were kept, not redone
+    keys = [(r["model"], r["seed"], r["problem_id"]) for r in map(json.loads, records.splitlines())]
+    assert len(keys) == len(set(keys)) == 2 * 2 * LIMIT
+    # Their completions were not sampled again either.
+    sampled = [(r["model"], r["seed"], r["problem_id"]) for r in read_jsonl(tmp_path / "completions.jsonl")]
+    assert sorted(sampled) == sorted(keys)
+
+
+def test_resume_refuses_other_sampling_settings(models, tmp_path):
+    assert run(models, tmp_path, "--limit", "1") == 0
+    with pytest.raises(ValueError, match="temperature: 1.0 there, 0.5 now"):
+        run(models, tmp_path, "--limit", "1", "--temperature", "0.5")
+
+
+def test_run_directory_supplies_model_task_and_output(models, tmp_path):
+    run_dir = tmp_path / "runs" / "tiny-run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "final").symlink_to(models["fitted"], target_is_directory=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(
+        {"task": "arithmetic", "task_options": TASK_OPTIONS, "eval_task": "", "max_new_tokens": 3,
+         "eval_max_new_tokens": 0}))
+    assert main(["--model", str(run_dir), "--n", "2", "--limit", "1", "--no-progress"]) == 0
+    results = json.loads((run_dir / "eval" / "results.json").read_text())
+    assert list(results["models"]) == ["tiny-run"]
+    assert results["config"]["tasks"] == ["arithmetic"]
+    assert results["config"]["sampling"]["max_new_tokens"] == 3
+    assert results["config"]["ks"] == [1, 2]
