@@ -5,6 +5,10 @@ the plot, two models in one call, run directories, and resuming an interrupted e
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -134,3 +138,29 @@ def test_run_directory_supplies_model_task_and_output(models, tmp_path):
     assert results["config"]["tasks"] == ["arithmetic"]
     assert results["config"]["sampling"]["max_new_tokens"] == 3
     assert results["config"]["ks"] == [1, 2]
+
+
+def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
+    """Ctrl-C in a real `sage-eval` process: it exits 130 keeping what it finished, and the
+    rerun samples only the rest."""
+    args = ["--model", str(models["fitted"]), "--tasks", "arithmetic",
+            "--task-options", json.dumps({"arithmetic": TASK_OPTIONS}), "--n", "8", "--seeds", "0,1,2",
+            "--max-new-tokens", "3", "--limit", "16", "--out", str(tmp_path), "--no-progress"]
+    code = f"import sys; from sage_train.evaluate import main; sys.exit(main({args!r}))"
+    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    records = tmp_path / "records.jsonl"
+    deadline = time.monotonic() + 120
+    while not (records.is_file() and records.read_text().count("\n") >= 2):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert "rerun the same command to resume" in stderr
+    finished = records.read_text().count("\n")
+    total = 3 * len(get_task("arithmetic", **TASK_OPTIONS).problems("test", 16, 0))  # 1-digit sums: 7 in test
+    assert 2 <= finished < total
+
+    assert main(args) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["resumed"] == finished and results["generated"] == total - finished
