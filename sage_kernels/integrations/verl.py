@@ -1,0 +1,202 @@
+"""verl adapters: the fused log-prob/entropy kernel, the SAGE anchor, and a registered policy loss.
+
+verl's hooks see the SAGE loss in three places, and this module fills each:
+
+- `linear_cross_entropy(hidden, weight, labels, temperature, reduction)`: verl's fused-kernel
+  interface (``verl.utils.kernel.linear_cross_entropy``): per-token log-probs and entropies,
+  both differentiable, without [N, V] logits in the forward. `patch_verl_fused_kernel()` puts
+  it where verl's model forwards look it up (``use_fused_kernels=True`` with the triton
+  backend), so it also runs where verl's Triton kernel cannot (CPU).
+- `sage_anchor_log_prob(ref_log_prob, entropy, response_mask)`: log(q * pi_ref). Put in
+  place of the batch's ``ref_log_prob`` (entropy from the old-log-prob pass), verl's own KL
+  loss (``use_kl_loss=True``, ``kl_loss_type="low_var_kl"``, i.e. k3) becomes the KL to the
+  SAGE anchor. The guide is then computed from the behaviour policy's entropy and held
+  fixed for the update, which equals the fused loss's guide on the first on-policy step.
+- `compute_policy_loss_sage`: registered as ``"sage"`` in verl's policy-loss registry
+  (``actor.policy_loss.loss_mode=sage``) when verl imports. verl passes a policy loss only
+  log-probs, so it is the PG term of ``shared/SPEC.md`` (the same per-token stage as the
+  fused loss) with verl's aggregation modes and metric names; the anchor enters through
+  the KL loss above.
+
+Differences from verl's "vanilla" loss: the log-ratio is not clamped to [-20, 20] before
+exp; dual clip applies only when ``clip_ratio_c`` is set (verl's default 3.0 is used when
+the config has no such key, as in verl).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..function import logprobs_and_entropy
+from ..guides import branch_guide
+from ..reference import reference_logprobs_and_entropy, token_stage
+from ..spec import LossConfig, SageInputs
+
+#: rows per recomputed block in the backward of `linear_cross_entropy` (a [rows, V] float32 workspace).
+BACKWARD_BLOCK_ROWS = 1024
+AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                     "seq-mean-token-sum-norm")
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward: the fused sweep (no logits kept). Backward: recompute the logits block by block
+    and differentiate the reference maths, so memory stays O(block * V)."""
+
+    @staticmethod
+    def forward(ctx, hidden2d, weight, labels, temperature, backend):
+        logp, entropy = logprobs_and_entropy(hidden2d.detach(), weight.detach(), labels,
+                                             temperature=temperature, backend=backend)
+        ctx.save_for_backward(hidden2d, weight, labels)
+        ctx.temperature = temperature
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden2d, weight, labels = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros(hidden2d.shape, dtype=torch.float32, device=hidden2d.device) if need_hidden else None
+        weight32 = weight.detach().float().requires_grad_(need_weight)
+        grad_logp = torch.zeros_like(labels, dtype=torch.float32) if grad_logp is None else grad_logp.float()
+        grad_entropy = torch.zeros_like(grad_logp) if grad_entropy is None else grad_entropy.float()
+        for start in range(0, labels.shape[0], BACKWARD_BLOCK_ROWS):
+            rows = slice(start, start + BACKWARD_BLOCK_ROWS)
+            with torch.enable_grad():
+                block = hidden2d[rows].detach().float().requires_grad_(need_hidden)
+                logp, entropy = reference_logprobs_and_entropy(block, weight32, labels[rows],
+                                                               temperature=ctx.temperature)
+                torch.autograd.backward((logp, entropy), (grad_logp[rows], grad_entropy[rows]))
+            if need_hidden:
+                grad_hidden[rows] = block.grad
+        return (None if grad_hidden is None else grad_hidden.to(hidden2d.dtype),
+                weight32.grad.to(weight.dtype) if need_weight else None, None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         temperature: float = 1.0, reduction: str = "none", dist_process_group=None,
+                         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's fused kernel interface: log pi(labels) and the entropy of softmax(hidden @ weight.T / T).
+
+    hidden: [..., D]; weight: [V, D]; labels: [...] token ids in [0, V). Returns two float32
+    tensors shaped like `labels`, both differentiable with respect to `hidden` and `weight`.
+    Only ``reduction="none"`` (what verl's models use) and an unsharded vocabulary
+    (``dist_process_group=None``) are supported.
+    """
+    if reduction != "none":
+        raise ValueError(f"reduction must be 'none', got {reduction!r}")
+    if dist_process_group is not None:
+        raise ValueError("dist_process_group must be None: a vocabulary-parallel LM head is not supported")
+    lead = labels.shape
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    logp, entropy = _LinearCrossEntropy.apply(hidden2d, weight, labels.reshape(-1).long(), float(temperature),
+                                              backend)
+    return logp.view(lead), entropy.view(lead)
+
+
+def patch_verl_fused_kernel() -> None:
+    """Make verl's model forwards (``use_fused_kernels=True``, triton backend) call `linear_cross_entropy`.
+
+    verl imports ``linear_cross_entropy`` from its module at each call, so replacing the
+    module attribute is enough; call this in every worker process before training.
+    """
+    import verl.utils.kernel.linear_cross_entropy as verl_kernel
+
+    verl_kernel.linear_cross_entropy = linear_cross_entropy
+
+
+def sage_anchor_log_prob(ref_log_prob: torch.Tensor, entropy: torch.Tensor, response_mask: torch.Tensor, *,
+                         gamma: float = 0.3, tau: float = 1.2, q_min: float = 0.6,
+                         q_max: float = 1.4) -> torch.Tensor:
+    """log(q * pi_ref) per token with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max).
+
+    Masked positions keep `ref_log_prob` (q = 1). No gradient flows through the result.
+    """
+    q = branch_guide(entropy.float(), gamma=gamma, tau=tau, q_min=q_min, q_max=q_max)
+    return torch.where(response_mask.bool(), ref_log_prob.detach().float() + q.log(), ref_log_prob.float())
+
+
+def _config_value(config, name: str, default):
+    value = config.get(name, default) if hasattr(config, "get") else getattr(config, name, default)
+    return default if value is None else value
+
+
+def _aggregation_weights(mask: torch.Tensor, mode: str, dp_size: int = 1, batch_num_tokens=None,
+                         global_batch_size=None, loss_scale_factor=None) -> torch.Tensor:
+    """Per-token weights w with verl's ``agg_loss(l, mask, mode) == sum(w * l)`` over unmasked tokens."""
+    m = mask.float()
+    B, L = m.shape
+    if mode == "token-mean":
+        tokens = m.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=m.dtype)
+        return m * dp_size / tokens
+    if mode == "token-sum":
+        return m * dp_size
+    per_row = m.sum(-1, keepdim=True)
+    rows = (per_row > 0).float()
+    sequences = rows.sum() if global_batch_size is None else torch.as_tensor(global_batch_size, dtype=m.dtype)
+    row_weight = rows * dp_size / sequences
+    if mode == "seq-mean-token-mean":
+        return m * row_weight / (per_row + 1e-8)  # verl's token-mean per sequence, with its epsilon
+    if mode == "seq-mean-token-sum":
+        return m * row_weight
+    if mode == "seq-mean-token-sum-norm":
+        return m * row_weight / (L if loss_scale_factor is None else loss_scale_factor)
+    raise ValueError(f"loss_agg_mode must be one of {list(AGGREGATION_MODES)}, got {mode!r}")
+
+
+def compute_policy_loss_sage(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                             response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config=None,
+                             rollout_is_weights: Optional[torch.Tensor] = None):
+    """verl's policy-loss signature: the SAGE PG term, aggregated with `loss_agg_mode`.
+
+    Reads ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c`` (dual clip)
+    and ``global_batch_info`` from `config` (verl's ActorConfig or a dict-like). Returns
+    ``(loss, metrics)`` with verl's metric names: ``actor/pg_clipfrac``, ``actor/ppo_kl``,
+    ``actor/pg_clipfrac_lower``.
+    """
+    if config is None:
+        raise ValueError("config (verl's ActorConfig) is required for the clip ranges")
+    clip = _config_value(config, "clip_ratio", 0.2)
+    eps_low = _config_value(config, "clip_ratio_low", clip)
+    eps_high = _config_value(config, "clip_ratio_high", clip)
+    dual_clip_c = _config_value(config, "clip_ratio_c", 3.0)
+    mask = response_mask.bool()
+    weights = _aggregation_weights(mask, loss_agg_mode, **dict(_config_value(config, "global_batch_info", {})))
+    if rollout_is_weights is not None:
+        weights = weights * rollout_is_weights.float()
+    loss_config = LossConfig(beta=0.0, guide="none", loss_type="dapo", num_items_in_batch=1.0, eps_low=eps_low,
+                             eps_high=eps_high, dual_clip_c=dual_clip_c)
+    # The aggregation weights ride on the PG term's importance weights; dapo with one item is then sum(w * pg).
+    inputs = SageInputs(hidden=None, weight=None, bias=None, token_ids=torch.zeros_like(mask, dtype=torch.long),
+                        mask=mask, advantages=torch.where(mask, advantages.detach().float(), 0.0),
+                        old_logp=torch.where(mask, old_log_prob.detach().float(), 0.0), ref_logp=None,
+                        is_weights=torch.where(mask, weights, 0.0), log_q=None)
+    logp = log_prob.float()
+    loss, per_token = token_stage(logp, torch.zeros_like(logp), inputs, loss_config)
+
+    ratio, A = per_token["ratio"], inputs.advantages
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    pg = torch.maximum(-A * ratio, -A * clipped)
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean((-A * clipped > -A * ratio).float(), mask),
+        "actor/ppo_kl": _masked_mean(inputs.old_logp - logp.detach(), mask),
+        "actor/pg_clipfrac_lower": _masked_mean(((pg > -A * dual_clip_c) & (A < 0)).float(), mask),
+    }
+    return loss, metrics
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def _register() -> bool:
+    """Add ``"sage"`` to verl's policy-loss registry when verl imports; True when registered."""
+    try:
+        from verl.trainer.ppo.core_algos import register_policy_loss
+    except ImportError:
+        return False
+    register_policy_loss("sage")(compute_policy_loss_sage)
+    return True
+
+
+VERL_REGISTERED = _register()

@@ -1,0 +1,218 @@
+"""The verl adapters against verl's formulas, written out here, and against verl itself when it imports.
+
+verl 0.9 pins transformers < 5.11 and needs ray, so it does not install beside this project's
+transformers; the `real_verl` tests run where it does (they were run in a side environment).
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from sage_kernels import fused_linear_sage_loss
+from sage_kernels.integrations import verl as sage_verl
+
+HAS_VERL = importlib.util.find_spec("verl") is not None
+real_verl = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed here")
+BACKEND = "reference"  # the integration is backend-agnostic; the backends are held to the reference elsewhere
+
+
+class Config(dict):
+    """verl's ActorConfig as the policy losses use it: attributes plus `.get`."""
+
+    __getattr__ = dict.__getitem__
+
+
+def logprobs_entropy_formula(hidden, weight, labels, temperature):
+    logits = hidden.float() @ weight.float().t() / temperature
+    logprobs = torch.log_softmax(logits, -1)
+    return logprobs.gather(-1, labels[..., None]).squeeze(-1), -(logprobs.exp() * logprobs).sum(-1)
+
+
+def make_head(seed=0, B=3, L=5, D=12, V=29):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, L, D, generator=g), torch.randn(V, D, generator=g) * 0.7,
+            torch.randint(0, V, (B, L), generator=g), g)
+
+
+def forward_backward(fn, hidden, weight, labels, upstream):
+    hidden, weight = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logp, entropy = fn(hidden, weight, labels)
+    ((logp * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+    return logp.detach(), entropy.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("block_rows", [1024, 4], ids=["one-block", "blocks-of-4"])
+def test_linear_cross_entropy_matches_formula(monkeypatch, block_rows):
+    monkeypatch.setattr(sage_verl, "BACKWARD_BLOCK_ROWS", block_rows)
+    hidden, weight, labels, g = make_head()
+    upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
+    ours = forward_backward(lambda h, w, y: sage_verl.linear_cross_entropy(h, w, y, 0.8, backend=BACKEND),
+                            hidden, weight, labels, upstream)
+    want = forward_backward(lambda h, w, y: logprobs_entropy_formula(h, w, y, 0.8), hidden, weight, labels, upstream)
+    for name, got, expected in zip(("logp", "entropy", "grad hidden", "grad weight"), ours, want):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_linear_cross_entropy_logp_only_gradient():
+    hidden, weight, labels, _ = make_head(seed=1)
+    h = hidden.clone().requires_grad_(True)
+    sage_verl.linear_cross_entropy(h, weight, labels, backend=BACKEND)[0].sum().backward()
+    h2 = hidden.clone().requires_grad_(True)
+    logprobs_entropy_formula(h2, weight, labels, 1.0)[0].sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [dict(reduction="mean"), dict(dist_process_group=object())], ids=["mean", "tp"])
+def test_linear_cross_entropy_rejects_unsupported(kwargs):
+    hidden, weight, labels, _ = make_head()
+    with pytest.raises(ValueError):
+        sage_verl.linear_cross_entropy(hidden, weight, labels, **kwargs)
+
+
+def verl_aggregate(loss_mat, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                   loss_scale_factor=None):
+    """verl's agg_loss, written from its definition."""
+    m = mask.float()
+    if mode == "token-mean":
+        return (loss_mat * m).sum() / (m.sum() if batch_num_tokens is None else batch_num_tokens) * dp_size
+    if mode == "token-sum":
+        return (loss_mat * m).sum() * dp_size
+    seq_mask = (m.sum(-1) > 0).float()
+    G = seq_mask.sum() if global_batch_size is None else global_batch_size
+    if mode == "seq-mean-token-mean":
+        seq = (loss_mat * m).sum(-1) / (m.sum(-1) + 1e-8)
+        return (seq * seq_mask).sum() / G * dp_size
+    seq = (loss_mat * m).sum(-1)
+    loss = (seq * seq_mask).sum() / G * dp_size
+    return loss / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor) \
+        if mode == "seq-mean-token-sum-norm" else loss
+
+
+def verl_vanilla(old, logp, A, mask, mode, config, weights=None):
+    """verl's vanilla PPO policy loss (clip low/high, dual clip for A < 0), written from its definition."""
+    eps_low, eps_high, c = config["clip_ratio_low"], config["clip_ratio_high"], config["clip_ratio_c"]
+    ratio = torch.exp(logp - old)
+    pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - eps_low, 1 + eps_high))
+    pg = torch.where(A < 0, torch.minimum(pg, -A * c), pg)
+    if weights is not None:
+        pg = pg * weights
+    return verl_aggregate(pg, mask, mode, **config["global_batch_info"])
+
+
+def policy_batch(seed=0, B=4, L=6):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[3] = False  # an empty response: excluded from the sequence means
+    logp = -torch.rand(B, L, generator=g) * 3
+    old = logp + 0.4 * torch.randn(B, L, generator=g)
+    A = torch.randn(B, 1, generator=g).expand(B, L) * 2
+    return old, logp, A, mask, torch.rand(B, L, generator=g) + 0.5
+
+
+AGG_CASES = {
+    "token-mean": ("token-mean", {}),
+    "token-mean-global": ("token-mean", dict(dp_size=2, batch_num_tokens=30)),
+    "token-sum": ("token-sum", {}),
+    "seq-mean-token-mean": ("seq-mean-token-mean", {}),
+    "seq-mean-token-sum": ("seq-mean-token-sum", dict(global_batch_size=5)),
+    "seq-mean-token-sum-norm": ("seq-mean-token-sum-norm", dict(loss_scale_factor=8)),
+}
+
+
+@pytest.mark.parametrize("case", list(AGG_CASES), ids=list(AGG_CASES))
+@pytest.mark.parametrize("with_is", [False, True], ids=["no-is", "rollout-is"])
+def test_policy_loss_matches_verl_formula(case, with_is):
+    mode, batch_info = AGG_CASES[case]
+    config = Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                    global_batch_info=batch_info)
+    old, logp, A, mask, is_w = policy_batch()
+    weights = is_w if with_is else None
+    results = []
+    for fn in (lambda lp: sage_verl.compute_policy_loss_sage(old, lp, A, mask, mode, config, weights)[0],
+               lambda lp: verl_vanilla(old, lp, A, mask, mode, config, weights)):
+        lp = logp.clone().requires_grad_(True)
+        loss = fn(lp)
+        loss.backward()
+        results.append((loss.detach(), lp.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-5)
+
+
+def test_policy_loss_metrics():
+    old, logp, A, mask, _ = policy_batch()
+    config = Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1.05,
+                    global_batch_info={})
+    _, metrics = sage_verl.compute_policy_loss_sage(old, logp, A, mask, "token-mean", config)
+    m = mask.float()
+    ratio = torch.exp(logp - old)
+    pg_unclipped, pg_clipped = -A * ratio, -A * ratio.clamp(0.8, 1.2)
+    dual = (torch.maximum(pg_unclipped, pg_clipped) > -A * 1.05) & (A < 0)
+    expected = {"actor/pg_clipfrac": (pg_clipped > pg_unclipped).float(), "actor/ppo_kl": old - logp,
+                "actor/pg_clipfrac_lower": dual.float()}
+    for name, per_token in expected.items():
+        assert metrics[name] == pytest.approx(((per_token * m).sum() / m.sum()).item(), abs=1e-7), name
+    assert metrics["actor/pg_clipfrac_lower"] > 0  # the case exercises the dual clip
+
+
+def test_anchor_through_verl_kl_equals_the_fused_sage_kl():
+    """verl's low_var_kl (k3) with ref_log_prob := sage_anchor_log_prob(...) is the fused loss's KL to q * pi_ref."""
+    hidden, weight, labels, g = make_head(seed=2)
+    mask = torch.ones(labels.shape, dtype=torch.bool)
+    mask[0, 3:] = False
+    ref = -torch.rand(labels.shape, generator=g) * 4
+    guide = dict(gamma=0.8, tau=1.0, q_min=0.6, q_max=1.4)
+    out = fused_linear_sage_loss(hidden, weight, labels, mask, torch.ones(labels.shape[0]), ref_logp=ref,
+                                 beta=0.1, guide="branch", backend=BACKEND, **guide)
+    anchor = sage_verl.sage_anchor_log_prob(ref, out.entropy, mask, **guide)
+    delta = anchor - out.logp
+    verl_k3 = torch.where(mask, torch.exp(delta) - delta - 1, 0.0)
+    torch.testing.assert_close(verl_k3, out.kl, atol=1e-6, rtol=1e-5)
+    assert (out.q[mask] != 1).any()  # the guide moved the anchor
+
+
+@real_verl
+def test_registered_in_verl():
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    assert sage_verl.VERL_REGISTERED
+    assert get_policy_loss_fn("sage") is sage_verl.compute_policy_loss_sage
+
+
+@real_verl
+@pytest.mark.parametrize("case", list(AGG_CASES), ids=list(AGG_CASES))
+def test_policy_loss_matches_real_verl(case):
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    mode, batch_info = AGG_CASES[case]
+    config = OmegaConf.create(dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                                   global_batch_info=batch_info))
+    old, logp, A, mask, is_w = policy_batch()
+    ours = sage_verl.compute_policy_loss_sage(old, logp, A, mask, mode, config, is_w)
+    theirs = get_policy_loss_fn("vanilla")(old, logp, A, mask, mode, config, is_w)
+    torch.testing.assert_close(ours[0], theirs[0], atol=1e-6, rtol=1e-5)
+    for name, value in theirs[1].items():
+        assert ours[1][name] == pytest.approx(value, abs=1e-6), name
+
+
+@real_verl
+def test_linear_cross_entropy_matches_real_verl_and_patches_it():
+    import verl.utils.kernel.linear_cross_entropy as verl_kernel
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    hidden, weight, labels, g = make_head(seed=3)
+    upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
+    verl_fn = FusedLinearForPPO(chunk_size=4)
+    theirs = forward_backward(lambda h, w, y: verl_fn(h, w, y, temperature=0.9), hidden, weight, labels, upstream)
+    ours = forward_backward(lambda h, w, y: sage_verl.linear_cross_entropy(h, w, y, 0.9, backend=BACKEND),
+                            hidden, weight, labels, upstream)
+    for got, expected in zip(ours, theirs):
+        torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
+    original = verl_kernel.linear_cross_entropy
+    try:
+        sage_verl.patch_verl_fused_kernel()
+        assert verl_kernel.linear_cross_entropy is sage_verl.linear_cross_entropy
+    finally:
+        verl_kernel.linear_cross_entropy = original
