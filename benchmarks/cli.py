@@ -1,0 +1,22 @@
+"""`sage-bench COMMAND [flags]`: one entry point for the benchmarks, one module per command."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: command -> module with a `main(argv) -> int`
+COMMANDS = {"loss": "benchmarks.loss"}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: sage-bench {{{','.join(COMMANDS)}}} [flags]   (sage-bench loss --help for flags)",
+              file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

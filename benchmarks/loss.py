@@ -1,0 +1,140 @@
+"""`sage-bench loss` / `python -m benchmarks.loss`: the fused SAGE loss against its peers.
+
+Every point (shape, N, dtype, masked fraction) runs in a fresh worker process
+(`benchmarks/worker.py`) that measures each provider in each mode on the same inputs. The
+rows (JSONL, long format), a markdown report with the ratio of ours to each peer, and a plot
+of time and memory against N are written to --out. Without --shapes, the device's default
+plan of `shapes.DEFAULT_PLANS` runs (about 10 minutes on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import report
+from .measure import MACHINE_KEYS
+from .providers import PROVIDERS
+from .shapes import DEFAULT_PLANS, DTYPES, SHAPES, Point, check_point
+from .worker import base_row
+
+MODES = ("fwd", "fwd+bwd")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _csv(kind):
+    return lambda text: [kind(item) for item in text.split(",") if item]
+
+
+def parse_args(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sage-bench loss", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when available, else cpu")
+    parser.add_argument("--shapes", type=_csv(str), help=f"comma-separated, from {sorted(SHAPES)}; "
+                        "default: the device's plan")
+    parser.add_argument("--n", type=_csv(int), help="token counts N (multiples of 1024 above 1024); "
+                        "default: each plan entry's")
+    parser.add_argument("--modes", type=_csv(str), help=f"from {list(MODES)}; default: both (with --shapes)")
+    parser.add_argument("--masks", type=_csv(float), help="masked fractions; default: 0,0.5 (with --shapes)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp32 on cpu, bf16 on cuda")
+    parser.add_argument("--providers", type=_csv(str), default=list(PROVIDERS),
+                        help=f"comma-separated, from {list(PROVIDERS)}; default: all")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row at most (default 3)")
+    parser.add_argument("--budget-s", type=float, default=60.0,
+                        help="seconds of runs per row before stopping early, at least one run (default 60)")
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name in args.providers:
+        if name not in PROVIDERS:
+            parser.error(f"--providers: unknown provider {name!r}; expected some of {list(PROVIDERS)}")
+    for mode in args.modes or ():
+        if mode not in MODES:
+            parser.error(f"--modes: unknown mode {mode!r}; expected some of {list(MODES)}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    return args
+
+
+def plan(args) -> list[tuple[Point, list[str]]]:
+    """(point, modes) pairs: the device's default plan, or the cross product of the flags."""
+    if args.shapes:
+        entries = [(shape, args.n or [2048], args.modes or list(MODES), args.masks or [0.0, 0.5])
+                   for shape in args.shapes]
+    else:
+        entries = [(shape, args.n or ns, args.modes or modes, args.masks or masks)
+                   for shape, ns, modes, masks in DEFAULT_PLANS[args.device]]
+    points = []
+    for shape, ns, modes, masks in entries:
+        for n in ns:
+            for mask in masks:
+                point = Point(shape, n, args.dtype, mask, args.device)
+                check_point(point)
+                points.append((point, modes))
+    return points
+
+
+def run_worker(point: Point, modes: list[str], args, rows_path: Path) -> list[dict]:
+    """Run one point in a fresh process; rows it could not write are reported as failed."""
+    spec = {"point": dataclasses.asdict(point), "modes": modes, "providers": args.providers,
+            "repeats": args.repeats, "budget_s": args.budget_s, "seed": args.seed}
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    before = rows_path.stat().st_size if rows_path.exists() else 0
+    command = [sys.executable, "-m", "benchmarks.worker", json.dumps(spec), str(rows_path)]
+    proc = subprocess.run(command, env=env)
+    with open(rows_path) as f:
+        f.seek(before)
+        rows = [json.loads(line) for line in f if line.strip()]
+    done = {(r["provider"], r["mode"]) for r in rows}
+    for provider in args.providers:
+        for mode in modes:
+            if (provider, mode) not in done:
+                rows.append({**base_row(point, provider, mode),
+                             "status": f"failed: worker exited with code {proc.returncode}"})
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "sage-bench loss " + shlex.join(argv) if argv else "sage-bench loss"
+    started = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        rows_path = Path(scratch) / "rows.jsonl"
+        for point, modes in plan(args):
+            rows += run_worker(point, modes, args, rows_path)
+    machine = next((r for r in rows if "cpu" in r), None)
+    for r in rows:  # rows written by the parent for a dead worker borrow the machine fields
+        if machine is not None:
+            for key in MACHINE_KEYS:
+                r.setdefault(key, machine[key])
+    (out / "loss.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ours = [name for name in args.providers if PROVIDERS[name].ours and not name.endswith("-branch")]
+    text = report.markdown(rows, command, ours) if machine else report.results_table(rows)
+    text += f"\nTotal wall time: {time.perf_counter() - started:.0f} s.\n"
+    (out / "loss.md").write_text(text)
+    problem = report.plot(rows, str(out / "loss.png"))
+    print(text)
+    print(problem or f"wrote {out / 'loss.jsonl'}, {out / 'loss.md'}, {out / 'loss.png'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Rows -> a markdown report (all rows, then ours against each peer) and a plot against N."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+PEERS = ("naive", "torch-compile-chunked", "liger (best)", "liger-compiled", "liger-eager", "gemm-floor")
+
+
+def _point_key(row: dict) -> tuple:
+    return row["shape"], row["n"], row["dtype"], row["mask_fraction"], row["mode"]
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def machine_line(rows: list[dict]) -> str:
+    row = rows[0]
+    gpu = row.get("gpu") or "no GPU"
+    return (f"{row['cpu']}, {row['cores']} cores ({row['threads']} torch threads), {gpu}; "
+            f"torch {row['torch']}, triton {row.get('triton')}, liger-kernel {row.get('liger_kernel')}, "
+            f"Python {row['python']}; "
+            f"commit {row['commit']}")
+
+
+def results_table(rows: list[dict]) -> str:
+    lines = ["| shape | N | D | V | dtype | masked | mode | provider | p50 ms | p20–p80 ms | runs | peak MiB "
+             "| TFLOP/s (6NDV) | TFLOP/s (8NDV) | err loss | err d(hidden) | err d(weight) | status |",
+             "|" + "---|" * 18]
+    for r in rows:
+        ok = r["status"] == "ok"
+        spread = f"{r['ms_p20']:.1f}–{r['ms_p80']:.1f}" if ok else "—"
+        lines.append(
+            f"| {r['shape']} | {r['n']} | {r['d']} | {r['v']} | {r['dtype']} | {r['mask_fraction']:.0%} "
+            f"| {r['mode']} | {r['provider']} | {_fmt(r.get('ms_p50'), '.1f')} | {spread} "
+            f"| {r.get('runs', '—')} "
+            f"| {_fmt(r.get('peak_mem_mib'), '.0f')} | {_fmt(r.get('tflops_6ndv'), '.3f')} "
+            f"| {_fmt(r.get('tflops_8ndv'), '.3f')} | {_fmt(r.get('err_loss_abs'), '.1e')} "
+            f"| {_fmt(r.get('err_grad_hidden_rel'), '.1e')} | {_fmt(r.get('err_grad_weight_rel'), '.1e')} "
+            f"| {r['status']} |")
+    return "\n".join(lines)
+
+
+def _by_point(rows: list[dict]) -> dict:
+    points = defaultdict(dict)
+    for r in rows:
+        if r["status"] == "ok":
+            points[_point_key(r)][r["provider"]] = r
+    for measured in points.values():
+        ligers = [measured[n] for n in ("liger-compiled", "liger-eager") if n in measured]
+        if ligers:
+            measured["liger (best)"] = min(ligers, key=lambda r: r["ms_p50"])
+    return points
+
+
+def _ratio(ours: dict, peer: Optional[dict]) -> str:
+    if peer is None:
+        return "—"
+    time = ours["ms_p50"] / peer["ms_p50"]
+    mine, theirs = ours.get("peak_mem_mib"), peer.get("peak_mem_mib")
+    memory = f"{mine / theirs:.2f}×" if mine is not None and theirs else "—"
+    return f"{time:.2f}× · {memory}"
+
+
+def ratio_table(rows: list[dict], ours_names: list[str]) -> str:
+    """Time and memory of each of our guide-off providers divided by each peer's, per point."""
+    lines = ["| shape | N | dtype | masked | mode | ours | " + " | ".join(PEERS) + " | branch guide / off |",
+             "|" + "---|" * (len(PEERS) + 7)]
+    for (shape, n, dtype, mask, mode), measured in _by_point(rows).items():
+        for name in ours_names:
+            if name not in measured:
+                continue
+            ours = measured[name]
+            cells = [_ratio(ours, measured.get(peer)) for peer in PEERS]
+            cells.append(_ratio(measured[f"{name}-branch"], ours) if f"{name}-branch" in measured else "—")
+            head = f"| {shape} | {n} | {dtype} | {mask:.0%} | {mode} | {name} | "
+            lines.append(head + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict], command: str, ours_names: list[str]) -> str:
+    return "\n".join([
+        f"Machine: {machine_line(rows)}.", "", f"Command: `{command}`", "",
+        "Ratios are ours / peer, time (p50) · peak memory above the inputs; below 1 means ours is faster or "
+        "lighter. `liger (best)` is the faster of liger-compiled and liger-eager at that point.", "",
+        ratio_table(rows, ours_names), "", results_table(rows), ""])
+
+
+def plot(rows: list[dict], path: str) -> Optional[str]:
+    """Time and peak memory against N, one row of panels per (shape, dtype, mask, mode)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed; no plot (pip install 'sage-rl[bench]')"
+    groups = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r["status"] == "ok":
+            groups[(r["shape"], r["dtype"], r["mask_fraction"], r["mode"])][r["provider"]].append(r)
+    if not groups:
+        return "no measured rows; no plot"
+    fig, axes = plt.subplots(len(groups), 2, figsize=(11, 3.2 * len(groups)), squeeze=False)
+    for (shape, dtype, mask, mode), (ax_time, ax_mem) in zip(groups, axes):
+        for provider, measured in groups[(shape, dtype, mask, mode)].items():
+            measured.sort(key=lambda r: r["n"])
+            ns = [r["n"] for r in measured]
+            ax_time.plot(ns, [r["ms_p50"] for r in measured], marker="o", label=provider)
+            ax_mem.plot(ns, [r["peak_mem_mib"] or float("nan") for r in measured], marker="o", label=provider)
+        title = f"{shape} {dtype} {mode}, {mask:.0%} masked"
+        for ax, label in ((ax_time, "time p50 (ms)"), (ax_mem, "peak memory above inputs (MiB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("N (tokens)")
+            ax.set_ylabel(label)
+            ax.set_title(title, fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+        ax_time.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

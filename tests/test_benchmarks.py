@@ -1,0 +1,73 @@
+"""Smoke test of the loss benchmark harness on a tiny shape: rows, reports, errors. No timings checked."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import loss as bench
+from benchmarks.chunked_loss import chunked_grpo_loss
+from benchmarks.shapes import Point, make_inputs
+from sage_kernels import fused_linear_sage_loss
+
+PROVIDERS = ["naive", "liger-eager", "gemm-floor", "sage-cpu", "sage-triton"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = bench.main(["--device", "cpu", "--shapes", "tiny", "--n", "64", "--masks", "0.5", "--repeats", "1",
+                       "--budget-s", "1", "--providers", ",".join(PROVIDERS), "--out", str(out)])
+    rows = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
+    return code, rows, out
+
+
+def test_every_provider_and_mode_has_a_row(run):
+    code, rows, _ = run
+    assert code == 0
+    assert sorted((r["provider"], r["mode"]) for r in rows) == sorted(
+        (p, m) for p in PROVIDERS for m in ("fwd", "fwd+bwd"))
+    for r in rows:
+        assert r["status"] == "ok" or r["status"].startswith("skipped: "), r["status"]
+        point = (r["shape"], r["n"], r["d"], r["v"], r["dtype"], r["mask_fraction"])
+        assert point == ("tiny", 64, 64, 1000, "fp32", 0.5)
+        assert r["torch"] and r["cpu"] and "commit" in r
+    assert {r["status"] for r in rows if r["provider"] == "sage-triton"} == {"skipped: needs a CUDA device"}
+
+
+def test_measured_rows_have_sane_fields_and_small_errors(run):
+    _, rows, _ = run
+    measured = [r for r in rows if r["status"] == "ok"]
+    assert {r["provider"] for r in measured} >= {"naive", "gemm-floor"}
+    for r in measured:
+        assert 0 < r["ms_p20"] <= r["ms_p50"] <= r["ms_p80"] and r["runs"] >= 1
+        assert r["peak_mem_mib"] is None or r["peak_mem_mib"] >= 0
+        assert r["tflops_6ndv"] > 0 and r["tflops_8ndv"] >= r["tflops_6ndv"]
+        if r["provider"] == "gemm-floor":  # no loss, so no error to report
+            assert "err_loss_abs" not in r
+            continue
+        assert r["err_loss_abs"] < 1e-5
+        if r["mode"] == "fwd+bwd":
+            assert r["err_grad_hidden_rel"] < 1e-4 and r["err_grad_weight_rel"] < 1e-4
+
+
+def test_reports_are_written(run):
+    _, _, out = run
+    text = (out / "loss.md").read_text()
+    assert "| provider |" in text and "Machine:" in text and "skipped: needs a CUDA device" in text
+    pytest.importorskip("matplotlib")
+    assert (out / "loss.png").stat().st_size > 0
+
+
+def test_chunked_peer_matches_the_float64_reference():
+    x = make_inputs(Point("tiny", 2048, "fp32", 0.5, "cpu"))
+    h, w = x.hidden.clone().requires_grad_(), x.weight.clone().requires_grad_()
+    loss = chunked_grpo_loss(h, w, x.token_ids, x.mask, x.advantages, x.old_logp, x.ref_logp, compiled=False)
+    (loss * 3.0).backward()
+    h64, w64 = x.hidden.double().requires_grad_(), x.weight.double().requires_grad_()
+    ref = fused_linear_sage_loss(h64, w64, x.token_ids, x.mask, x.advantages, old_logp=x.old_logp,
+                                 ref_logp=x.ref_logp, backend="reference", guide="none", beta=0.05)
+    (ref.loss * 3.0).backward()
+    torch.testing.assert_close(loss.double(), ref.loss.detach(), atol=1e-5, rtol=1e-5)
+    for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
