@@ -12,7 +12,7 @@ liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss")
 from sage_kernels import FusedLinearSAGELoss  # noqa: E402
 
 B, T, D, V = 3, 7, 16, 37
-BACKEND = "reference"  # the integration is backend-agnostic; the backends are held to the reference elsewhere
+BACKEND = "auto"  # integration tests: the default backend of the device ("cpu" here)
 
 CASES = {
     # id: (Liger constructor arguments, which optional forward inputs to pass)

@@ -16,7 +16,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from sage_kernels.integrations.trl import SAGEGRPOConfig, SAGEGRPOTrainer  # noqa: E402
 
-BACKEND = "reference"  # the integration is backend-agnostic; the backends are held to the reference elsewhere
+BACKEND = "auto"  # integration tests: the default backend of the device ("cpu" here)
 B, P, L = 4, 3, 6
 
 # TRL's attributes each case sets on both trainers (module-scoped trainers, so every case sets all).
@@ -136,8 +136,9 @@ def test_guide_off_equals_trl(trainer_pair, case):
 
 
 def test_training_steps_with_branch_guide(tiny_lm_dir, tmp_path):
+    # bf16=True is TRL's default: the model runs under bf16 autocast and so does the fused LM head.
     trainer = make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(tmp_path), sage_guide="branch", sage_tau=0.0,
-                           sage_gamma=0.5, loss_type="dapo")
+                           sage_gamma=0.5, loss_type="dapo", bf16=True)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "sage/q_mean" in entry]

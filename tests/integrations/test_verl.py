@@ -14,7 +14,7 @@ from sage_kernels.integrations import verl as sage_verl
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
 real_verl = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed here")
-BACKEND = "reference"  # the integration is backend-agnostic; the backends are held to the reference elsewhere
+BACKEND = "auto"  # integration tests: the default backend of the device ("cpu" here)
 
 
 class Config(dict):
