@@ -126,10 +126,9 @@ def _sage_loss_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, bi
     grad_hidden, grad_weight, grad_bias = sweep_backward(
         grad_loss, _unit_stride(hidden), _unit_stride(weight), bias, token_ids.reshape(-1), rows, count, lse,
         entropy.reshape(-1), g, c, temperature, entropy_grad, need_weight, need_bias)
-    # operators return tensors, never None: an empty tensor stands for "not computed".
-    empty = hidden.new_empty((0,))
-    return (grad_hidden, empty if grad_weight is None else grad_weight,
-            empty if grad_bias is None else grad_bias)
+    # operators return distinct tensors, never None: an empty one stands for "not computed".
+    return (grad_hidden, hidden.new_empty((0,)) if grad_weight is None else grad_weight,
+            hidden.new_empty((0,)) if grad_bias is None else grad_bias)
 
 
 @_sage_loss_backward_op.register_fake

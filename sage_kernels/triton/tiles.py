@@ -42,7 +42,7 @@ class SweepTiles:
 def sweep_tiles(dtype: torch.dtype) -> SweepTiles:
     """The tile shape for inputs of `dtype` on the current platform."""
     if interpreting():
-        return SweepTiles(block_n=16, block_v=64, block_d=32, num_warps=1, num_stages=1)
+        return SweepTiles(block_n=32, block_v=128, block_d=64, num_warps=1, num_stages=1)
     # fp32 tiles are twice the bytes: one pipeline stage fewer keeps them within shared memory.
     stages = 2 if dtype == torch.float32 else 3
     return SweepTiles(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=stages)

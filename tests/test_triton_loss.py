@@ -1,0 +1,221 @@
+"""The fused Triton loss against the float64 reference: loss, per-token outputs, metrics, gradients.
+
+Runs on CUDA when available, else on CPU under TRITON_INTERPRET=1 (set by conftest.py).
+Each case runs `backend="triton"` on inputs of the tested dtype and `backend="reference"`
+on the same values cast to float64, backpropagates loss * (a random scalar) through
+both and compares everything with the tolerances of `tolerances.py`. Kernel output
+buffers are poisoned with NaN, so an element a kernel forgets to write fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from sage_kernels import LossConfig, fused_linear_sage_loss
+from sage_kernels.reference import reference_logprobs_and_entropy
+from sage_kernels.spec import METRIC_NAMES
+from sage_kernels.triton import tiles
+from tolerances import assert_close, assert_grad_close
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+F64 = torch.float64
+PER_TOKEN = ("logp", "entropy", "q", "kl", "ratio")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """Every buffer a kernel writes starts as NaN."""
+    monkeypatch.setattr(tiles, "POISON_BUFFERS", True)
+
+
+def make_problem(B=3, L=13, V=1271, D=96, *, dtype=torch.float32, seed=0, bias=True, logit_scale=1.0,
+                 mask="random", adv_per_token=False, old=True, ref=True, is_weights=False, log_q=False):
+    """Inputs of one loss call on DEVICE. old/ref log-probs are the true policy log-probs
+    plus noise, so ratios straddle the clip range and the KL is of realistic size."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    hidden = randn(B, L, D).to(dtype)
+    weight = (randn(V, D) * logit_scale / math.sqrt(D)).to(dtype)
+    b = (randn(V) * 0.5).to(dtype) if bias else None
+    token_ids = torch.randint(0, V, (B, L), generator=gen)
+    if mask == "random":
+        m = torch.rand(B, L, generator=gen) < 0.75
+        m[-1] = False  # an all-masked row
+        m[0, 0] = True
+    elif mask == "tail":  # completions of different lengths, padded at the end
+        lengths = torch.randint(1, L + 1, (B,), generator=gen)
+        m = torch.arange(L)[None, :] < lengths[:, None]
+    else:
+        m = torch.zeros(B, L, dtype=torch.bool) if mask == "none" else torch.ones(B, L, dtype=torch.bool)
+    logp, _ = reference_logprobs_and_entropy(hidden.to(F64).reshape(B * L, D), weight.to(F64),
+                                             token_ids.reshape(-1), bias=None if b is None else b.to(F64),
+                                             dtype=F64)
+    logp = logp.view(B, L)
+    problem = dict(hidden=hidden, weight=weight, token_ids=token_ids, mask=m,
+                   advantages=randn(B, L) if adv_per_token else randn(B),
+                   bias=b, old_logp=(logp + 0.25 * randn(B, L)).float() if old else None,
+                   ref_logp=(logp + 0.5 * randn(B, L)).float() if ref else None,
+                   is_weights=(0.5 + torch.rand(B, L, generator=gen)).float() if is_weights else None,
+                   log_q=(0.2 * randn(B, L)).float() if log_q else None)
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in problem.items()}
+
+
+def run(problem, config, backend, dtype, *, frozen_weight=False, upstream=1.0):
+    """Loss output and the gradients of hidden, weight and bias after backprop of loss * upstream."""
+    leaves = {}
+    for name in ("hidden", "weight", "bias"):
+        value = problem[name]
+        if value is not None:
+            value = value.to(dtype).detach().requires_grad_(not (name == "weight" and frozen_weight))
+        leaves[name] = value
+    rest = {k: v for k, v in problem.items() if k not in leaves}
+    out = fused_linear_sage_loss(leaves["hidden"], leaves["weight"], config=config, backend=backend,
+                                 bias=leaves["bias"], **rest)
+    (out.loss * upstream).backward()
+    grads = {k: None if v is None else v.grad for k, v in leaves.items()}
+    return out, grads
+
+
+def check_against_reference(problem, config, dtype, *, frozen_weight=False, seed=0):
+    """Assert the Triton backend matches the float64 reference on everything it returns."""
+    upstream = float(torch.empty(()).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(seed)))
+    out, grads = run(problem, config, "triton", dtype, frozen_weight=frozen_weight, upstream=upstream)
+    ref, ref_grads = run(problem, config, "reference", F64, frozen_weight=frozen_weight, upstream=upstream)
+    assert out.loss.dtype == torch.float32 and out.loss.shape == ()
+    assert_close(out.loss, ref.loss, dtype, "loss", "loss")
+    for name in PER_TOKEN:
+        assert_close(getattr(out, name), getattr(ref, name), dtype, "token", name)
+    assert set(out.metrics) == set(METRIC_NAMES)
+    for name in METRIC_NAMES:
+        assert_close(out.metrics[name], ref.metrics[name], dtype, "token", name)
+    for name, grad in grads.items():
+        if name == "weight" and frozen_weight:
+            assert grad is None
+            continue
+        if ref_grads[name] is None:
+            assert grad is None
+            continue
+        assert grad.dtype == dtype and grad.shape == problem[name].shape
+        assert_grad_close(grad, ref_grads[name], dtype, f"grad {name}")
+    return out
+
+
+# ---------------------------------------------------------------- options, drawn by hypothesis
+
+options = st.fixed_dictionaries({
+    "beta": st.sampled_from([0.0, 0.05, 0.3]),
+    "kl": st.sampled_from(["k1", "k2", "k3"]),
+    "guide": st.sampled_from(["none", "branch"]),
+    "gamma": st.floats(0.0, 1.0),
+    "tau": st.floats(0.5, 3.0),
+    "loss_type": st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo"]),
+    "eps_low": st.floats(0.05, 0.4),
+    "eps_high": st.floats(0.05, 0.5),
+    "delta_clip": st.one_of(st.none(), st.floats(1.1, 3.0)),
+    "dual_clip_c": st.one_of(st.none(), st.floats(1.5, 4.0)),
+    "importance_sampling": st.sampled_from(["token", "sequence"]),
+    "top_entropy_quantile": st.sampled_from([1.0, 0.8, 0.3]),
+    "entropy_coef": st.sampled_from([0.0, 0.02]),
+    "temperature": st.floats(0.5, 1.5),
+})
+inputs_present = st.fixed_dictionaries({
+    "old": st.booleans(), "is_weights": st.booleans(), "log_q": st.booleans(), "bias": st.booleans(),
+    "adv_per_token": st.booleans(), "mask": st.sampled_from(["random", "tail"]),
+})
+
+
+# No shrinking: each example costs seconds under the interpreter; the failing one is printed as drawn.
+@settings(max_examples=10, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(opts=options, present=inputs_present, frozen=st.booleans(), seed=st.integers(0, 1000))
+def test_every_option_matches_the_reference_fp32(opts, present, frozen, seed):
+    problem = make_problem(B=3, L=9, V=300, D=40, seed=seed, **present)
+    check_against_reference(problem, LossConfig(**opts), torch.float32, frozen_weight=frozen, seed=seed)
+
+
+@pytest.mark.parametrize("kl", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+def test_kl_estimators_and_ratio_levels(kl, importance_sampling):
+    problem = make_problem(B=4, L=7, V=257, D=48, seed=3)
+    config = LossConfig(kl=kl, importance_sampling=importance_sampling, beta=0.2, entropy_coef=0.01)
+    check_against_reference(problem, config, torch.float32)
+
+
+@pytest.mark.parametrize("loss_type, extra", [
+    ("grpo", {}), ("bnpo", {}), ("dr_grpo", {"max_completion_length": 20}), ("dapo", {}),
+    ("dapo", {"num_items_in_batch": 17}),
+])
+def test_loss_types_and_normalisers(loss_type, extra):
+    problem = make_problem(B=3, L=11, V=200, D=32, seed=5, mask="tail")
+    check_against_reference(problem, LossConfig(loss_type=loss_type, **extra), torch.float32)
+
+
+def test_num_items_as_a_device_tensor():
+    problem = make_problem(B=3, L=11, V=200, D=32, seed=6)
+    n = torch.tensor(23.0, device=DEVICE)
+    check_against_reference(problem, LossConfig(loss_type="dapo", num_items_in_batch=n), torch.float32)
+
+
+# ---------------------------------------------------------------- dtypes and hostile shapes
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("V, D", [(1000, 96), (1271, 96), (1271, 40)])
+def test_dtypes_on_hostile_shapes(dtype, V, D):
+    # N = 39 is not a multiple of any block; V and D leave tails in every tile size used.
+    problem = make_problem(B=3, L=13, V=V, D=D, dtype=dtype, seed=V + D, is_weights=True)
+    check_against_reference(problem, LossConfig(entropy_coef=0.01, temperature=0.7, dual_clip_c=3.0), dtype)
+
+
+@pytest.mark.parametrize("logit_scale", [0.0, 40.0], ids=["flat", "confident"])
+def test_flat_and_confident_logits(logit_scale):
+    problem = make_problem(B=2, L=9, V=1000, D=64, seed=11, logit_scale=logit_scale)
+    check_against_reference(problem, LossConfig(entropy_coef=0.05, beta=0.1), torch.float32)
+
+
+def test_flat_logits_have_entropy_log_v():
+    problem = make_problem(B=2, L=5, V=1000, D=32, logit_scale=0.0, bias=False, mask="all")
+    out, _ = run(problem, LossConfig(), "triton", torch.float32)
+    torch.testing.assert_close(out.entropy, torch.full_like(out.entropy, math.log(1000)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logp, torch.full_like(out.logp, -math.log(1000)), atol=1e-5, rtol=0)
+
+
+def test_all_positions_masked_give_zero_loss_and_zero_gradient():
+    problem = make_problem(B=2, L=6, V=300, D=32, mask="none")
+    out, grads = run(problem, LossConfig(entropy_coef=0.1, top_entropy_quantile=0.5), "triton",
+                     torch.float32, upstream=1.3)
+    assert out.loss.item() == 0.0
+    assert torch.equal(out.logp, torch.zeros_like(out.logp))
+    assert torch.equal(out.q, torch.ones_like(out.q)) and torch.equal(out.ratio, torch.ones_like(out.ratio))
+    for name, grad in grads.items():
+        assert torch.equal(grad, torch.zeros_like(grad)), name
+    assert all(torch.isfinite(v) for v in out.metrics.values())
+
+
+def test_vocab_splits_token_blocks_and_backward_chunks(monkeypatch):
+    # Force the multi-split forward and several backward chunks on a tiny problem.
+    tile = tiles.tiles_for(torch.float32)
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "splits", 3)
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_v", 2 * tile.block_v)
+    problem = make_problem(B=5, L=15, V=1271, D=72, seed=2, mask="tail")
+    check_against_reference(problem, LossConfig(entropy_coef=0.02, importance_sampling="sequence"),
+                            torch.float32)
+
+
+def test_temperature_and_beta_are_runtime_scalars():
+    # The same kernels serve every value; each value still matches the reference.
+    problem = make_problem(B=2, L=8, V=300, D=32, seed=9)
+    for temperature, beta, gamma, tau in ((0.6, 0.0, 0.3, 1.2), (1.3, 0.2, 0.7, 0.4)):
+        check_against_reference(problem, LossConfig(temperature=temperature, beta=beta, gamma=gamma, tau=tau),
+                                torch.float32)
+
+
+def test_poisoned_buffers_are_enabled():
+    # Guards the fixture itself: a buffer from the allocation helper really starts as NaN.
+    assert torch.isnan(tiles.new_buffer((3,), torch.float32, DEVICE)).all()
