@@ -27,7 +27,6 @@ import hashlib
 import json
 import statistics
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -187,7 +186,8 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
             config = yaml.safe_load((path / "config.yaml").read_text()) or {}
             resolved.append((path.resolve().name, str(path / "final"), config))
         elif path.exists() and not path.is_dir():
-            raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory or a hub name")
+            raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory "
+                             "or a hub name")
         else:
             name = path.resolve().name if path.is_dir() else given
             if name == "final" and path.is_dir():  # runs/<name>/final: call it by the run's name
@@ -250,8 +250,8 @@ def check_sampling(out: Path, sampling: dict) -> None:
         previous = json.loads(path.read_text())
         changed = {k: (previous.get(k), sampling[k]) for k in sampling if previous.get(k) != sampling[k]}
         if changed:
-            raise ValueError(f"--out {out} holds samples drawn with other settings "
-                             f"({', '.join(f'{k}: {a!r} there, {b!r} now' for k, (a, b) in changed.items())}); "
+            details = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in changed.items())
+            raise ValueError(f"--out {out} holds samples drawn with other settings ({details}); "
                              "use another --out or the same settings")
     else:
         path.write_text(json.dumps(sampling, indent=1) + "\n")
@@ -268,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sage-eval", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True,
-                   help="a run directory (loads <run>/final), an HF model directory or a hub name; repeatable")
+                   help="a run directory (loads <run>/final), an HF model directory or a hub name; "
+                        "repeatable")
     p.add_argument("--tasks", default="",
                    help="comma-separated task names (math500, aime24, aime25, amc23, minerva, a .jsonl path, "
                         "arithmetic, countdown, knights); default: the first run directory's task")
@@ -299,10 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_tasks(args, models: Sequence[ModelSpec]) -> list[tuple[str, dict]]:
     """(name, options) of each task: --tasks, or else the first run directory's task."""
-    options = json.loads(args.task_options)
+    try:
+        options = json.loads(args.task_options)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--task-options is not valid JSON ({e}): {args.task_options!r}") from None
     if not isinstance(options, dict):
-        raise ValueError(f"--task-options must be a JSON object keyed by task name, got {args.task_options!r}")
+        raise ValueError(f"--task-options must be a JSON object keyed by task name, "
+                         f"got {args.task_options!r}")
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--tasks names a task twice: {args.tasks!r}")
     run_config = next((m.run_config for m in models if m.run_config is not None), None)
     if not names:
         if run_config is None:
@@ -315,6 +322,32 @@ def resolve_tasks(args, models: Sequence[ModelSpec]) -> list[tuple[str, dict]]:
     return [(name, options.get(name, {})) for name in names]
 
 
+class RecordWriter:
+    """Appends finished problems to records.jsonl (and completions.jsonl), flushed at once so
+    that a killed run loses at most the problem in progress."""
+
+    def __init__(self, out: Path, save_completions: bool):
+        self.records = open(out / RECORDS_FILE, "a")
+        self.completions = open(out / COMPLETIONS_FILE, "a") if save_completions else None
+
+    def writer_for(self, model: str, task: str) -> Callable[[dict, list[str], list[float]], None]:
+        """An `on_record` callback for `evaluate_engine` that tags records with model and task."""
+        def write(record: dict, completions: list[str], scores: list[float]) -> None:
+            keyed = {"model": model, "task": task} | record
+            if self.completions is not None:  # first, so that a record implies its completions
+                texts = keyed | {"completions": completions, "scores": scores}
+                self.completions.write(json.dumps(texts) + "\n")
+                self.completions.flush()
+            self.records.write(json.dumps(keyed) + "\n")
+            self.records.flush()
+        return write
+
+    def close(self) -> None:
+        self.records.close()
+        if self.completions is not None:
+            self.completions.close()
+
+
 def main(argv=None) -> int:
     """`sage-eval`: evaluate every model on every task; see the module docstring."""
     args = build_parser().parse_args(argv)
@@ -323,7 +356,8 @@ def main(argv=None) -> int:
     max_new_tokens = args.max_new_tokens or run_config.get("eval_max_new_tokens") \
         or run_config.get("max_new_tokens") or 1024
     stop = tuple(args.stop if args.stop is not None else run_config.get("stop") or ())
-    ks = check_ks(parse_ints(args.k, "--k") if args.k else [2 ** i for i in range(args.n.bit_length())], args.n)
+    powers_of_two = [2 ** i for i in range(args.n.bit_length())] + [args.n]
+    ks = check_ks(parse_ints(args.k, "--k") if args.k else powers_of_two, args.n)
     seeds = parse_ints(args.seeds, "--seeds")
     if not seeds:
         raise ValueError("--seeds is empty")
@@ -341,51 +375,41 @@ def main(argv=None) -> int:
 
     tasks = [get_task(name, **options) for name, options in resolve_tasks(args, models)]
     problems = {task.name: list(task.problems("test", args.limit, 0)) for task in tasks}
-    done = read_records(out)
     config = {"models": {m.label: m.path for m in models}, "tasks": [t.name for t in tasks], "n": args.n,
               "ks": ks, "seeds": seeds, "limit": args.limit, "engine": args.engine,
               "sampling": dataclasses.asdict(sampling) | {"n": args.n, "seed": None},
               "samples_per_call": args.samples_per_call}
+    results = {"config": config, "models": {}, "generated": 0, "resumed": 0}
+    done = read_records(out)
+    writer = RecordWriter(out, args.save_completions)
     from tqdm.auto import tqdm
 
-    total = len(models) * len(seeds) * args.n * sum(len(p) for p in problems.values())
-    bar = tqdm(total=total, unit="sample", desc="sage-eval", disable=args.no_progress, dynamic_ncols=True)
-    results = {"config": config, "models": {}, "generated": 0, "resumed": 0}
+    bar = tqdm(total=len(models) * len(seeds) * args.n * sum(map(len, problems.values())), unit="sample",
+               desc="sage-eval", disable=args.no_progress, dynamic_ncols=True)
     try:
-        with open(out / RECORDS_FILE, "a") as records_file, \
-                (open(out / COMPLETIONS_FILE, "a") if args.save_completions else nullcontext()) as texts_file:
-            for model in models:
-                engine = None
-                results["models"][model.label] = {"path": model.path, "tasks": {}}
-                for task in tasks:
-                    mine = {(seed, pid): r for (label, name, seed, pid), r in done.items()
-                            if label == model.label and name == task.name}
-                    if engine is None and any((s, p.id) not in mine for s in seeds for p in problems[task.name]):
-                        engine = build_engine(args.engine, model.path, _device(args.device))
-
-                    def persist(record, completions, scores, model=model, task=task):
-                        keyed = {"model": model.label, "task": task.name} | record
-                        if texts_file is not None:
-                            texts_file.write(json.dumps(keyed | {"completions": completions,
-                                                                 "scores": scores}) + "\n")
-                            texts_file.flush()
-                        records_file.write(json.dumps(keyed) + "\n")
-                        records_file.flush()
-
-                    bar.set_postfix_str(f"{model.label} / {task.name}")
-                    result = evaluate_engine(engine, task, problems[task.name], n=args.n, ks=ks,
-                                             sampling=sampling, seeds=seeds,
-                                             samples_per_call=args.samples_per_call, done=mine,
-                                             on_record=persist, progress=bar)
-                    results["generated"] += result.pop("generated")
-                    results["resumed"] += result.pop("resumed")
-                    results["models"][model.label]["tasks"][task.name] = result
+        for model in models:
+            engine = None  # loaded only if some problem of this model is not done yet
+            results["models"][model.label] = {"path": model.path, "tasks": {}}
+            for task in tasks:
+                mine = {(seed, pid): record for (label, name, seed, pid), record in done.items()
+                        if label == model.label and name == task.name}
+                if engine is None and any((s, p.id) not in mine for s in seeds for p in problems[task.name]):
+                    engine = build_engine(args.engine, model.path, _device(args.device))
+                bar.set_postfix_str(f"{model.label} / {task.name}")
+                result = evaluate_engine(
+                    engine, task, problems[task.name], n=args.n, ks=ks, sampling=sampling, seeds=seeds,
+                    samples_per_call=args.samples_per_call, done=mine,
+                    on_record=writer.writer_for(model.label, task.name), progress=bar)
+                results["generated"] += result.pop("generated")
+                results["resumed"] += result.pop("resumed")
+                results["models"][model.label]["tasks"][task.name] = result
     except KeyboardInterrupt:
-        bar.close()
         print(f"\ninterrupted: finished problems are kept in {out / RECORDS_FILE}; "
               "rerun the same command to resume", file=sys.stderr)
         return 130
-    bar.close()
+    finally:
+        bar.close()
+        writer.close()
     write_outputs(out, results)
     print(markdown_table(results))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass_at_k.png'}")
@@ -443,7 +467,8 @@ def plot_curves(results: dict, path: Path) -> None:
             mean = [curve[k]["mean"] for k in ks]
             std = [curve[k]["std"] for k in ks]
             ax.plot(ks, mean, marker="o", markersize=3, label=label)
-            ax.fill_between(ks, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+            low, high = [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)]
+            ax.fill_between(ks, low, high, alpha=0.2)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k")

@@ -103,7 +103,8 @@ def test_grading_from_other_threads_installs_no_signal_handler():
     def grade(name, completion, gold):
         results[name] = math_reward(completion, gold)
 
-    threads = [threading.Thread(target=grade, args=(f"t{i}", f"\\boxed{{{i}+1}}", str(i + 1))) for i in range(4)]
+    threads = [threading.Thread(target=grade, args=(f"t{i}", f"\\boxed{{{i}+1}}", str(i + 1)))
+               for i in range(4)]
     threads.append(threading.Thread(target=grade, args=("wrong", "\\boxed{x^2}", "x^3")))
     for t in threads:
         t.start()

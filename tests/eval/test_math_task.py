@@ -34,9 +34,9 @@ def test_golds_from_answer_or_last_boxed_solution(math_data, monkeypatch):
 
 def test_jsonl_path_prompt_and_score(tmp_path):
     path = tmp_path / "mine.jsonl"
-    path.write_text(json.dumps({"problem": "What is 1/2 + 1/3?", "answer": "\\frac{5}{6}"}) + "\n"
-                    + json.dumps({"question": "Square of 3?", "solution": "It is $\\boxed{9}$, or \\boxed{\\{9\\}}."})
-                    + "\n")
+    rows = [{"problem": "What is 1/2 + 1/3?", "answer": "\\frac{5}{6}"},
+            {"question": "Square of 3?", "solution": "It is $\\boxed{9}$, or \\boxed{\\{9\\}}."}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     task = MathTask(str(path))
     first, second = task.problems()
     assert task.name == "mine" and first.id == "mine/0"

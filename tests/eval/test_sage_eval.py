@@ -87,7 +87,8 @@ def test_end_to_end_results_match_the_graded_completions(models, tmp_path):
             assert record["c"] == sum(task.score(t, problems[record["problem_id"]]) == 1.0 for t in texts)
         curve = model["tasks"]["arithmetic"]["pass_at_k"]
         for k in (1, 2, 8):
-            per_seed = [sum(pass_at_k(8, r["c"], k) for r in records if r["seed"] == s) / LIMIT for s in (0, 1)]
+            per_seed = [sum(pass_at_k(8, r["c"], k) for r in records if r["seed"] == seed) / LIMIT
+                        for seed in (0, 1)]
             assert curve[str(k)]["per_seed"] == pytest.approx(per_seed)
             assert curve[str(k)]["mean"] == pytest.approx(sum(per_seed) / 2)
     fitted = results["models"]["fitted"]["tasks"]["arithmetic"]
