@@ -1,0 +1,148 @@
+// The vocabulary sweep of the SAGE loss on the CPU (../shared/SPEC.md), one token block at a time.
+//
+// Two operators, driven block by block from sage_kernels/cpu.py:
+//   sage_cpu::block_stats  logits = (h W^T + b) / T by one BLAS matmul into a caller-owned
+//                          [rows, V] workspace, then one fused pass per row: max, sum-exp and
+//                          sum p*z give lse, logp[y] and the entropy.
+//   sage_cpu::block_grad   turns the workspace into d(logits) in place in one fused pass,
+//                          d z_v = (g (1[v = y] - p_v) - c p_v (log p_v + H)) / T,
+//                          then BLAS matmuls into grad_hidden, grad_weight (+=) and grad_bias (+=).
+// Everything is float32; the Python side upcasts low-precision inputs and owns every buffer,
+// so no [N, V] tensor exists and the allocation recorder sees all memory.
+// The per-row loops are plain C++ written so that the compiler vectorises them (`omp simd`),
+// including the exponential, which is our own (Cephes-style) so that it vectorises.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+// exp(x) for x <= ~0 (arguments are logits minus their maximum or their log-sum-exp).
+// Range reduction x = k ln2 + r, |r| <= ln2/2, a degree-7 polynomial for e^r, then 2^k via the
+// exponent bits; relative error ~2 ulp. Inputs below -87 flush to ~1e-38, i.e. zero weight.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+void check_block(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Per row: z = (acc + b) / T in place, then lse, logp[y] and H = lse - sum p z.
+void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                 const at::Tensor& targets, double inv_temperature, const at::Tensor& logits, const at::Tensor& logp,
+                 const at::Tensor& entropy, const at::Tensor& lse) {
+  check_block(logits, "logits", 2);
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(hidden.size(0) == rows && weight.size(0) == V, "block_stats: logits must be [rows, V]");
+  at::Tensor out = logits;  // a handle on the caller's workspace, which mm_out fills
+  at::mm_out(out, hidden, weight.t());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t* y = targets.data_ptr<int64_t>();
+  float* out_logp = logp.data_ptr<float>();
+  float* out_entropy = entropy.data_ptr<float>();
+  float* out_lse = lse.data_ptr<float>();
+  const float scale = static_cast<float>(inv_temperature);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* z = logits.data_ptr<float>() + i * V;
+      float max_z = -std::numeric_limits<float>::infinity();
+      if (b) {
+#pragma omp simd reduction(max : max_z)
+        for (int64_t v = 0; v < V; ++v) { z[v] = (z[v] + b[v]) * scale; max_z = std::max(max_z, z[v]); }
+      } else {
+#pragma omp simd reduction(max : max_z)
+        for (int64_t v = 0; v < V; ++v) { z[v] *= scale; max_z = std::max(max_z, z[v]); }
+      }
+      float sum_e = 0.f, sum_ez = 0.f;  // sum_ez uses z - max, so it stays small
+#pragma omp simd reduction(+ : sum_e, sum_ez)
+      for (int64_t v = 0; v < V; ++v) {
+        const float shifted = z[v] - max_z;
+        const float e = exp_nonpositive(shifted);
+        sum_e += e;
+        sum_ez += e * shifted;
+      }
+      const float log_sum = std::log(sum_e);
+      out_lse[i] = max_z + log_sum;
+      out_logp[i] = z[y[i]] - out_lse[i];
+      out_entropy[i] = log_sum - sum_ez / sum_e;  // lse - sum p z, with z shifted by max
+    }
+  });
+}
+
+// d(logits) in place (the workspace holds z from block_stats), then the three products.
+void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
+                const at::Tensor& grad_logp, const at::Tensor& grad_entropy, double inv_temperature,
+                const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& grad_hidden,
+                const std::optional<at::Tensor>& grad_weight, const std::optional<at::Tensor>& grad_bias) {
+  check_block(logits, "logits", 2);
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  const int64_t* y = targets.data_ptr<int64_t>();
+  const float* row_lse = lse.data_ptr<float>();
+  const float* row_entropy = entropy.data_ptr<float>();
+  const float* g = grad_logp.data_ptr<float>();
+  const float* c = grad_entropy.data_ptr<float>();
+  const float scale = static_cast<float>(inv_temperature);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* z = logits.data_ptr<float>() + i * V;
+      const float m = row_lse[i], gi = g[i] * scale, ci = c[i] * scale, h = row_entropy[i];
+      if (ci == 0.f) {
+#pragma omp simd
+        for (int64_t v = 0; v < V; ++v) z[v] = -gi * exp_nonpositive(z[v] - m);
+      } else {
+#pragma omp simd
+        for (int64_t v = 0; v < V; ++v) {
+          const float log_p = z[v] - m;
+          const float p = exp_nonpositive(log_p);
+          z[v] = -p * (gi + ci * (log_p + h));
+        }
+      }
+      z[y[i]] += gi;
+    }
+  });
+  at::Tensor grad_hidden_rows = grad_hidden;
+  at::mm_out(grad_hidden_rows, logits, weight);
+  if (grad_weight.has_value()) grad_weight->addmm_(logits.t(), hidden);
+  if (grad_bias.has_value()) grad_bias->add_(at::sum(logits, 0));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sage_cpu, m) {
+  m.def("block_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float inv_temperature, "
+        "Tensor(a!) logits, Tensor(b!) logp, Tensor(c!) entropy, Tensor(d!) lse) -> ()");
+  m.def("block_grad(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
+        "Tensor grad_entropy, float inv_temperature, Tensor hidden, Tensor weight, Tensor(b!) grad_hidden, "
+        "Tensor(c!)? grad_weight, Tensor(d!)? grad_bias) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sage_cpu, CPU, m) {
+  m.impl("block_stats", &block_stats);
+  m.impl("block_grad", &block_grad);
+}

@@ -1,0 +1,238 @@
+"""The CPU backend (`sage_kernels.cpu`) against the float64 reference, on both of its paths:
+``native`` (the csrc operator) and ``torch`` (the chunked PyTorch fallback).
+
+Every output is checked: the loss, the per-token logp, entropy, q, kl, ratio, the metrics,
+and the gradients of hidden, weight and bias under a random upstream gradient. Shapes are
+hostile on purpose: V = 1000 and 1271, D = 96, padded rows, all-masked rows, confident and
+flat logits, and the blocks never divide the valid rows evenly (the block size is capped by
+N*V/16, so these small problems run many blocks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from alloc import AllocationRecorder
+from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
+from sage_kernels import cpu
+from sage_kernels.reference import reference_logprobs_and_entropy
+from sage_kernels.spec import METRIC_NAMES, validate_inputs
+from tolerances import assert_close, assert_grad_close
+
+PATHS = ("native", "torch")
+
+#: option sets covering every field of LossConfig at least once.
+OPTION_CASES = {
+    "defaults": {},
+    "k1-bnpo": dict(kl="k1", loss_type="bnpo"),
+    "k2-dr_grpo": dict(kl="k2", loss_type="dr_grpo", max_completion_length=50),
+    "dapo-items": dict(loss_type="dapo", num_items_in_batch=97),
+    "dapo-items-tensor": dict(loss_type="dapo", num_items_in_batch=torch.tensor(61.0)),
+    "guide-none-beta0": dict(guide="none", beta=0.0),
+    "clips": dict(delta_clip=1.5, dual_clip_c=3.0, eps_low=0.1, eps_high=0.28),
+    "sequence-ratio": dict(importance_sampling="sequence"),
+    "entropy-quantile": dict(top_entropy_quantile=0.4, entropy_coef=0.02),
+    "temperature-entropy-bonus": dict(temperature=0.6, entropy_coef=0.5, beta=0.2),
+    "branch-tight": dict(gamma=1.0, tau=0.5, q_min=0.8, q_max=1.2),
+}
+
+
+def make_case(B=3, L=37, D=96, V=1271, *, dtype=torch.float32, bias=True, seed=0, masked_rows=(1,),
+              old_logp=True, ref_logp=True, is_weights=False, log_q=False, token_advantages=False,
+              logit_scale=(0.05, 8.0)):
+    """Inputs whose logits range from flat to confident (per-position scale), with garbage under the mask.
+
+    Log-prob inputs are the float64 policy's own log-probs plus noise, so ratios straddle the
+    clip range and the KL is moderate; masked positions hold NaN or out-of-range token ids.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = math.log(logit_scale[0]), math.log(logit_scale[1])
+    scale = torch.exp(lo + (hi - lo) * torch.rand(B, L, 1, generator=gen))
+    hidden = (torch.randn(B, L, D, generator=gen) * scale / math.sqrt(D)).to(dtype)
+    weight = torch.randn(V, D, generator=gen).to(dtype)
+    mask = torch.rand(B, L, generator=gen) > 0.25
+    for row in masked_rows:
+        mask[row] = False
+    token_ids = torch.randint(0, V, (B, L), generator=gen)
+    token_ids[~mask] = V + 7  # out of range: only legal because masked
+    case = dict(hidden=hidden, weight=weight, token_ids=token_ids, mask=mask,
+                bias=(0.5 * torch.randn(V, generator=gen)).to(dtype) if bias else None,
+                advantages=torch.randn(B, L, generator=gen) if token_advantages else torch.randn(B, generator=gen))
+    with torch.no_grad():
+        logp64, _ = reference_logprobs_and_entropy(
+            hidden.double().reshape(B * L, D), weight.double(), token_ids.clamp(max=V - 1).reshape(-1),
+            bias=None if case["bias"] is None else case["bias"].double(), dtype=torch.float64)
+    logp64 = logp64.view(B, L).float()
+
+    def noisy(sigma):
+        return torch.where(mask, logp64 + sigma * torch.randn(B, L, generator=gen), float("nan"))
+
+    case["old_logp"] = noisy(0.3) if old_logp else None
+    case["ref_logp"] = noisy(0.5) if ref_logp else None
+    case["is_weights"] = torch.rand(B, L, generator=gen) * 2 if is_weights else None
+    case["log_q"] = 0.3 * torch.randn(B, L, generator=gen) if log_q else None
+    return case
+
+
+def run(case, config, *, backend, path=None, dtype=None, upstream=1.0, frozen_weight=False):
+    """The loss with leaf copies of hidden/weight/bias in `dtype`; backward with `upstream`."""
+    dtype = dtype or case["hidden"].dtype
+    leaves = {k: None if case[k] is None else case[k].detach().to(dtype).clone().requires_grad_(True)
+              for k in ("hidden", "weight", "bias")}
+    if frozen_weight:
+        leaves["weight"].requires_grad_(False)
+    kwargs = {k: case[k] for k in ("old_logp", "ref_logp", "is_weights", "log_q")}
+    if backend == "cpu":
+        inputs = validate_inputs(leaves["hidden"], leaves["weight"], case["token_ids"], case["mask"],
+                                 case["advantages"], bias=leaves["bias"], config=config, **kwargs)
+        out = cpu.sage_loss(inputs, config, native=path == "native")
+    else:
+        out = fused_linear_sage_loss(leaves["hidden"], leaves["weight"], case["token_ids"], case["mask"],
+                                     case["advantages"], bias=leaves["bias"], config=config,
+                                     backend=backend, **kwargs)
+    (out.loss * upstream).backward()
+    grads = {k: None if v is None else v.grad for k, v in leaves.items()}
+    return out, grads
+
+
+def check_against_reference(case, config, path, *, frozen_weight=False, seed=0):
+    """Every output and gradient of the CPU backend against the float64 reference."""
+    dtype = case["hidden"].dtype
+    upstream = 0.5 + torch.rand((), generator=torch.Generator().manual_seed(seed)).item()
+    out, grads = run(case, config, backend="cpu", path=path, upstream=upstream, frozen_weight=frozen_weight)
+    ref, ref_grads = run(case, config, backend="reference", dtype=torch.float64, upstream=upstream,
+                         frozen_weight=frozen_weight)
+    assert out.loss.dtype == torch.float32 and out.loss.dim() == 0
+    assert_close(out.loss, ref.loss, dtype, "loss", "loss")
+    for name in ("logp", "entropy", "q", "kl", "ratio"):
+        assert_close(getattr(out, name), getattr(ref, name), dtype, "token", name)
+    assert sorted(out.metrics) == sorted(METRIC_NAMES)
+    for name in METRIC_NAMES:
+        assert_close(out.metrics[name], ref.metrics[name], dtype, "token", name)
+    for name in ("hidden", "weight", "bias"):
+        if ref_grads[name] is None:
+            assert grads[name] is None, f"{name} must get no gradient"
+            continue
+        assert grads[name].dtype == dtype and grads[name].shape == ref_grads[name].shape
+        assert_grad_close(grads[name], ref_grads[name], dtype, f"grad {name}")
+    hidden_grad = grads["hidden"].reshape(case["mask"].shape + (-1,))
+    assert bool((hidden_grad[~case["mask"]] == 0).all()), "masked rows must get exactly zero gradient"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("options", OPTION_CASES.values(), ids=OPTION_CASES.keys())
+def test_every_option_matches_reference(path, options):
+    case = make_case(seed=len(str(options)))
+    check_against_reference(case, LossConfig(**options), path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_inputs(path, dtype):
+    check_against_reference(make_case(dtype=dtype, seed=3), LossConfig(entropy_coef=0.01), path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("variant", ["on-policy", "no-ref-beta0", "is-weights-log-q", "token-advantages",
+                                     "no-bias-frozen-weight", "v1000-all-rows-valid", "entropy-term-only"])
+def test_input_variants(path, variant):
+    config = LossConfig()
+    frozen = False
+    if variant == "on-policy":
+        case = make_case(old_logp=False, seed=11)
+    elif variant == "no-ref-beta0":
+        case, config = make_case(ref_logp=False, seed=12), LossConfig(beta=0.0)
+    elif variant == "is-weights-log-q":
+        case = make_case(is_weights=True, log_q=True, seed=13)
+    elif variant == "token-advantages":
+        case = make_case(token_advantages=True, seed=14)
+    elif variant == "no-bias-frozen-weight":
+        case, frozen = make_case(bias=False, seed=15), True
+    elif variant == "entropy-term-only":  # g = 0: the gradient is the entropy bonus's alone
+        case, config = make_case(seed=17), LossConfig(beta=0.0, entropy_coef=0.3)
+        case["advantages"].zero_()
+    else:
+        case = make_case(B=2, L=40, V=1000, masked_rows=(), seed=16)
+        case["mask"][:] = True
+        case["token_ids"].clamp_(max=999)
+        case["old_logp"] = torch.nan_to_num(case["old_logp"], nan=-5.0)
+        case["ref_logp"] = torch.nan_to_num(case["ref_logp"], nan=-5.0)
+    check_against_reference(case, config, path, frozen_weight=frozen)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("logits", ["confident", "flat"])
+def test_extreme_logits(path, logits):
+    scale = (40.0, 60.0) if logits == "confident" else (1e-4, 1e-3)
+    check_against_reference(make_case(logit_scale=scale, seed=21), LossConfig(entropy_coef=0.03), path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_everything_masked_gives_zero_loss_and_gradients(path):
+    case = make_case(B=2, L=5, masked_rows=(0, 1))
+    out, grads = run(case, LossConfig(entropy_coef=0.1), backend="cpu", path=path, upstream=2.0)
+    assert out.loss.item() == 0.0
+    for name, grad in grads.items():
+        assert bool((grad == 0).all()), f"grad {name} must be zero"
+    assert bool((out.q == 1).all()) and bool((out.ratio == 1).all())
+
+
+@settings(max_examples=12)
+@given(B=st.integers(1, 4), L=st.integers(1, 23), D=st.sampled_from([8, 33, 96]),
+       V=st.sampled_from([17, 1000, 1271]), path=st.sampled_from(PATHS),
+       options=st.sampled_from(list(OPTION_CASES.values())), seed=st.integers(0, 2**16))
+def test_property_random_shapes_and_options(B, L, D, V, path, options, seed):
+    case = make_case(B, L, D, V, seed=seed, masked_rows=(0,) if B > 1 else ())
+    check_against_reference(case, LossConfig(**options), path, seed=seed)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_scoring_matches_reference(path, dtype):
+    case = make_case(dtype=dtype, seed=31, masked_rows=())
+    B, L, D = case["hidden"].shape
+    ids = case["token_ids"].clamp(max=case["weight"].shape[0] - 1)
+    inputs = (case["hidden"].reshape(B * L, D), case["weight"], ids.reshape(-1), case["bias"], 0.8)
+    logp, entropy = cpu.logprobs_and_entropy(*inputs, native=path == "native")
+    ref_logp, ref_entropy = reference_logprobs_and_entropy(
+        inputs[0].double(), inputs[1].double(), inputs[2], bias=inputs[3].double(), temperature=0.8,
+        dtype=torch.float64)
+    assert logp.dtype == entropy.dtype == torch.float32
+    assert_close(logp, ref_logp, dtype, "token", "logp")
+    assert_close(entropy, ref_entropy, dtype, "token", "entropy")
+
+
+def test_auto_backend_is_cpu_for_cpu_tensors():
+    case = make_case(seed=41)
+    config = LossConfig()
+    auto, auto_grads = run(case, config, backend="auto")
+    native, native_grads = run(case, config, backend="cpu", path="native")
+    assert torch.equal(auto.loss, native.loss) and torch.equal(auto_grads["weight"], native_grads["weight"])
+    ids = case["token_ids"].clamp(max=case["weight"].shape[0] - 1)
+    logp, _ = logprobs_and_entropy(case["hidden"], case["weight"], ids, bias=case["bias"])
+    assert logp.shape == ids.shape
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("options", [{}, dict(importance_sampling="sequence", entropy_coef=0.01)],
+                         ids=["one-sweep", "two-sweeps"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_no_tensor_of_n_times_v_over_16(path, options, dtype):
+    """Forward and backward allocate nothing of N*V/16 elements or more (D < N/16 and D < V/16 here,
+    so the gradients of hidden and weight themselves stay below the limit)."""
+    case = make_case(B=8, L=128, D=32, V=2048, dtype=dtype, seed=51, masked_rows=(2,))
+    N, V = 8 * 128, 2048
+    leaves = [case[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    config = LossConfig(**options)
+    inputs = validate_inputs(*leaves[:2], case["token_ids"], case["mask"], case["advantages"], bias=leaves[2],
+                             old_logp=case["old_logp"], ref_logp=case["ref_logp"], config=config)
+    with AllocationRecorder(limit=N * V // 16) as recorder:
+        out = cpu.sage_loss(inputs, config, native=path == "native")
+        out.loss.backward()
+    recorder.check()
+    assert recorder.largest > 0 and all(leaf.grad is not None for leaf in leaves)
