@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -62,12 +64,18 @@ def _grade_in_worker(completion: str, gold: str, gold_cache: dict) -> float:
     return 1.0 if verify(parsed_gold, answer, timeout_seconds=None) else 0.0
 
 
-def _worker_main(read_fd: int, write_fd: int) -> None:
-    """Serve (completion, gold) requests arriving on `read_fd` until the parent closes it."""
+def _worker_main(read_fd: int, write_fd: int, self_destruct_s: int) -> None:
+    """Serve (completion, gold) requests arriving on `read_fd` until the parent closes it.
+
+    The parent kills a worker that overruns; but if the parent itself dies, nobody would stop
+    one stuck in C code. So each grading also arms this process's own SIGALRM with its default
+    action (the kernel terminates the process, GIL or not), `self_destruct_s` seconds out, after
+    the parent's limit."""
     import math_verify  # noqa: F401  (import before announcing readiness)
 
     # Its signal timeouts are off (the parent kills us instead); silence the warning that says so.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
     requests, replies = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     gold_cache: dict = {}
     replies.send("ready")
@@ -76,10 +84,12 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
             completion, gold = requests.recv()
         except (EOFError, OSError):
             return
+        signal.alarm(self_destruct_s)
         try:
             score = _grade_in_worker(completion, gold, gold_cache)
         except Exception:  # a malformed answer is a wrong answer, never a crash
             score = 0.0
+        signal.alarm(0)
         replies.send(score)
 
 
@@ -93,7 +103,7 @@ class _Worker:
     fork would copy a process that may be running torch threads.
     """
 
-    def __init__(self):
+    def __init__(self, timeout_s: float):
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         package_root = str(Path(__file__).resolve().parents[1])
@@ -101,7 +111,8 @@ class _Worker:
             p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
         self.process = subprocess.Popen(
             [sys.executable, "-c",
-             f"from sage_train.rewards import _worker_main; _worker_main({to_child_r}, {from_child_w})"],
+             f"from sage_train.rewards import _worker_main; "
+             f"_worker_main({to_child_r}, {from_child_w}, {math.ceil(timeout_s) + 5})"],
             pass_fds=(to_child_r, from_child_w), env=env, stdin=subprocess.DEVNULL,
             # Its own session: a Ctrl-C meant for the caller does not kill graders mid-reply.
             start_new_session=True)
@@ -152,7 +163,7 @@ class GradingPool:
             self._add_worker()
 
     def _add_worker(self) -> None:
-        worker = _Worker()
+        worker = _Worker(self.timeout_s)
         with self._lock:
             self._all.append(worker)
         self._idle.put(worker)
@@ -161,7 +172,8 @@ class GradingPool:
         worker.kill()
         with self._lock:
             self._stats[stat] += 1
-            self._all.remove(worker)
+            if worker in self._all:  # not after close()
+                self._all.remove(worker)
         if not self._closed:
             self._add_worker()
 
@@ -173,8 +185,14 @@ class GradingPool:
                 workers.append(self._idle.get_nowait())
             except queue.Empty:
                 break
-        for worker in workers:
-            worker.wait_ready()
+        for i, worker in enumerate(workers):
+            try:
+                worker.wait_ready()
+            except RuntimeError:
+                for other in workers[i + 1:]:
+                    self._idle.put(other)
+                self._replace(worker, "worker_errors")
+                raise
         return workers
 
     def grade(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
@@ -187,10 +205,12 @@ class GradingPool:
         with self._lock:
             self._stats["calls"] += len(pairs)
         todo = list(range(len(pairs)))[::-1]
-        free = self._checkout(len(pairs))
+        free: list[_Worker] = []
         busy: dict[Connection, tuple[_Worker, int, float]] = {}
         try:
             while todo or busy:
+                if todo and not free and not busy:
+                    free = self._checkout(len(todo))
                 while todo and free:
                     worker, index = free.pop(), todo.pop()
                     completion, gold = pairs[index]
@@ -201,6 +221,8 @@ class GradingPool:
                         self._replace(worker, "worker_errors")
                         continue
                     busy[worker.conn] = (worker, index, time.monotonic() + self.timeout_s)
+                if not busy:
+                    continue
                 next_deadline = min(deadline for _, _, deadline in busy.values())
                 for conn in wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
                     worker, index, _ = busy.pop(conn)
@@ -214,8 +236,6 @@ class GradingPool:
                     if now >= deadline:
                         del busy[conn]
                         self._replace(worker, "timeouts")
-                if not free and todo and not busy:
-                    free = self._checkout(len(todo))
         finally:
             # An exception mid-batch (e.g. KeyboardInterrupt) leaves busy workers with a reply
             # in flight: they cannot be reused, so they are replaced.
@@ -228,6 +248,11 @@ class GradingPool:
     def stats(self) -> dict:
         with self._lock:
             return dict(self._stats)
+
+    def pids(self) -> list[int]:
+        """Process ids of the workers."""
+        with self._lock:
+            return [worker.process.pid for worker in self._all]
 
     def close(self) -> None:
         self._closed = True
@@ -245,21 +270,24 @@ _pool_lock = threading.Lock()
 def configure_grader(processes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> GradingPool:
     """(Re)create the shared grading pool. processes: default min(4, CPUs)."""
     global _pool, _pool_pid
-    if processes is None:
-        processes = max(1, min(4, os.cpu_count() or 1))
     with _pool_lock:
         if _pool is not None and _pool_pid == os.getpid():
             _pool.close()
-        _pool, _pool_pid = GradingPool(processes, timeout_s), os.getpid()
+        _pool, _pool_pid = GradingPool(processes or _default_processes(), timeout_s), os.getpid()
         return _pool
 
 
+def _default_processes() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def _shared_pool() -> GradingPool:
-    # A forked child (e.g. a data loader worker) must not share its parent's pipes.
+    global _pool, _pool_pid
     with _pool_lock:
-        if _pool is not None and _pool_pid == os.getpid():
-            return _pool
-    return configure_grader()
+        # A forked child (e.g. a data loader worker) must not share its parent's pipes.
+        if _pool is None or _pool_pid != os.getpid():
+            _pool, _pool_pid = GradingPool(_default_processes()), os.getpid()
+        return _pool
 
 
 def math_reward(completion: str, gold: str) -> float:

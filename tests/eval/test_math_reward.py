@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -94,6 +96,35 @@ def test_pathological_answer_times_out_and_the_pool_recovers():
         assert pool.stats() == {"calls": 4, "timeouts": 1, "worker_errors": 0}
     finally:
         pool.close()
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie (its parent died and nobody reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stuck_worker_does_not_outlive_its_dead_parent():
+    """The parent is killed while its worker is stuck in sympy: the worker's own alarm ends it."""
+    code = ("from sage_train.rewards import GradingPool\n"
+            "pool = GradingPool(processes=1, timeout_s=1.0)\n"
+            "pool.grade([('\\\\boxed{1}', '1')])\n"
+            "print(pool.pids()[0], flush=True)\n"
+            "pool.grade([('\\\\boxed{9^{9^{9^{9}}}}', '2')])\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    worker = int(parent.stdout.readline())
+    time.sleep(0.2)  # the request is on its way; the worker is computing
+    parent.kill()
+    parent.wait()
+    start = time.monotonic()
+    assert not process_gone(worker)
+    while not process_gone(worker) and time.monotonic() - start < 20:
+        time.sleep(0.1)
+    assert process_gone(worker)  # after ceil(1.0) + 5 s of its own, not never
 
 
 def test_grading_from_other_threads_installs_no_signal_handler():
