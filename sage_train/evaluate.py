@@ -202,8 +202,9 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
 
 
 def build_engine(kind: str, model_path: str, device: str) -> RolloutEngine:
-    """A rollout engine sampling from the model at `model_path`. The hf engine gets the loaded
-    model; an engine that loads weights itself (vllm) gets the path as model and tokenizer."""
+    """A rollout engine sampling from the model at `model_path`: "hf" loads it with transformers
+    on `device`; "vllm" hands the path to a vLLM engine that owns the GPU (no sleep mode: there is
+    no training to share memory with)."""
     from .rollout import make_engine
 
     if kind == "hf":
@@ -212,7 +213,10 @@ def build_engine(kind: str, model_path: str, device: str) -> RolloutEngine:
         model, tokenizer = load_pretrained(model_path)
         model.to(device).eval()
         return make_engine("hf", model, tokenizer, device=device)
-    return make_engine(kind, model_path, model_path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return make_engine(kind, model_path, tokenizer, enable_sleep_mode=False, gpu_memory_utilization=0.85)
 
 
 def read_records(out: Path) -> dict[tuple[str, str, int, str], dict]:

@@ -72,7 +72,8 @@ def test_shuffled_golds_grade_wrong(gold_answers):
     ("The answer is \\boxed{\\frac{1}{2}}.", "0.5", 1.0),
     ("so x = \\boxed{2\\sqrt{3}} and we are done", "\\sqrt{12}", 1.0),
     ("\\boxed{(1, 2)}", "(1,2)", 1.0),
-    ("\\boxed{3} ... on second thought \\boxed{4}", "4", 1.0),
+    ("\\boxed{3} ... on second thought \\boxed{4}", "4", 1.0),  # the last box counts
+    ("\\boxed{4} ... on second thought \\boxed{3}", "4", 0.0),
     ("\\boxed{5}", "4", 0.0),
     ("no answer here", "4", 0.0),
     ("", "4", 0.0),
