@@ -70,7 +70,7 @@ class FusedLinearSAGELoss(nn.Module):
         if use_bias_correction_kl:
             raise ValueError("use_bias_correction_kl=True is not supported by the SAGE loss")
         if loss_type == "dr_grpo" and max_completion_length is None:
-            raise ValueError("max_completion_length must be given for loss_type 'dr_grpo' (as Liger requires)")
+            raise ValueError("max_completion_length is required for loss_type 'dr_grpo', as in Liger")
         del compiled, chunk_size
         options = {"guide": "none", "kl": "k3", **options}
         return cls(backend=backend, use_ref_model=use_ref_model, beta=beta, eps_low=epsilon_low,
@@ -98,7 +98,8 @@ class FusedLinearSAGELoss(nn.Module):
             ref_per_token_logps = ref_input = None
             config = config.replace(beta=0.0)
         if config.loss_type == "dapo":
-            config = config.replace(num_items_in_batch=_liger_dapo_normaliser(attention_mask, num_items_in_batch))
+            normaliser = _liger_dapo_normaliser(attention_mask, num_items_in_batch)
+            config = config.replace(num_items_in_batch=normaliser)
         if ref_per_token_logps is None and ref_input is not None and config.beta != 0:
             head = lin_weight if ref_weight is None else ref_weight
             ref_per_token_logps, _ = logprobs_and_entropy(
@@ -131,7 +132,7 @@ def _liger_dapo_normaliser(mask: torch.Tensor, num_items_in_batch) -> torch.Tens
 
 def _liger_clip_fraction(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                          config: LossConfig) -> torch.Tensor:
-    """Fraction of unmasked tokens whose ratio (before the delta cap) is clipped in the advantage's direction."""
+    """Fraction of unmasked tokens whose ratio (before the delta cap) is clipped in the advantage's sign."""
     A = advantages.detach()
     A = A[:, None] if A.dim() == 1 else A
     clipped = ((ratio < 1.0 - config.eps_low) & (A < 0)) | ((ratio > 1.0 + config.eps_high) & (A > 0))

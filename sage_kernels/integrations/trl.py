@@ -64,7 +64,7 @@ class SAGEGRPOConfig(GRPOConfig):
     sage_q_min: float = field(default=0.6, metadata={"help": "Lower clamp of q."})
     sage_q_max: float = field(default=1.4, metadata={"help": "Upper clamp of q."})
     sage_kl: str = field(default="k3", metadata={"help": "KL estimator: 'k1', 'k2' or 'k3'."})
-    sage_dual_clip_c: Optional[float] = field(default=None, metadata={"help": "PPO dual-clip constant (> 1)."})
+    sage_dual_clip_c: Optional[float] = field(default=None, metadata={"help": "PPO dual clip (> 1)."})
     sage_backend: str = field(default="auto", metadata={"help": "Fused loss backend."})
     # TRL >= 1 defaults to True; the SAGE loss has no ratio-weighted KL (TRL 0.23 and the official
     # SAGE code have none either), so the default here is False and True is rejected when beta != 0.
@@ -119,7 +119,8 @@ class SAGEGRPOTrainer(GRPOTrainer):
             beta=self.beta, kl=args.sage_kl, guide=args.sage_guide, gamma=args.sage_gamma, tau=args.sage_tau,
             q_min=args.sage_q_min, q_max=args.sage_q_max, loss_type=self.loss_type, eps_low=self.epsilon_low,
             eps_high=self.epsilon_high, delta_clip=args.delta, dual_clip_c=args.sage_dual_clip_c,
-            importance_sampling=self.importance_sampling_level, top_entropy_quantile=self.top_entropy_quantile,
+            importance_sampling=self.importance_sampling_level,
+            top_entropy_quantile=self.top_entropy_quantile,
             temperature=self.temperature, max_completion_length=self.max_completion_length,
             num_items_in_batch=num_items_in_batch)
 
@@ -127,14 +128,15 @@ class SAGEGRPOTrainer(GRPOTrainer):
         if any(key in inputs for key in _VISION_KEYS):
             raise ValueError("SAGEGRPOTrainer supports text-only models")
         completion_ids = inputs["completion_ids"]
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
-        mask = mask.bool()
+        mask = inputs["completion_mask"].bool()
+        if "tool_mask" in inputs:
+            mask = mask & inputs["tool_mask"].bool()
         B, L = completion_ids.shape
         with self.accelerator.autocast():
             head = model(input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
                          attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
                          sage_hidden_states=True)
-            # The LM head runs in the autocast dtype, as TRL's fused head does, unless TRL is told to keep it in fp32.
+            # The LM head runs in the autocast dtype, as TRL's fused head does, unless told to stay in fp32.
             device_type = head.weight.device.type
             dtype = head.weight.dtype
             if torch.is_autocast_enabled(device_type) and not self.args.cast_lm_head_to_fp32:
@@ -197,8 +199,8 @@ class SAGEGRPOTrainer(GRPOTrainer):
             metrics["kl"].append(global_mean((out.kl * m).sum(), m.sum()))
         metrics["entropy"].append(global_mean((out.entropy * m).sum(), m.sum()))
         metrics["sage/q_mean"].append(global_mean((out.q * m).sum(), m.sum()))
-        metrics["sage/q_min"].append(nanmin(self.accelerator.gather(out.metrics["sage/q_min"])).item())
-        metrics["sage/q_max"].append(nanmax(self.accelerator.gather(out.metrics["sage/q_max"])).item())
+        for name, reduce in (("sage/q_min", nanmin), ("sage/q_max", nanmax)):
+            metrics[name].append(reduce(self.accelerator.gather(out.metrics[name].reshape(1))).item())
 
         ratio = out.ratio if self.args.delta is None else out.ratio.clamp(max=self.args.delta)
         A = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -236,7 +238,8 @@ def _check_model(model, aux_loss_enabled: bool) -> None:
     text_config = model.config.get_text_config()
     for key in _LOGIT_SCALE_KEYS:
         if getattr(text_config, key, None) not in (None, 1.0):
-            raise ValueError(f"SAGEGRPOTrainer does not support models whose logits are transformed after the "
-                             f"LM head ({key}={getattr(text_config, key)!r})")
+            raise ValueError(f"SAGEGRPOTrainer does not support models whose logits are transformed "
+                             f"after the LM head ({key}={getattr(text_config, key)!r})")
     if aux_loss_enabled:
-        raise ValueError("SAGEGRPOTrainer does not add the MoE load-balancing loss; set router_aux_loss_coef=0")
+        raise ValueError("SAGEGRPOTrainer does not add the MoE load-balancing loss; "
+                         "set router_aux_loss_coef=0")

@@ -56,7 +56,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden2d, weight, labels = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.zeros(hidden2d.shape, dtype=torch.float32, device=hidden2d.device) if need_hidden else None
+        grad_hidden = torch.zeros_like(hidden2d, dtype=torch.float32) if need_hidden else None
         weight32 = weight.detach().float().requires_grad_(need_weight)
         grad_logp = torch.zeros_like(labels, dtype=torch.float32) if grad_logp is None else grad_logp.float()
         grad_entropy = torch.zeros_like(grad_logp) if grad_entropy is None else grad_entropy.float()
@@ -161,13 +161,15 @@ def compute_policy_loss_sage(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     eps_high = _config_value(config, "clip_ratio_high", clip)
     dual_clip_c = _config_value(config, "clip_ratio_c", 3.0)
     mask = response_mask.bool()
-    weights = _aggregation_weights(mask, loss_agg_mode, **dict(_config_value(config, "global_batch_info", {})))
+    batch_info = dict(_config_value(config, "global_batch_info", {}))
+    weights = _aggregation_weights(mask, loss_agg_mode, **batch_info)
     if rollout_is_weights is not None:
         weights = weights * rollout_is_weights.float()
-    loss_config = LossConfig(beta=0.0, guide="none", loss_type="dapo", num_items_in_batch=1.0, eps_low=eps_low,
-                             eps_high=eps_high, dual_clip_c=dual_clip_c)
-    # The aggregation weights ride on the PG term's importance weights; dapo with one item is then sum(w * pg).
-    inputs = SageInputs(hidden=None, weight=None, bias=None, token_ids=torch.zeros_like(mask, dtype=torch.long),
+    loss_config = LossConfig(beta=0.0, guide="none", loss_type="dapo", num_items_in_batch=1.0,
+                             eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c)
+    # The aggregation weights ride on the PG term's importance weights: dapo with one item is sum(w * pg).
+    inputs = SageInputs(hidden=None, weight=None, bias=None,
+                        token_ids=torch.zeros_like(mask, dtype=torch.long),
                         mask=mask, advantages=torch.where(mask, advantages.detach().float(), 0.0),
                         old_logp=torch.where(mask, old_log_prob.detach().float(), 0.0), ref_logp=None,
                         is_weights=torch.where(mask, weights, 0.0), log_q=None)

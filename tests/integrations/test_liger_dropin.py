@@ -18,10 +18,12 @@ CASES = {
     # id: (Liger constructor arguments, which optional forward inputs to pass)
     "grpo-token-beta0": (dict(loss_type="grpo", beta=0.0, use_ref_model=False), set()),
     "bnpo-token-kl-ref_logps": (dict(loss_type="bnpo", beta=0.1), {"ref_logps"}),
-    "dr_grpo-token-kl-ref_input": (dict(loss_type="dr_grpo", beta=0.1, max_completion_length=9), {"ref_input"}),
+    "dr_grpo-token-kl-ref_input": (dict(loss_type="dr_grpo", beta=0.1, max_completion_length=9),
+                                   {"ref_input"}),
     "dapo-token-kl-ref_weight-bias": (dict(loss_type="dapo", beta=0.04), {"ref_input", "ref_weight", "bias"}),
     "dapo-num_items": (dict(loss_type="dapo", beta=0.0, use_ref_model=False), {"num_items"}),
-    "grpo-sequence-kl": (dict(loss_type="grpo", beta=0.05, importance_sampling_level="sequence"), {"ref_logps"}),
+    "grpo-sequence-kl": (dict(loss_type="grpo", beta=0.05, importance_sampling_level="sequence"),
+                         {"ref_logps"}),
     "bnpo-sequence-vllm_is": (dict(loss_type="bnpo", beta=0.0, use_ref_model=False,
                                    importance_sampling_level="sequence"), {"vllm_row"}),
     "dapo-token-vllm_is-delta": (dict(loss_type="dapo", beta=0.02, delta=1.1, epsilon_high=0.28),
@@ -41,7 +43,8 @@ def make_inputs(which, seed=0):
     adv = torch.tensor([1.0, -0.7, 0.4])
     with torch.no_grad():
         logp = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, ids[..., None]).squeeze(-1)
-    inputs = dict(_input=hidden, lin_weight=weight, selected_token_ids=ids, attention_mask=mask, advantages=adv,
+    inputs = dict(_input=hidden, lin_weight=weight, selected_token_ids=ids, attention_mask=mask,
+                  advantages=adv,
                   old_per_token_logps=logp + 0.3 * torch.randn(B, T, generator=g))
     if "bias" in which:
         inputs["bias"] = 0.1 * torch.randn(V, generator=g)
@@ -65,7 +68,8 @@ def make_inputs(which, seed=0):
 
 
 def run(module, inputs):
-    leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items() if k in ("_input", "lin_weight", "bias")}
+    leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()
+              if k in ("_input", "lin_weight", "bias")}
     loss, metrics = module(**{**inputs, **leaves})
     upstream = 1.7  # a non-unit upstream gradient exercises the backward's scaling
     (loss * upstream).backward()
@@ -95,8 +99,8 @@ def test_clip_metric_is_measured_before_the_delta_cap():
     inputs = make_inputs(set())
     inputs["old_per_token_logps"] = torch.full((B, T), -20.0)  # every ratio is huge
     inputs["advantages"] = torch.ones(B)
-    _, metrics, _ = run(FusedLinearSAGELoss.from_liger(beta=0.0, use_ref_model=False, delta=1.1, backend=BACKEND),
-                        inputs)
+    module = FusedLinearSAGELoss.from_liger(beta=0.0, use_ref_model=False, delta=1.1, backend=BACKEND)
+    _, metrics, _ = run(module, inputs)
     assert metrics[0].item() == 1.0
 
 
@@ -122,7 +126,8 @@ def test_sage_metrics_are_kept_by_name():
 
 
 @pytest.mark.parametrize("kwargs", [dict(loss_type="cispo"), dict(use_bias_correction_kl=True),
-                                    dict(loss_type="dr_grpo")], ids=["cispo", "bias_correction_kl", "dr_grpo-no-L"])
+                                    dict(loss_type="dr_grpo")],
+                         ids=["cispo", "bias_correction_kl", "dr_grpo-no-L"])
 def test_unsupported_liger_options_raise(kwargs):
     with pytest.raises(ValueError):
         FusedLinearSAGELoss.from_liger(**kwargs)

@@ -44,7 +44,8 @@ def letter_a_reward(completions, **kwargs):
 
 def make_args(output_dir, **overrides):
     options = dict(output_dir=output_dir, per_device_train_batch_size=4, num_generations=4,
-                   max_completion_length=L, report_to="none", use_cpu=True, save_strategy="no", logging_steps=1,
+                   max_completion_length=L, report_to="none", use_cpu=True, save_strategy="no",
+                   logging_steps=1,
                    max_steps=2, learning_rate=1e-2, beta=0.04, sage_backend=BACKEND, seed=0, bf16=False)
     return SAGEGRPOConfig(**{**options, **overrides})
 

@@ -49,7 +49,8 @@ def test_linear_cross_entropy_matches_formula(monkeypatch, block_rows):
     upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
     ours = forward_backward(lambda h, w, y: sage_verl.linear_cross_entropy(h, w, y, 0.8, backend=BACKEND),
                             hidden, weight, labels, upstream)
-    want = forward_backward(lambda h, w, y: logprobs_entropy_formula(h, w, y, 0.8), hidden, weight, labels, upstream)
+    want = forward_backward(lambda h, w, y: logprobs_entropy_formula(h, w, y, 0.8),
+                            hidden, weight, labels, upstream)
     for name, got, expected in zip(("logp", "entropy", "grad hidden", "grad weight"), ours, want):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
@@ -63,7 +64,8 @@ def test_linear_cross_entropy_logp_only_gradient():
     torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(reduction="mean"), dict(dist_process_group=object())], ids=["mean", "tp"])
+@pytest.mark.parametrize("kwargs", [dict(reduction="mean"), dict(dist_process_group=object())],
+                         ids=["mean", "tp"])
 def test_linear_cross_entropy_rejects_unsupported(kwargs):
     hidden, weight, labels, _ = make_head()
     with pytest.raises(ValueError):
@@ -157,7 +159,7 @@ def test_policy_loss_metrics():
 
 
 def test_anchor_through_verl_kl_equals_the_fused_sage_kl():
-    """verl's low_var_kl (k3) with ref_log_prob := sage_anchor_log_prob(...) is the fused loss's KL to q * pi_ref."""
+    """verl's low_var_kl (k3) against sage_anchor_log_prob(...) is the fused loss's KL to q * pi_ref."""
     hidden, weight, labels, g = make_head(seed=2)
     mask = torch.ones(labels.shape, dtype=torch.bool)
     mask[0, 3:] = False
@@ -205,7 +207,8 @@ def test_linear_cross_entropy_matches_real_verl_and_patches_it():
     hidden, weight, labels, g = make_head(seed=3)
     upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
     verl_fn = FusedLinearForPPO(chunk_size=4)
-    theirs = forward_backward(lambda h, w, y: verl_fn(h, w, y, temperature=0.9), hidden, weight, labels, upstream)
+    theirs = forward_backward(lambda h, w, y: verl_fn(h, w, y, temperature=0.9),
+                              hidden, weight, labels, upstream)
     ours = forward_backward(lambda h, w, y: sage_verl.linear_cross_entropy(h, w, y, 0.9, backend=BACKEND),
                             hidden, weight, labels, upstream)
     for got, expected in zip(ours, theirs):
