@@ -157,3 +157,26 @@ def test_training_steps_with_branch_guide(tiny_lm_dir, tmp_path):
 def test_unsupported_options_raise(tiny_lm_dir, tmp_path, overrides):
     with pytest.raises(ValueError):
         make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(tmp_path), **overrides)
+
+
+def test_lora_guide_off_equals_trl(tiny_lm_dir, tmp_path):
+    """With a LoRA adapter (frozen LM head, PEFT-wrapped model) the adapter's gradients match TRL's."""
+    from peft import LoraConfig
+
+    lora = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    pair = []
+    for cls in (GRPOTrainer, SAGEGRPOTrainer):
+        args = make_args(str(tmp_path / cls.__name__), sage_guide="none")
+        pair.append(cls(tiny_lm_dir, reward_funcs=letter_a_reward, args=args, train_dataset=Dataset.from_dict(
+            {"prompt": ["ab", "ba", "ca", "ac"]}), **lora))
+    options = {**DEFAULTS, "loss_type": "dapo"}
+    batch = make_batch(pair[0].model, options)
+    results = []
+    for trainer in pair:
+        configure(trainer, options)
+        results.append(loss_grads_metrics(trainer, batch))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-5)
+    assert results[0][1].keys() == results[1][1].keys()
+    assert all("lora" in name for name in results[0][1])  # only the adapter trains
+    for name in results[0][1]:
+        torch.testing.assert_close(results[1][1][name], results[0][1][name], atol=1e-5, rtol=1e-4)
