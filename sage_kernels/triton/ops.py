@@ -86,13 +86,11 @@ def _unit_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-@torch.library.custom_op("sage_kernels::triton_sage_loss", mutates_args=())
-def _sage_loss_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], token_ids: Tensor, mask: Tensor,
-                  advantages: Tensor, old_logp: Optional[Tensor], ref_logp: Optional[Tensor],
-                  is_weights: Optional[Tensor], log_q: Optional[Tensor], num_items: Optional[Tensor],
-                  floats: list[float], ints: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                 Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    config = _unpack(floats, ints, num_items)
+def loss_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], token_ids: Tensor, mask: Tensor,
+                 advantages: Tensor, old_logp: Optional[Tensor], ref_logp: Optional[Tensor],
+                 is_weights: Optional[Tensor], log_q: Optional[Tensor], config: LossConfig) -> tuple[Tensor, ...]:
+    """The forward pass behind the loss operator (tests call it directly: a dispatch mode sees
+    the operator only as a whole). Returns the operator's twelve outputs."""
     B, L = mask.shape
     flat_mask = mask.reshape(-1)
     rows, count = compact_rows(flat_mask)
@@ -105,6 +103,24 @@ def _sage_loss_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], token_
                                                       is_weights, log_q, config)
     loss = row_stats[:, stage.ROW_LOSS].sum()
     return loss, logp, entropy, q, kl, ratio, _metrics(row_stats, mask), lse, g, c, rows, count
+
+
+def loss_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], token_ids: Tensor,
+                  rows: Tensor, count: Tensor, lse: Tensor, entropy: Tensor, g: Tensor, c: Tensor,
+                  temperature: float, entropy_grad: bool, need_weight: bool, need_bias: bool):
+    """The backward pass behind the backward operator: (grad_hidden, grad_weight or None, grad_bias or None)."""
+    return sweep_backward(grad_loss, _unit_stride(hidden), _unit_stride(weight), bias, token_ids.reshape(-1), rows,
+                          count, lse, entropy.reshape(-1), g, c, temperature, entropy_grad, need_weight, need_bias)
+
+
+@torch.library.custom_op("sage_kernels::triton_sage_loss", mutates_args=())
+def _sage_loss_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], token_ids: Tensor, mask: Tensor,
+                  advantages: Tensor, old_logp: Optional[Tensor], ref_logp: Optional[Tensor],
+                  is_weights: Optional[Tensor], log_q: Optional[Tensor], num_items: Optional[Tensor],
+                  floats: list[float], ints: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                 Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return loss_forward(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q,
+                        _unpack(floats, ints, num_items))
 
 
 @_sage_loss_op.register_fake
@@ -123,9 +139,9 @@ def _sage_loss_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, bi
                            token_ids: Tensor, rows: Tensor, count: Tensor, lse: Tensor, entropy: Tensor,
                            g: Tensor, c: Tensor, temperature: float, entropy_grad: bool, need_weight: bool,
                            need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    grad_hidden, grad_weight, grad_bias = sweep_backward(
-        grad_loss, _unit_stride(hidden), _unit_stride(weight), bias, token_ids.reshape(-1), rows, count, lse,
-        entropy.reshape(-1), g, c, temperature, entropy_grad, need_weight, need_bias)
+    grad_hidden, grad_weight, grad_bias = loss_backward(grad_loss, hidden, weight, bias, token_ids, rows, count,
+                                                        lse, entropy, g, c, temperature, entropy_grad,
+                                                        need_weight, need_bias)
     # operators return distinct tensors, never None: an empty one stands for "not computed".
     return (grad_hidden, hidden.new_empty((0,)) if grad_weight is None else grad_weight,
             hidden.new_empty((0,)) if grad_bias is None else grad_bias)

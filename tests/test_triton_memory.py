@@ -1,0 +1,84 @@
+"""The Triton backend never allocates a tensor of N*V/16 elements or more (no [N, V] logits).
+
+The forward and backward passes run under `alloc.AllocationRecorder`. They are called
+through `ops.loss_forward` / `ops.loss_backward` (the bodies of the torch.library
+operators), because a dispatch mode sees a custom operator only as one call: inside it
+the mode is off. The shape keeps the gradients themselves ([V, D] and [N, D]) under the
+limit, which needs D < N/16 and D < V/16. The same recorder catches the reference's
+materialised logits, so the limit is one a logits-building backend fails.
+
+Under TRITON_INTERPRET=1 the interpreter stages the storage of every kernel argument
+through a byte tensor (``aten.set_.source_Storage`` and ``aten.copy_`` on uint8, the
+whole weight included) to emulate device memory; those copies do not exist on a GPU and
+are not counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from alloc import AllocationRecorder
+from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
+from sage_kernels.spec import validate_inputs
+from sage_kernels.triton import ops, tiles
+from sage_kernels.triton.tiles import interpreting
+from test_triton_loss import DEVICE, make_problem
+
+B, L, V, D = 4, 128, 1024, 24
+LIMIT = B * L * V // 16
+_INTERPRETER_STAGING = (torch.ops.aten.set_.source_Storage, torch.ops.aten.copy_.default)
+
+
+class KernelMemoryRecorder(AllocationRecorder):
+    """`AllocationRecorder` that skips the interpreter's byte-level staging of kernel arguments."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if interpreting() and func in _INTERPRETER_STAGING and args[0].dtype == torch.uint8:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.fixture(autouse=True)
+def narrow_vocab_tiles(monkeypatch):
+    """BLOCK_V = 32: a backward chunk is at least one vocab tile, so the bound needs V >= 32 BLOCK_V
+    (true at real vocabularies); a small BLOCK_V keeps this test's V small for the interpreter."""
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "block_v", 32)
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "block_n", 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_and_backward_stay_under_the_limit(dtype):
+    problem = make_problem(B=B, L=L, V=V, D=D, dtype=dtype, mask="tail", is_weights=True)
+    config = LossConfig(entropy_coef=0.01, top_entropy_quantile=0.5, importance_sampling="sequence")
+    inputs = validate_inputs(problem["hidden"], problem["weight"], problem["token_ids"], problem["mask"],
+                             problem["advantages"], bias=problem["bias"], old_logp=problem["old_logp"],
+                             ref_logp=problem["ref_logp"], is_weights=problem["is_weights"], config=config)
+    with KernelMemoryRecorder(LIMIT) as recorder:
+        out = ops.loss_forward(inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids, inputs.mask,
+                               inputs.advantages, inputs.old_logp, inputs.ref_logp, inputs.is_weights,
+                               inputs.log_q, config)
+        _, _, entropy, _, _, _, _, lse, g, c, rows, count = out
+        grads = ops.loss_backward(torch.tensor(1.5, device=DEVICE), inputs.hidden, inputs.weight, inputs.bias,
+                                  inputs.token_ids, rows, count, lse, entropy, g, c, config.temperature,
+                                  True, True, True)
+    recorder.check()
+    assert recorder.largest > 0
+    assert all(torch.isfinite(grad).all() for grad in grads)
+
+
+def test_scoring_stays_under_the_limit():
+    problem = make_problem(B=B, L=L, V=V, D=D, old=False, ref=False)
+    with KernelMemoryRecorder(LIMIT) as recorder:
+        logp, _ = logprobs_and_entropy(problem["hidden"], problem["weight"], problem["token_ids"],
+                                       bias=problem["bias"], backend="triton")
+    recorder.check()
+    assert torch.isfinite(logp).all()
+
+
+def test_the_recorder_catches_materialised_logits():
+    problem = make_problem(B=2, L=L, V=V, D=D, old=False, ref=False)
+    with KernelMemoryRecorder(2 * L * V // 16) as recorder:
+        fused_linear_sage_loss(config=LossConfig(beta=0.0), backend="reference", **problem)
+    with pytest.raises(AssertionError, match="elements was allocated"):
+        recorder.check()
