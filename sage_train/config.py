@@ -1,0 +1,277 @@
+"""TrainConfig: one flat, typed config for a training run.
+
+Sources, later ones winning: the field defaults below, a YAML file (``--config FILE``, or
+the name of a packaged config such as ``tiny-cpu``), then ``--key=value`` overrides.
+Unknown keys and values of the wrong type fail with a message naming the key and the
+expected type. Loss options left as None take the algorithm preset's value
+(`presets.py`); `resolve` fills them in, and the resolved config is what gets saved in
+``runs/<name>/config.yaml`` and in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+DEFAULT_CONFIG = "tiny-cpu"
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or its value has the wrong type or range."""
+
+
+@dataclass
+class TrainConfig:
+    # run
+    name: str = "tiny-arithmetic-sage"
+    output_dir: str = "runs"
+    seed: int = 0
+    resume: bool = False
+
+    # model: "tiny" builds a Qwen2-style model from the tiny_* keys; otherwise a hub name or local path
+    model: str = "tiny"
+    tiny_hidden_size: int = 64
+    tiny_layers: int = 2
+    tiny_heads: int = 4
+    tiny_kv_heads: int = 2
+    tiny_intermediate_size: int = 128
+    tiny_max_positions: int = 256
+
+    # task (sage_train.tasks registry) and its options
+    task: str = "arithmetic"
+    task_options: dict = field(default_factory=dict)
+    eval_task: str = ""  # "" evaluates on `task`'s test split
+
+    # supervised warm start (plain AdamW, identical on every rank, before the RL engine exists)
+    sft_steps: int = 0
+    sft_batch_size: int = 32
+    sft_lr: float = 3e-3
+
+    # RL
+    algorithm: str = "sage-branch"
+    steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 8
+    micro_batch_size: int = 16
+    num_iterations: int = 1
+    lr: float = 1e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+    # sampling (the loss's temperature is the sampling temperature)
+    rollout_engine: str = "hf"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_new_tokens: int = 16
+    stop: list = field(default_factory=list)
+
+    # loss options; None takes the algorithm preset's value
+    beta: Optional[float] = None
+    kl: Optional[str] = None
+    guide: Optional[str] = None
+    gamma: Optional[float] = None
+    tau: Optional[float] = None
+    q_min: Optional[float] = None
+    q_max: Optional[float] = None
+    loss_type: Optional[str] = None
+    eps_low: Optional[float] = None
+    eps_high: Optional[float] = None
+    delta_clip: Optional[float] = None
+    dual_clip_c: Optional[float] = None
+    importance_sampling: Optional[str] = None
+    top_entropy_quantile: Optional[float] = None
+    entropy_coef: Optional[float] = None
+    loss_backend: str = "auto"
+
+    # token / random guides (sage-token, sage-random): strength follows a cosine with restarts
+    guide_strength: Optional[float] = None
+    guide_strength_end: Optional[float] = None
+    guide_period: Optional[int] = None
+
+    # DAPO's batch shaping
+    dynamic_sampling: Optional[bool] = None
+    dynamic_sampling_max_rounds: int = 3
+    overlong_filter: Optional[bool] = None
+    scale_rewards: Optional[bool] = None  # advantages (r - mean) / (std + 1e-4); False: r - mean
+
+    # engine
+    zero_stage: int = 0
+    deepspeed_config: str = ""  # a DeepSpeed JSON/YAML file merged over the generated config
+    bf16: bool = True  # on GPU; CPU runs stay in float32
+
+    # evaluation before and after RL
+    eval_problems: int = 32
+    eval_samples: int = 8
+    eval_temperature: float = 1.0
+    eval_max_new_tokens: int = 0  # 0: max_new_tokens
+
+    # logging and checkpoints
+    log_every: int = 1
+    save_every: int = 50
+    keep_checkpoints: int = 2
+    plots: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _coerce(key: str, value):
+    """`value` checked against the type of field `key` (ints accepted where floats are)."""
+    hint = _HINTS[key]
+    allowed = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return None
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads "1e-3" (no dot) as a string
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind in (str, bool, list, dict) and isinstance(value, kind):
+            return value
+    raise ConfigError(f"config key {key!r} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+
+
+def _check_keys(values: dict, source: str) -> None:
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown} in {source}; known keys: {sorted(FIELDS)}")
+
+
+def packaged_config_path(name: str):
+    """The packaged YAML `name` (with or without .yaml) in sage_train/configs, or None."""
+    candidate = resources.files("sage_train") / "configs" / (name if name.endswith(".yaml") else f"{name}.yaml")
+    return candidate if candidate.is_file() else None
+
+
+def read_yaml(name_or_path: str) -> dict:
+    """A YAML mapping from a file path or a packaged config name."""
+    path = Path(name_or_path)
+    source = path if path.is_file() else packaged_config_path(name_or_path)
+    if source is None:
+        raise ConfigError(f"config file {name_or_path!r} not found (a path, or one of the packaged configs "
+                          f"{packaged_config_names()})")
+    values = yaml.safe_load(source.read_text()) or {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {name_or_path!r} must hold a mapping of keys to values")
+    return values
+
+
+def packaged_config_names() -> list[str]:
+    folder = resources.files("sage_train") / "configs"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """``[--config FILE] [--key=value | --key value | --flag ...]`` -> a checked, resolved TrainConfig.
+
+    Without ``--config`` the packaged default (`DEFAULT_CONFIG`) is used. Values are read as
+    YAML scalars (``--lr=1e-3``, ``--stop=["\\n"]``, ``--beta=null``); a bare ``--flag`` means true.
+    """
+    config_file, overrides = DEFAULT_CONFIG, {}
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; expected --config FILE or --key=value")
+        key, has_value, text = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        if not has_value:
+            if args and not args[0].startswith("--"):
+                text = args.pop(0)
+            elif key in FIELDS and _HINTS[key] is bool:
+                text = "true"
+            else:
+                raise ConfigError(f"--{key} needs a value (--{key}=VALUE)")
+        if key == "config":
+            config_file = text
+            continue
+        _check_keys({key: None}, "the command line")
+        overrides[key] = yaml.safe_load(text) if text != "" else ""
+        if _HINTS[key] is str and not isinstance(overrides[key], str):
+            overrides[key] = text  # a name like "123" or "on" stays a string
+    values = read_yaml(config_file)
+    _check_keys(values, f"config file {config_file!r}")
+    values.update(overrides)
+    return resolve(build(values))
+
+
+def build(values: dict) -> TrainConfig:
+    """A TrainConfig from a mapping, type-checked; unknown keys fail."""
+    _check_keys(values, "the config")
+    config = TrainConfig(**{key: _coerce(key, value) for key, value in values.items()})
+    validate(config)
+    return config
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Ranges and cross-key rules, each failure naming the key and what was expected."""
+    def require(ok: bool, key: str, expected: str) -> None:
+        if not ok:
+            raise ConfigError(f"config key {key!r} must be {expected}, got {getattr(cfg, key)!r}")
+
+    for key in ("steps", "prompts_per_step", "micro_batch_size", "num_iterations", "max_new_tokens",
+                "eval_samples", "log_every", "save_every", "dynamic_sampling_max_rounds", "tiny_hidden_size",
+                "tiny_layers", "tiny_heads", "tiny_kv_heads", "tiny_intermediate_size", "sft_batch_size"):
+        require(getattr(cfg, key) > 0, key, "a positive integer")
+    for key in ("sft_steps", "warmup_steps", "eval_problems", "eval_max_new_tokens", "keep_checkpoints"):
+        require(getattr(cfg, key) >= 0, key, "an integer >= 0")
+    require(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
+    require(cfg.lr > 0 and cfg.sft_lr > 0, "lr" if cfg.lr <= 0 else "sft_lr", "> 0")
+    require(cfg.temperature > 0, "temperature", "> 0")
+    require(cfg.max_grad_norm >= 0, "max_grad_norm", ">= 0 (0: no clipping)")
+    require(cfg.eval_temperature > 0, "eval_temperature", "> 0")
+    require(0 < cfg.top_p <= 1, "top_p", "in (0, 1]")
+    require(cfg.top_k >= 0, "top_k", ">= 0 (0: off)")
+    require(0 <= cfg.min_p < 1, "min_p", "in [0, 1) (0: off)")
+    require(cfg.zero_stage in (0, 1, 2, 3), "zero_stage", "0, 1, 2 or 3")
+    require(cfg.lr_schedule in ("constant", "cosine", "linear"), "lr_schedule", "'constant', 'cosine' or 'linear'")
+    require(cfg.rollout_engine in ("hf",), "rollout_engine", "'hf' (the embedded engine)")
+    require(cfg.loss_backend in ("auto", "reference", "cpu", "triton"), "loss_backend",
+            "'auto', 'reference', 'cpu' or 'triton'")
+    require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
+    require(cfg.name != "" and "/" not in cfg.name, "name", "a non-empty name without '/'")
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """Fill the None loss options from the algorithm preset and check the loss options."""
+    from .presets import apply_preset
+    return apply_preset(cfg)
+
+
+def save_yaml(cfg: TrainConfig, path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def load_yaml(path) -> TrainConfig:
+    """A saved, resolved config (e.g. from a checkpoint)."""
+    return build(yaml.safe_load(Path(path).read_text()))

@@ -1,0 +1,82 @@
+"""TrainConfig: YAML + --key=value, type checks, unknown keys, presets."""
+
+import pytest
+
+from sage_train.config import ConfigError, TrainConfig, build, packaged_config_names, parse_args, resolve
+from sage_train.presets import PRESETS, loss_config
+
+
+def test_packaged_default_loads_and_resolves_to_sage_branch():
+    cfg = parse_args([])
+    assert cfg.algorithm == "sage-branch" and cfg.guide == "branch" and cfg.beta == 0.05 and cfg.kl == "k3"
+    assert cfg.model == "tiny" and cfg.sft_steps > 0
+    assert {"tiny-cpu", "zero2", "zero3"} <= set(packaged_config_names())
+
+
+def test_command_line_overrides_win_and_are_typed(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 7\nlr: 0.01\nname: from-file\n")
+    cfg = parse_args(["--config", str(path), "--lr=2e-4", "--stop", '["\\n"]', "--name=123", "--resume"])
+    assert (cfg.steps, cfg.lr, cfg.stop, cfg.name, cfg.resume) == (7, 2e-4, ["\n"], "123", True)
+    assert isinstance(cfg.lr, float)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--stpes=3"], ["unknown", "stpes"]),
+    (["--steps=three"], ["steps", "int", "three"]),
+    (["--lr=fast"], ["lr", "float"]),
+    (["--resume=maybe"], ["resume", "bool"]),
+    (["--task_options=5"], ["task_options", "dict"]),
+    (["--steps=0"], ["steps", "positive"]),
+    (["--group_size=1"], ["group_size", "at least 2"]),
+    (["--algorithm=ppo"], ["algorithm", "grpo", "dapo"]),
+    (["--guide=fork"], ["guide", "branch"]),
+    (["--kl=k9"], ["kl", "k3"]),
+    (["--eps_low=1.5"], ["eps_low"]),
+    (["--zero_stage=4"], ["zero_stage"]),
+    (["--config", "no-such-config"], ["no-such-config", "tiny-cpu"]),
+    (["steps=3"], ["unexpected argument"]),
+])
+def test_bad_configs_fail_naming_the_key(argv, words):
+    with pytest.raises(ConfigError) as error:
+        parse_args(argv)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_unknown_key_in_yaml_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("steps: 3\nlearning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="learning_rate.*bad.yaml"):
+        parse_args(["--config", str(path)])
+
+
+@pytest.mark.parametrize("name", sorted(set(PRESETS) - {"grpo-forward-kl"}))
+def test_every_preset_resolves_to_valid_loss_options(name):
+    cfg = resolve(build({"algorithm": name}))
+    assert all(getattr(cfg, key) is not None for key in ("beta", "kl", "guide", "loss_type", "eps_high",
+                                                          "dynamic_sampling", "overlong_filter", "scale_rewards"))
+    loss_config(cfg)
+
+
+def test_preset_values_and_explicit_keys_winning():
+    dapo = resolve(build({"algorithm": "dapo"}))
+    assert (dapo.beta, dapo.loss_type, dapo.eps_high, dapo.dynamic_sampling, dapo.overlong_filter) == \
+        (0.0, "dapo", 0.28, True, True)
+    assert resolve(build({"algorithm": "dapo", "eps_high": 0.3})).eps_high == 0.3
+    assert resolve(build({"algorithm": "dr_grpo"})).scale_rewards is False
+    assert resolve(build({"algorithm": "grpo-no-kl"})).beta == 0.0
+    assert loss_config(resolve(build({"algorithm": "sage-token"}))).guide == "none"  # log_q comes from outside
+
+
+def test_forward_kl_preset_says_what_is_missing():
+    with pytest.raises(ConfigError, match="fk3"):
+        resolve(build({"algorithm": "grpo-forward-kl"}))
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    from sage_train.config import load_yaml, save_yaml
+    cfg = parse_args(["--algorithm=sage-random", "--task_options={digits: 3}"])
+    save_yaml(cfg, tmp_path / "c.yaml")
+    assert load_yaml(tmp_path / "c.yaml") == cfg
+    assert isinstance(cfg, TrainConfig)
