@@ -1,0 +1,101 @@
+"""The Triton backend's torch.library operators: schema, fake (meta) implementations, autograd
+registration, and tracing by torch.compile.
+
+On CPU the compiled run uses the "aot_eager" backend (graph capture and AOT autograd
+through the fake implementations, no C++ toolchain needed); on CUDA, inductor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sage_kernels import LossConfig, fused_linear_sage_loss
+from sage_kernels.triton import ops
+from test_triton_loss import DEVICE, make_problem
+
+COMPILE_BACKEND = "inductor" if DEVICE.type == "cuda" else "aot_eager"
+
+
+def loss_op_args(problem, config):
+    floats, ints, num_items = ops._pack(config)
+    hidden = problem["hidden"].reshape(-1, problem["hidden"].shape[-1]).detach().requires_grad_()
+    weight = problem["weight"].detach().requires_grad_()
+    return (hidden, weight, problem["bias"], problem["token_ids"], problem["mask"],
+            problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(), problem["old_logp"],
+            problem["ref_logp"], None, None, num_items, floats, ints)
+
+
+def test_config_round_trips_through_the_operator_arguments():
+    config = LossConfig(kl="k2", guide="none", loss_type="dr_grpo", importance_sampling="sequence", delta_clip=2.0,
+                        dual_clip_c=3.0, max_completion_length=77, num_items_in_batch=12.0, beta=0.0, tau=0.9)
+    assert ops._unpack(*ops._pack(config)) == config
+    n = torch.tensor(5.0)
+    assert ops._unpack(*ops._pack(LossConfig(num_items_in_batch=n))).num_items_in_batch is n
+
+
+def test_opcheck_loss_operator():
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=1)
+    args = loss_op_args(problem, LossConfig(entropy_coef=0.01))
+    torch.library.opcheck(torch.ops.sage_kernels.triton_sage_loss.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_opcheck_scoring_operator():
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=2)
+    args = (problem["hidden"].reshape(10, 32), problem["weight"], problem["bias"], problem["token_ids"].reshape(10),
+            0.9)
+    torch.library.opcheck(torch.ops.sage_kernels.triton_logprobs_entropy.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+class TinyPolicyHead(torch.nn.Module):
+    """A projection then the fused loss over an LM head: what a training step compiles."""
+
+    def __init__(self, D, V):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D)
+        self.head = torch.nn.Linear(D, V)
+
+    def forward(self, hidden, token_ids, mask, advantages, ref_logp):
+        out = fused_linear_sage_loss(torch.tanh(self.proj(hidden)), self.head.weight, token_ids, mask, advantages,
+                                     bias=self.head.bias, ref_logp=ref_logp, backend="triton", entropy_coef=0.01)
+        return out.loss, out.entropy
+
+
+def test_torch_compile_traces_a_model_that_calls_the_loss():
+    problem = make_problem(B=2, L=6, V=300, D=32, seed=4)
+    torch.manual_seed(0)
+    model = TinyPolicyHead(32, 300).to(DEVICE)
+    args = (problem["hidden"], problem["token_ids"], problem["mask"], problem["advantages"], problem["ref_logp"])
+
+    loss, entropy = model(*args)
+    loss.backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    compiled = torch.compile(model, backend=COMPILE_BACKEND)
+    c_loss, c_entropy = compiled(*args)
+    c_loss.backward()
+    torch.testing.assert_close(c_loss, loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c_entropy, entropy, atol=1e-5, rtol=1e-5)
+    for p, expected in zip(model.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_torch_compile_full_graph_of_the_operators():
+    # The operators themselves capture into one graph (no breaks), forward and backward.
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=5)
+    args = loss_op_args(problem, LossConfig())
+
+    def step(*op_args):
+        loss = torch.ops.sage_kernels.triton_sage_loss(*op_args)[0]
+        logp, _ = torch.ops.sage_kernels.triton_logprobs_entropy(op_args[0].detach(), op_args[1].detach(), None,
+                                                                 op_args[3].reshape(-1), 1.0)
+        return loss, logp
+
+    loss, logp = torch.compile(step, backend=COMPILE_BACKEND, fullgraph=True)(*args)
+    loss.backward()
+    expected_loss, expected_logp = step(*loss_op_args(problem, LossConfig()))
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(logp, expected_logp)
+    assert args[0].grad is not None and torch.isfinite(args[0].grad).all()
