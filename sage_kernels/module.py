@@ -9,8 +9,10 @@ The tuple also carries every SAGE metric by name in ``metrics.named``.
 
 Where Liger's semantics differ from TRL's (which `LossConfig` follows), `forward` follows Liger:
 - the clipped fraction is measured on the ratio before the ``delta`` cap (TRL: after);
-- ``num_items_in_batch`` (dapo) is the count over all processes; it is divided by the world
-  size here, and when it is None the mask sum is all-reduced, as Liger does.
+- ``num_items_in_batch`` given to `forward` (dapo) is the count over all processes; it is
+  divided by the world size here, and when neither `forward` nor the config gives one, the
+  mask sum is all-reduced, as Liger does. A ``num_items_in_batch`` in the config keeps
+  `LossConfig`'s meaning (this process's divisor).
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ class FusedLinearSAGELoss(nn.Module):
             # Liger then anchors to the policy itself: the KL is 0 with zero gradient.
             ref_per_token_logps = ref_input = None
             config = config.replace(beta=0.0)
-        if config.loss_type == "dapo":
+        liger_divisor = num_items_in_batch is not None or config.num_items_in_batch is None
+        if config.loss_type == "dapo" and liger_divisor:
             normaliser = _liger_dapo_normaliser(attention_mask, num_items_in_batch)
             config = config.replace(num_items_in_batch=normaliser)
         if ref_per_token_logps is None and ref_input is not None and config.beta != 0:

@@ -131,3 +131,12 @@ def test_sage_metrics_are_kept_by_name():
 def test_unsupported_liger_options_raise(kwargs):
     with pytest.raises(ValueError):
         FusedLinearSAGELoss.from_liger(**kwargs)
+
+
+def test_dapo_divisor_from_the_config_is_kept():
+    inputs = make_inputs(set())
+    module = FusedLinearSAGELoss(beta=0.0, guide="none", loss_type="dapo", num_items_in_batch=50.0,
+                                 backend=BACKEND)
+    reference = FusedLinearSAGELoss(beta=0.0, guide="none", loss_type="dapo", backend=BACKEND)
+    tokens = inputs["attention_mask"].sum()
+    torch.testing.assert_close(module(**inputs)[0] * 50.0, reference(**inputs)[0] * tokens)
