@@ -102,9 +102,10 @@ def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Proble
                     ks: Sequence[int], sampling: SamplingParams, seeds: Sequence[int],
                     samples_per_call: Optional[int] = None,
                     done: Optional[Mapping[tuple[int, str], dict]] = None,
-                    on_record: Optional[Callable[[dict, list[str]], None]] = None,
+                    on_record: Optional[Callable[[dict, list[str], list[float]], None]] = None,
                     progress=None) -> dict:
     """Sample `n` completions per problem and seed, grade them with `task`, estimate pass@k.
+    A sample counts as correct when the task scores it 1.0.
 
     sampling: temperature, top_p, ... (its `n` and `seed` are set here per call).
     samples_per_call: split the n samples of a problem into generate calls of this many
@@ -161,8 +162,6 @@ def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Proble
 
 RECORDS_FILE = "records.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
-# Settings that change what a sample is: records of another setting must not be mixed in.
-SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,7 +475,7 @@ def plot_curves(results: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k")
-        ax.set_title(task)
+        ax.set_title(f"{task} (n = {results['config']['n']}, {len(results['config']['seeds'])} seeds)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
