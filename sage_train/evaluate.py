@@ -184,6 +184,9 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
 
             config = yaml.safe_load((path / "config.yaml").read_text()) or {}
             resolved.append((path.resolve().name, str(path / "final"), config))
+        elif (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+            raise ValueError(f"--model {given!r} is a run directory without a final model "
+                             f"({path / 'final'}); did the run finish?")
         elif path.exists() and not path.is_dir():
             raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory "
                              "or a hub name")
