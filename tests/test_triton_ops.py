@@ -7,6 +7,7 @@ through the fake implementations, no C++ toolchain needed); on CUDA, inductor.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
@@ -26,8 +27,9 @@ def loss_op_args(problem, config):
 
 
 def test_config_round_trips_through_the_operator_arguments():
-    config = LossConfig(kl="k2", guide="none", loss_type="dr_grpo", importance_sampling="sequence", delta_clip=2.0,
-                        dual_clip_c=3.0, max_completion_length=77, num_items_in_batch=12.0, beta=0.0, tau=0.9)
+    config = LossConfig(kl="k2", guide="none", loss_type="dr_grpo", importance_sampling="sequence",
+                        delta_clip=2.0, dual_clip_c=3.0, max_completion_length=77, num_items_in_batch=12.0,
+                        beta=0.0, tau=0.9)
     assert ops._unpack(*ops._pack(config)) == config
     n = torch.tensor(5.0)
     assert ops._unpack(*ops._pack(LossConfig(num_items_in_batch=n))).num_items_in_batch is n
@@ -42,8 +44,8 @@ def test_opcheck_loss_operator():
 
 def test_opcheck_scoring_operator():
     problem = make_problem(B=2, L=5, V=200, D=32, seed=2)
-    args = (problem["hidden"].reshape(10, 32), problem["weight"], problem["bias"], problem["token_ids"].reshape(10),
-            0.9)
+    args = (problem["hidden"].reshape(10, 32), problem["weight"], problem["bias"],
+            problem["token_ids"].reshape(10), 0.9)
     torch.library.opcheck(torch.ops.sage_kernels.triton_logprobs_entropy.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -57,8 +59,9 @@ class TinyPolicyHead(torch.nn.Module):
         self.head = torch.nn.Linear(D, V)
 
     def forward(self, hidden, token_ids, mask, advantages, ref_logp):
-        out = fused_linear_sage_loss(torch.tanh(self.proj(hidden)), self.head.weight, token_ids, mask, advantages,
-                                     bias=self.head.bias, ref_logp=ref_logp, backend="triton", entropy_coef=0.01)
+        out = fused_linear_sage_loss(torch.tanh(self.proj(hidden)), self.head.weight, token_ids, mask,
+                                     advantages, bias=self.head.bias, ref_logp=ref_logp, backend="triton",
+                                     entropy_coef=0.01)
         return out.loss, out.entropy
 
 
@@ -66,7 +69,7 @@ def test_torch_compile_traces_a_model_that_calls_the_loss():
     problem = make_problem(B=2, L=6, V=300, D=32, seed=4)
     torch.manual_seed(0)
     model = TinyPolicyHead(32, 300).to(DEVICE)
-    args = (problem["hidden"], problem["token_ids"], problem["mask"], problem["advantages"], problem["ref_logp"])
+    args = tuple(problem[k] for k in ("hidden", "token_ids", "mask", "advantages", "ref_logp"))
 
     loss, entropy = model(*args)
     loss.backward()
@@ -89,8 +92,8 @@ def test_torch_compile_full_graph_of_the_operators():
 
     def step(*op_args):
         loss = torch.ops.sage_kernels.triton_sage_loss(*op_args)[0]
-        logp, _ = torch.ops.sage_kernels.triton_logprobs_entropy(op_args[0].detach(), op_args[1].detach(), None,
-                                                                 op_args[3].reshape(-1), 1.0)
+        logp, _ = torch.ops.sage_kernels.triton_logprobs_entropy(op_args[0].detach(), op_args[1].detach(),
+                                                                 None, op_args[3].reshape(-1), 1.0)
         return loss, logp
 
     loss, logp = torch.compile(step, backend=COMPILE_BACKEND, fullgraph=True)(*args)
@@ -99,3 +102,11 @@ def test_torch_compile_full_graph_of_the_operators():
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(logp, expected_logp)
     assert args[0].grad is not None and torch.isfinite(args[0].grad).all()
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    problem = make_problem(B=1, L=3, V=50, D=16)
+    problem = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in problem.items()}
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        fused_linear_sage_loss(backend="triton", **problem)

@@ -26,7 +26,9 @@ from ..spec import (GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LOSS_TYPE_CODES, METR
 from . import token_stage as stage
 from .sweep_bwd import sweep_backward
 from .sweep_fwd import compact_rows, scoring_forward, sweep_forward
+from .tiles import interpreting
 
+MaybeTensor = Optional[Tensor]
 _FLOAT_OPTIONS = ("beta", "gamma", "tau", "q_min", "q_max", "eps_low", "eps_high", "top_entropy_quantile",
                   "entropy_coef", "temperature")
 _CODE_TABLES = (("kl", KL_CODES), ("guide", GUIDE_CODES), ("loss_type", LOSS_TYPE_CODES),
@@ -86,16 +88,16 @@ def _unit_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def loss_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], token_ids: Tensor, mask: Tensor,
-                 advantages: Tensor, old_logp: Optional[Tensor], ref_logp: Optional[Tensor],
-                 is_weights: Optional[Tensor], log_q: Optional[Tensor], config: LossConfig) -> tuple[Tensor, ...]:
+def loss_forward(hidden: Tensor, weight: Tensor, bias: MaybeTensor, token_ids: Tensor, mask: Tensor,
+                 advantages: Tensor, old_logp: MaybeTensor, ref_logp: MaybeTensor, is_weights: MaybeTensor,
+                 log_q: MaybeTensor, config: LossConfig) -> tuple[Tensor, ...]:
     """The forward pass behind the loss operator (tests call it directly: a dispatch mode sees
     the operator only as a whole). Returns the operator's twelve outputs."""
     B, L = mask.shape
     flat_mask = mask.reshape(-1)
     rows, count = compact_rows(flat_mask)
-    lse, logp, entropy = sweep_forward(_unit_stride(hidden), _unit_stride(weight), bias, token_ids.reshape(-1),
-                                       rows, count, config.temperature)
+    lse, logp, entropy = sweep_forward(_unit_stride(hidden), _unit_stride(weight), bias,
+                                       token_ids.reshape(-1), rows, count, config.temperature)
     lse = torch.where(flat_mask, lse, 0.0)
     logp = torch.where(flat_mask, logp, 0.0).view(B, L)
     entropy = torch.where(flat_mask, entropy, 0.0).view(B, L)
@@ -105,22 +107,24 @@ def loss_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], token_i
     return loss, logp, entropy, q, kl, ratio, _metrics(row_stats, mask), lse, g, c, rows, count
 
 
-def loss_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], token_ids: Tensor,
+def loss_backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, bias: MaybeTensor, token_ids: Tensor,
                   rows: Tensor, count: Tensor, lse: Tensor, entropy: Tensor, g: Tensor, c: Tensor,
                   temperature: float, entropy_grad: bool, need_weight: bool, need_bias: bool):
-    """The backward pass behind the backward operator: (grad_hidden, grad_weight or None, grad_bias or None)."""
-    return sweep_backward(grad_loss, _unit_stride(hidden), _unit_stride(weight), bias, token_ids.reshape(-1), rows,
-                          count, lse, entropy.reshape(-1), g, c, temperature, entropy_grad, need_weight, need_bias)
+    """The backward pass behind the backward operator:
+    (grad_hidden, grad_weight or None, grad_bias or None)."""
+    return sweep_backward(grad_loss, _unit_stride(hidden), _unit_stride(weight), bias, token_ids.reshape(-1),
+                          rows, count, lse, entropy.reshape(-1), g, c, temperature, entropy_grad, need_weight,
+                          need_bias)
 
 
 @torch.library.custom_op("sage_kernels::triton_sage_loss", mutates_args=())
-def _sage_loss_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], token_ids: Tensor, mask: Tensor,
-                  advantages: Tensor, old_logp: Optional[Tensor], ref_logp: Optional[Tensor],
-                  is_weights: Optional[Tensor], log_q: Optional[Tensor], num_items: Optional[Tensor],
-                  floats: list[float], ints: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                 Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return loss_forward(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q,
-                        _unpack(floats, ints, num_items))
+def _sage_loss_op(hidden: Tensor, weight: Tensor, bias: MaybeTensor, token_ids: Tensor, mask: Tensor,
+                  advantages: Tensor, old_logp: MaybeTensor, ref_logp: MaybeTensor, is_weights: MaybeTensor,
+                  log_q: MaybeTensor, num_items: MaybeTensor, floats: list[float], ints: list[int],
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                             Tensor, Tensor]:
+    return loss_forward(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights,
+                        log_q, _unpack(floats, ints, num_items))
 
 
 @_sage_loss_op.register_fake
@@ -135,12 +139,12 @@ def _sage_loss_fake(hidden, weight, bias, token_ids, mask, advantages, old_logp,
 
 
 @torch.library.custom_op("sage_kernels::triton_sage_loss_backward", mutates_args=())
-def _sage_loss_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+def _sage_loss_backward_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, bias: MaybeTensor,
                            token_ids: Tensor, rows: Tensor, count: Tensor, lse: Tensor, entropy: Tensor,
                            g: Tensor, c: Tensor, temperature: float, entropy_grad: bool, need_weight: bool,
                            need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    grad_hidden, grad_weight, grad_bias = loss_backward(grad_loss, hidden, weight, bias, token_ids, rows, count,
-                                                        lse, entropy, g, c, temperature, entropy_grad,
+    grad_hidden, grad_weight, grad_bias = loss_backward(grad_loss, hidden, weight, bias, token_ids, rows,
+                                                        count, lse, entropy, g, c, temperature, entropy_grad,
                                                         need_weight, need_bias)
     # operators return distinct tensors, never None: an empty one stands for "not computed".
     return (grad_hidden, hidden.new_empty((0,)) if grad_weight is None else grad_weight,
@@ -192,20 +196,29 @@ def _logprobs_entropy_fake(hidden2d, weight, bias, token_ids, temperature):
     return (hidden2d.new_empty((n,), dtype=torch.float32), hidden2d.new_empty((n,), dtype=torch.float32))
 
 
+def _check_device(hidden: Tensor) -> None:
+    if hidden.device.type != "cuda" and not interpreting():
+        raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import "
+                         f"for CPU tensors); hidden is on {hidden.device}")
+
+
 def sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutput:
     """The SAGE loss of validated `inputs` with the fused Triton kernels (backend "triton")."""
+    _check_device(inputs.hidden)
     floats, ints, num_items = _pack(config)
     out = torch.ops.sage_kernels.triton_sage_loss(
         inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids, inputs.mask, inputs.advantages,
         inputs.old_logp, inputs.ref_logp, inputs.is_weights, inputs.log_q, num_items, floats, ints)
     loss, logp, entropy, q, kl, ratio, metrics = out[:7]
     metrics = metrics.detach()
-    return SageLossOutput(loss=loss, logp=logp.detach(), entropy=entropy.detach(), q=q.detach(), kl=kl.detach(),
-                          ratio=ratio.detach(), metrics={name: metrics[i] for i, name in enumerate(METRIC_NAMES)})
+    return SageLossOutput(loss=loss, logp=logp.detach(), entropy=entropy.detach(), q=q.detach(),
+                          kl=kl.detach(), ratio=ratio.detach(),
+                          metrics={name: metrics[i] for i, name in enumerate(METRIC_NAMES)})
 
 
 def logprobs_and_entropy(hidden2d: Tensor, weight: Tensor, token_ids_flat: Tensor, bias: Optional[Tensor],
                          temperature: float) -> tuple[Tensor, Tensor]:
     """logp and entropy [N] in float32 for every row of `hidden2d` (no gradient)."""
+    _check_device(hidden2d)
     return torch.ops.sage_kernels.triton_logprobs_entropy(hidden2d, weight, bias, token_ids_flat,
                                                           float(temperature))

@@ -73,7 +73,7 @@ def _sweep_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count
             new_max = tl.maximum(run_max, tl.max(z, axis=1))
             rescale = tl.exp(run_max - new_max)
             shifted = tl.where(col_ok[None, :], z - new_max[:, None], 0.0)
-            e = tl.exp(shifted) * col_ok[None, :]
+            e = tl.where(col_ok[None, :], tl.exp(shifted), 0.0)
             shifted_pz = rescale * (shifted_pz - sumexp * (new_max - run_max)) + tl.sum(e * shifted, axis=1)
             sumexp = rescale * sumexp + tl.sum(e, axis=1)
             run_max = new_max
