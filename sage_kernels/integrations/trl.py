@@ -55,7 +55,7 @@ class SAGEGRPOConfig(GRPOConfig):
     needs ``beta`` > 0. sage_kl: KL estimator, "k3" (TRL's), "k2" or "k1".
     sage_dual_clip_c: PPO dual clip (> 1) for negative advantages, or None.
     sage_backend: the fused loss's backend ("auto", "cpu", "triton", "reference").
-    use_bias_correction_kl defaults to False here (TRL's default is True): see the field.
+    beta defaults to 0.05 and use_bias_correction_kl to False here (TRL: 0 and True); see the fields.
     """
 
     sage_guide: str = field(default="branch", metadata={"help": "'branch' or 'none'."})
@@ -69,6 +69,8 @@ class SAGEGRPOConfig(GRPOConfig):
     # TRL >= 1 defaults to True; the SAGE loss has no ratio-weighted KL (TRL 0.23 and the official
     # SAGE code have none either), so the default here is False and True is rejected when beta != 0.
     use_bias_correction_kl: bool = field(default=False, metadata={"help": "Not supported when beta != 0."})
+    # TRL defaults to beta = 0 (no KL term); the guide acts through the KL term, so SAGE's default is kept.
+    beta: float = field(default=0.05, metadata={"help": "KL coefficient (SAGE's default 0.05; TRL's is 0)."})
 
 
 @dataclass
@@ -232,6 +234,9 @@ def _check_supported(args: SAGEGRPOConfig) -> None:
         if bad:
             raise ValueError(f"SAGEGRPOTrainer does not support {name}={getattr(args, name)!r} "
                              f"(loss types: {', '.join(SUPPORTED_LOSS_TYPES)})")
+    if args.sage_guide != "none" and args.beta == 0.0:
+        raise ValueError(f"sage_guide={args.sage_guide!r} acts through the KL term: set beta > 0, "
+                         f"or sage_guide='none' for TRL's loss")
 
 
 def _check_model(model, aux_loss_enabled: bool) -> None:

@@ -152,8 +152,10 @@ def test_training_steps_with_branch_guide(tiny_lm_dir, tmp_path):
 
 
 @pytest.mark.parametrize("overrides", [dict(loss_type="cispo"), dict(use_adaptive_entropy=True),
-                                       dict(off_policy_mask_threshold=0.5), dict(sage_guide="bogus")],
-                         ids=["cispo", "adaptive_entropy", "off_policy_mask", "bad_guide"])
+                                       dict(off_policy_mask_threshold=0.5), dict(sage_guide="bogus"),
+                                       dict(beta=0.0), dict(use_bias_correction_kl=True)],
+                         ids=["cispo", "adaptive_entropy", "off_policy_mask", "bad_guide", "guide_without_kl",
+                              "bias_correction_kl"])
 def test_unsupported_options_raise(tiny_lm_dir, tmp_path, overrides):
     with pytest.raises(ValueError):
         make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(tmp_path), **overrides)
