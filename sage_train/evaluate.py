@@ -84,8 +84,8 @@ def check_ks(ks: Sequence[int], n: int) -> list[int]:
 # ----------------------------------------------------------------------------- sampling + grading
 
 def sample_seed(seed: int, problem_id: str, chunk: int) -> int:
-    """The engine seed of one generate call: fixed by (seed, problem, chunk), so a resumed or
-    subset run draws the same samples for a problem as a full one."""
+    """The engine seed of one generate call, fixed by (seed, the call's first problem, chunk): a
+    run draws the same samples as any other run that makes the same calls."""
     digest = hashlib.blake2b(f"{seed}:{problem_id}:{chunk}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
@@ -100,7 +100,7 @@ def grade(task: Task, completions: Sequence[str], problem: Problem) -> list[floa
 
 def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Problem], *, n: int,
                     ks: Sequence[int], sampling: SamplingParams, seeds: Sequence[int],
-                    samples_per_call: Optional[int] = None,
+                    problems_per_call: int = 1, samples_per_call: Optional[int] = None,
                     done: Optional[Mapping[tuple[int, str], dict]] = None,
                     on_record: Optional[Callable[[dict, list[str], list[float]], None]] = None,
                     progress=None) -> dict:
@@ -108,6 +108,9 @@ def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Proble
     A sample counts as correct when the task scores it 1.0.
 
     sampling: temperature, top_p, ... (its `n` and `seed` are set here per call).
+    problems_per_call: prompts per generate call. With 1 (the default) a problem's samples
+        depend only on (seed, problem), whatever else is evaluated or resumed; more batches
+        better (an HF engine with small n) but ties the draw to the batch.
     samples_per_call: split the n samples of a problem into generate calls of this many
         (default: all n in one call).
     done: records of an earlier, interrupted run keyed by (seed, problem id); those problems
@@ -126,36 +129,52 @@ def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Proble
         raise ValueError("seeds is empty")
     if not problems:
         raise ValueError(f"task {task.name!r} gave no problems to evaluate")
+    if problems_per_call < 1:
+        raise ValueError(f"problems_per_call must be >= 1, got {problems_per_call}")
     chunk = n if samples_per_call is None else samples_per_call
     if chunk < 1:
         raise ValueError(f"samples_per_call must be >= 1, got {samples_per_call}")
     done = done or {}
-    records, generated, resumed = [], 0, 0
+    records: dict[tuple[int, str], dict] = {}
     for seed in seeds:
         for problem in problems:
-            previous = done.get((seed, problem.id))
-            if previous is not None and previous["n"] == n:
-                records.append(previous)
-                resumed += 1
-            else:
-                prompt = task.prompt(problem)
-                texts: list[str] = []
-                for index, start in enumerate(range(0, n, chunk)):
-                    params = dataclasses.replace(sampling, n=min(chunk, n - start),
-                                                 seed=sample_seed(seed, problem.id, index))
-                    texts += [c.text for c in engine.generate([prompt], params)[0]]
-                scores = grade(task, texts, problem)
+            if (seed, problem.id) in done:
+                if done[seed, problem.id]["n"] != n:
+                    raise ValueError(f"done: the record of {problem.id!r} (seed {seed}) has "
+                                     f"n={done[seed, problem.id]['n']}, not n={n}")
+                records[seed, problem.id] = done[seed, problem.id]
+                if progress is not None:
+                    progress.update(n)
+        pending = [p for p in problems if (seed, p.id) not in done]
+        for first in range(0, len(pending), problems_per_call):
+            batch = pending[first:first + problems_per_call]
+            texts = sample(engine, [task.prompt(p) for p in batch], sampling, n, chunk, seed, batch[0].id)
+            for problem, completions in zip(batch, texts):
+                scores = grade(task, completions, problem)
                 record = {"problem_id": problem.id, "seed": seed, "n": n,
-                          "c": sum(1 for s in scores if s >= 1.0)}
+                          "c": sum(1 for s in scores if s == 1.0)}
                 if on_record is not None:
-                    on_record(record, texts, scores)
-                records.append(record)
-                generated += 1
-            if progress is not None:
-                progress.update(n)
-    counts = {s: [(r["n"], r["c"]) for r in records if r["seed"] == s] for s in seeds}
-    return {"problems": records, "pass_at_k": summarize(counts, ks),
-            "generated": generated, "resumed": resumed}
+                    on_record(record, completions, scores)
+                records[seed, problem.id] = record
+                if progress is not None:
+                    progress.update(n)
+    ordered = [records[seed, p.id] for seed in seeds for p in problems]
+    counts = {s: [(r["n"], r["c"]) for r in ordered if r["seed"] == s] for s in seeds}
+    resumed = sum(1 for key in records if key in done)
+    return {"problems": ordered, "pass_at_k": summarize(counts, ks),
+            "generated": len(records) - resumed, "resumed": resumed}
+
+
+def sample(engine: RolloutEngine, prompts: list[str], sampling: SamplingParams, n: int, chunk: int,
+           seed: int, first_id: str) -> list[list[str]]:
+    """`n` completion texts per prompt, drawn in calls of `chunk` samples per prompt."""
+    texts: list[list[str]] = [[] for _ in prompts]
+    for index, start in enumerate(range(0, n, chunk)):
+        params = dataclasses.replace(sampling, n=min(chunk, n - start),
+                                     seed=sample_seed(seed, first_id, index))
+        for mine, completions in zip(texts, engine.generate(prompts, params)):
+            mine += [c.text for c in completions]
+    return texts
 
 
 # ----------------------------------------------------------------------------- the CLI: models, tasks, files
@@ -295,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: a run directory's eval_max_new_tokens or max_new_tokens, else 1024")
     p.add_argument("--stop", action="append", default=None, help="a stop string; repeatable")
+    p.add_argument("--problems-per-call", type=int, default=1,
+                   help="prompts per generate call (more is faster with the hf engine and small n; "
+                        "1 makes each problem's samples independent of the others)")
     p.add_argument("--samples-per-call", type=int, default=None,
                    help="split each problem's n samples into generate calls of this many")
     p.add_argument("--save-completions", action="store_true",
@@ -384,7 +406,7 @@ def main(argv=None) -> int:
     config = {"models": {m.label: m.path for m in models}, "tasks": [t.name for t in tasks], "n": args.n,
               "ks": ks, "seeds": seeds, "limit": args.limit, "engine": args.engine,
               "sampling": dataclasses.asdict(sampling) | {"n": args.n, "seed": None},
-              "samples_per_call": args.samples_per_call}
+              "problems_per_call": args.problems_per_call, "samples_per_call": args.samples_per_call}
     results = {"config": config, "models": {}, "generated": 0, "resumed": 0}
     done = read_records(out)
     writer = RecordWriter(out, args.save_completions)
@@ -404,7 +426,8 @@ def main(argv=None) -> int:
                 bar.set_postfix_str(f"{model.label} / {task.name}")
                 result = evaluate_engine(
                     engine, task, problems[task.name], n=args.n, ks=ks, sampling=sampling, seeds=seeds,
-                    samples_per_call=args.samples_per_call, done=mine,
+                    problems_per_call=args.problems_per_call, samples_per_call=args.samples_per_call,
+                    done=mine,
                     on_record=writer.writer_for(model.label, task.name), progress=bar)
                 results["generated"] += result.pop("generated")
                 results["resumed"] += result.pop("resumed")

@@ -14,8 +14,9 @@ import pytest
 import torch
 import yaml
 
-from sage_train.evaluate import main, pass_at_k
-from sage_train.model import build_char_tokenizer, build_tiny_model
+from sage_train.evaluate import evaluate_engine, main, pass_at_k
+from sage_train.model import build_char_tokenizer, build_tiny_model, load_pretrained
+from sage_train.rollout import SamplingParams, make_engine
 from sage_train.tasks import get_task
 
 TASK_OPTIONS = {"digits": 1}  # "3+4=" -> "7": a tiny model learns the few eval problems quickly
@@ -165,3 +166,30 @@ def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
     assert main(args) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["resumed"] == finished and results["generated"] == total - finished
+
+
+def test_evaluate_engine_batching_and_per_problem_reproducibility(models):
+    model, tokenizer = load_pretrained(str(models["fitted"]))
+    engine = make_engine("hf", model, tokenizer)
+    task = get_task("arithmetic", **TASK_OPTIONS)
+    problems = task.problems("test", LIMIT, 0)
+    common = dict(n=6, ks=[1, 6], sampling=SamplingParams(max_new_tokens=3), seeds=[0, 1])
+
+    # One problem per call: a problem's samples do not depend on what else is evaluated.
+    full = evaluate_engine(engine, task, problems, **common)
+    alone = evaluate_engine(engine, task, problems[2:3], **common)
+    assert [r for r in full["problems"] if r["problem_id"] == problems[2].id] == alone["problems"]
+
+    seen = []
+    batched = evaluate_engine(engine, task, problems, problems_per_call=3, samples_per_call=4,
+                              on_record=lambda record, texts, scores: seen.append((record, texts, scores)),
+                              **common)
+    assert [(r["seed"], r["problem_id"]) for r in batched["problems"]] == [
+        (seed, p.id) for seed in (0, 1) for p in problems]
+    for record, texts, scores in seen:
+        assert record["n"] == len(texts) == len(scores) == 6
+        assert record["c"] == sum(s == 1.0 for s in scores)
+    assert batched["generated"] == 2 * LIMIT and batched["resumed"] == 0
+
+    with pytest.raises(ValueError, match=r"every k must be in \[1, n=6\]"):
+        evaluate_engine(engine, task, problems, **common | {"ks": [8]})
