@@ -163,7 +163,7 @@ def test_unsupported_options_raise(tiny_lm_dir, tmp_path, overrides):
 
 def test_lora_guide_off_equals_trl(tiny_lm_dir, tmp_path):
     """With a LoRA adapter (frozen LM head, PEFT-wrapped model) the adapter's gradients match TRL's."""
-    from peft import LoraConfig
+    LoraConfig = pytest.importorskip("peft").LoraConfig
 
     lora = dict(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
     pair = []
