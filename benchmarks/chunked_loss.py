@@ -54,7 +54,7 @@ def _chunk_loss_and_grads(h, weight, ids, w_tok, adv, old, ref, *, beta, eps_low
 @functools.lru_cache(maxsize=None)
 def _chunk_fns(compiled: bool):
     fns = (_chunk_loss, _chunk_loss_and_grads)
-    return tuple(torch.compile(f, dynamic=False) for f in fns) if compiled else fns
+    return tuple(torch.compile(f, dynamic=True) for f in fns) if compiled else fns
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -88,7 +88,7 @@ def chunked_grpo_loss(hidden, weight, token_ids, mask, advantages, old_logp, ref
     m = mask.float()
     # grpo: each row's token mean, averaged over rows; folded into one weight per token.
     w_tok = (m / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)).reshape(-1)
-    adv = advantages.float()[:, None].expand(B, L).reshape(-1)
+    adv = advantages.float()[:, None].expand(B, L).contiguous().reshape(-1)
     per_token = (token_ids.reshape(-1), w_tok, adv, old_logp.reshape(-1), ref_logp.reshape(-1))
     settings = {"beta": beta, "eps_low": eps_low, "eps_high": eps_high}
     hidden2d = hidden.reshape(B * L, D)

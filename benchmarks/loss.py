@@ -16,7 +16,6 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +51,8 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row at most (default 3)")
     parser.add_argument("--budget-s", type=float, default=60.0,
                         help="seconds of runs per row before stopping early, at least one run (default 60)")
+    parser.add_argument("--time-limit-s", type=float,
+                        help="rows not started within this many seconds are reported as skipped")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -87,24 +88,26 @@ def plan(args) -> list[tuple[Point, list[str]]]:
     return points
 
 
-def run_worker(point: Point, modes: list[str], args, rows_path: Path) -> list[dict]:
-    """Run one point in a fresh process; rows it could not write are reported as failed."""
-    spec = {"point": dataclasses.asdict(point), "modes": modes, "providers": args.providers,
-            "repeats": args.repeats, "budget_s": args.budget_s, "seed": args.seed}
+def run_worker(points: list[tuple[Point, list[str]]], args, rows_path: Path) -> list[dict]:
+    """Run `points` in a fresh process; rows it could not write are reported as failed."""
+    spec = {"points": [{"point": dataclasses.asdict(p), "modes": modes} for p, modes in points],
+            "providers": args.providers, "repeats": args.repeats, "budget_s": args.budget_s,
+            "seed": args.seed, "deadline": args.deadline}
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    before = rows_path.stat().st_size if rows_path.exists() else 0
+    before = rows_path.stat().st_size
     command = [sys.executable, "-m", "benchmarks.worker", json.dumps(spec), str(rows_path)]
     proc = subprocess.run(command, env=env)
     with open(rows_path) as f:
         f.seek(before)
         rows = [json.loads(line) for line in f if line.strip()]
-    done = {(r["provider"], r["mode"]) for r in rows}
-    for provider in args.providers:
-        for mode in modes:
-            if (provider, mode) not in done:
-                rows.append({**base_row(point, provider, mode),
-                             "status": f"failed: worker exited with code {proc.returncode}"})
+    done = {(r["shape"], r["n"], r["mask_fraction"], r["provider"], r["mode"]) for r in rows}
+    for point, modes in points:
+        for provider in args.providers:
+            for mode in modes:
+                if (point.shape, point.n, point.mask_fraction, provider, mode) not in done:
+                    rows.append({**base_row(point, provider, mode),
+                                 "status": f"failed: worker exited with code {proc.returncode}"})
     return rows
 
 
@@ -115,17 +118,22 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "sage-bench loss " + shlex.join(argv) if argv else "sage-bench loss"
     started = time.perf_counter()
+    args.deadline = None if args.time_limit_s is None else time.time() + args.time_limit_s
     rows = []
-    with tempfile.TemporaryDirectory() as scratch:
-        rows_path = Path(scratch) / "rows.jsonl"
-        for point, modes in plan(args):
-            rows += run_worker(point, modes, args, rows_path)
+    # Workers append to loss.jsonl as they measure, so a run cut short keeps its rows; it is
+    # rewritten at the end with the rows of any worker that died.
+    rows_path = out / "loss.jsonl"
+    rows_path.write_text("")
+    points = plan(args)
+    groups = [points] if args.device == "cuda" else [[p] for p in points]
+    for group in groups:
+        rows += run_worker(group, args, rows_path)
     machine = next((r for r in rows if "cpu" in r), None)
     for r in rows:  # rows written by the parent for a dead worker borrow the machine fields
         if machine is not None:
             for key in MACHINE_KEYS:
                 r.setdefault(key, machine[key])
-    (out / "loss.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ours = [name for name in args.providers if PROVIDERS[name].ours and not name.endswith("-branch")]
     text = report.markdown(rows, command, ours) if machine else report.results_table(rows)
     text += f"\nTotal wall time: {time.perf_counter() - started:.0f} s.\n"

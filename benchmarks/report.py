@@ -25,6 +25,12 @@ def machine_line(rows: list[dict]) -> str:
             f"commit {row['commit']}")
 
 
+def _runs(row: dict) -> str:
+    """Timed runs, flagged when torch.compile compiled during them (their time is then suspect)."""
+    compiles = row.get("compiles_in_timing")
+    return f"{row.get('runs', '—')}" + (f" ({compiles} compiles!)" if compiles else "")
+
+
 def results_table(rows: list[dict]) -> str:
     lines = ["| shape | N | D | V | dtype | masked | mode | provider | p50 ms | p20–p80 ms | runs | peak MiB "
              "| TFLOP/s (6NDV) | TFLOP/s (8NDV) | err loss | err d(hidden) | err d(weight) | status |",
@@ -35,7 +41,7 @@ def results_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['shape']} | {r['n']} | {r['d']} | {r['v']} | {r['dtype']} | {r['mask_fraction']:.0%} "
             f"| {r['mode']} | {r['provider']} | {_fmt(r.get('ms_p50'), '.1f')} | {spread} "
-            f"| {r.get('runs', '—')} "
+            f"| {_runs(r)} "
             f"| {_fmt(r.get('peak_mem_mib'), '.0f')} | {_fmt(r.get('tflops_6ndv'), '.3f')} "
             f"| {_fmt(r.get('tflops_8ndv'), '.3f')} | {_fmt(r.get('err_loss_abs'), '.1e')} "
             f"| {_fmt(r.get('err_grad_hidden_rel'), '.1e')} | {_fmt(r.get('err_grad_weight_rel'), '.1e')} "

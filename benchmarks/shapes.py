@@ -28,7 +28,8 @@ SHAPES = {
 #: Triton kernels' target set (run by run_device.sh).
 DEFAULT_PLANS = {
     "cpu": [
-        ("cpu-small", [2048], ["fwd", "fwd+bwd"], [0.0, 0.5]),
+        ("cpu-small", [2048], ["fwd", "fwd+bwd"], [0.0]),
+        ("cpu-small", [2048], ["fwd+bwd"], [0.5]),
         ("qwen2.5-0.5b", [4096], ["fwd+bwd"], [0.0]),
     ],
     "cuda": [

@@ -1,14 +1,19 @@
-"""One benchmark point in its own process: every provider and mode on the same inputs.
+"""Benchmark points in a process of their own: every provider and mode on the same inputs.
 
-`python -m benchmarks.worker SPEC_JSON ROWS_JSONL` appends one row per (provider, mode) to
-ROWS_JSONL as soon as it is measured, so a crash loses only the rows not yet written. A
-fresh process per point gives each point a clean heap and keeps a provider that crashes
-from taking the other points with it.
+`python -m benchmarks.worker SPEC_JSON ROWS_JSONL` appends one row per (point, provider,
+mode) to ROWS_JSONL as soon as it is measured, so a crash loses only the rows not yet
+written. On CPU the parent starts one worker per point: a clean heap for the memory
+measurement, and a provider that crashes cannot take the other points with it. On CUDA
+one worker runs all points, so torch.compile compiles each peer once.
 
-Errors are measured on a slice of ERROR_TOKENS tokens (every k-th position of the first
-completion, so the masked fraction is kept) with the full D and V, in the benchmark dtype,
-against the reference backend run in float64 on the same slice. Running that slice first
-also warms each provider up (torch.compile, lazy set-up) before it is timed.
+Errors are measured on a slice of about ERROR_TOKENS tokens (every k-th position of the
+first two completions, so the masked fraction is kept) with the full D and V, in the
+benchmark dtype, against the reference backend run in float64 on the same slice.
+
+Warm-up: each provider runs on that slice and on a second, smaller one of another shape
+before it is timed. Two shapes make torch.compile mark the sizes dynamic, so the graphs it
+compiled there serve the full size and no timed run compiles; each row records the
+compilations seen during its timed runs (`compiles_in_timing`, 0 when all is well).
 """
 
 from __future__ import annotations
@@ -28,20 +33,29 @@ from .shapes import Inputs, Point, make_inputs
 
 ERROR_TOKENS = 256
 #: float32 [N, V] tensors the naive reference holds at its peak (logits, log-softmax, probabilities,
-#: their product and the backward's gradient), as measured at the cpu-small shape.
+#: their product, the backward's gradient): 4.8 measured at cpu-small fwd+bwd, rounded up.
 NAIVE_LOGIT_COPIES = 6
 #: the naive provider is skipped when its estimate exceeds this fraction of the free memory.
 NAIVE_MEMORY_FRACTION = 0.5
 
 
-def error_slice(x: Inputs) -> Inputs:
-    step = max(x.token_ids.shape[1] // ERROR_TOKENS, 1)
+def error_slice(x: Inputs, rows: int = 2, tokens: int = ERROR_TOKENS) -> Inputs:
+    """About `tokens` tokens: every k-th position of the first `rows` completions."""
+    B, L = x.token_ids.shape
+    rows = min(rows, B)
+    step = max(L * rows // tokens, 1)
 
     def cut(t):
-        return t[:1, ::step].contiguous()
+        return t[:rows, ::step].contiguous()
 
-    return Inputs(cut(x.hidden), x.weight, cut(x.token_ids), cut(x.mask), x.advantages[:1].contiguous(),
+    return Inputs(cut(x.hidden), x.weight, cut(x.token_ids), cut(x.mask), x.advantages[:rows].contiguous(),
                   cut(x.old_logp), cut(x.ref_logp))
+
+
+def warmup_slice(x: Inputs) -> Inputs:
+    """A slice of another shape than `error_slice`'s (one more row, fewer tokens); sizes of 1
+    are kept, since torch.compile specialises them."""
+    return error_slice(x, rows=3, tokens=ERROR_TOKENS // 2)
 
 
 def run_once(provider, x: Inputs, mode: str):
@@ -80,6 +94,7 @@ def measure(provider, point: Point, x: Inputs, sliced: Inputs, mode: str, refere
             budget_s: float) -> dict:
     row = {}
     loss, grad_h, grad_w = run_once(provider, sliced, mode)
+    run_once(provider, warmup_slice(x), mode)
     if provider.guide is not None:
         loss64, grad_h64, grad_w64 = reference(provider.guide)
         row = {"err_loss_abs": abs(loss.double().item() - loss64.item()),
@@ -98,18 +113,27 @@ def measure(provider, point: Point, x: Inputs, sliced: Inputs, mode: str, refere
     def reset():
         leaves.hidden.grad = leaves.weight.grad = None
 
+    compiles = _compilations()
     row.update(time_runs(run, reset, point.device, repeats=repeats, budget_s=budget_s))
+    row["compiles_in_timing"] = _compilations() - compiles
     ndv = point.n * point.d * point.v
     seconds = row["ms_p50"] / 1e3
     row["tflops_6ndv"] = (6 if mode == "fwd+bwd" else 2) * ndv / seconds / 1e12
     row["tflops_8ndv"] = (8 if mode == "fwd+bwd" else 2) * ndv / seconds / 1e12
+    row["tokens_per_s"] = point.n / seconds
     return row
 
 
-def run_point(spec: dict, rows_path: str) -> None:
-    point = Point(**spec["point"])
+def _compilations() -> int:
+    """Frames torch.compile has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["frames"]["total"]
+
+
+def run_point(point: Point, modes: list[str], spec: dict, rows) -> None:
+    """Measure every provider of `spec` in each of `modes` at `point`; write rows as they come."""
     info = machine(point.device)
-    x = make_inputs(point, seed=spec.get("seed", 0))
+    x = make_inputs(point, seed=spec["seed"])
     sliced = error_slice(x)
     references = {}
 
@@ -118,25 +142,37 @@ def run_point(spec: dict, rows_path: str) -> None:
             references[guide] = float64_result(sliced, guide)
         return references[guide]
 
+    for name in spec["providers"]:
+        provider = PROVIDERS[name]
+        reason = skip_reason(provider, point)
+        for mode in modes:
+            row = {**base_row(point, name, mode), "err_tokens": sliced.token_ids.numel(), **info,
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            if spec["deadline"] is not None and time.time() > spec["deadline"]:
+                row["status"] = "skipped: past --time-limit-s"
+            elif reason:
+                row["status"] = f"skipped: {reason}"
+            else:
+                try:
+                    row.update(measure(provider, point, x, sliced, mode, reference, spec["repeats"],
+                                       spec["budget_s"]))
+                    row["status"] = "ok"
+                except Exception as error:  # a provider failing is a result to report, not a crash
+                    first_line = (str(error).splitlines() or [""])[0][:200]
+                    row["status"] = f"failed: {type(error).__name__}: {first_line}"
+                    if point.device == "cuda":
+                        torch.cuda.empty_cache()  # an out-of-memory provider must not starve the next one
+            rows.write(json.dumps(row) + "\n")
+            rows.flush()
+            print(describe(row), file=sys.stderr, flush=True)
+
+
+def main(spec: dict, rows_path: str) -> None:
     with open(rows_path, "a") as rows:
-        for name in spec["providers"]:
-            provider = PROVIDERS[name]
-            reason = skip_reason(provider, point)
-            for mode in spec["modes"]:
-                row = {**base_row(point, name, mode), "err_tokens": sliced.token_ids.numel(), **info,
-                       "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-                if reason:
-                    row["status"] = f"skipped: {reason}"
-                else:
-                    try:
-                        row.update(measure(provider, point, x, sliced, mode, reference, spec["repeats"],
-                                           spec["budget_s"]))
-                        row["status"] = "ok"
-                    except Exception as error:  # a provider failing is a result to report, not a crash
-                        row["status"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                rows.write(json.dumps(row) + "\n")
-                rows.flush()
-                print(describe(row), file=sys.stderr, flush=True)
+        for entry in spec["points"]:
+            run_point(Point(**entry["point"]), entry["modes"], spec, rows)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 def base_row(point: Point, provider: str, mode: str) -> dict:
@@ -154,4 +190,4 @@ def describe(row: dict) -> str:
 
 
 if __name__ == "__main__":
-    run_point(json.loads(sys.argv[1]), sys.argv[2])
+    main(json.loads(sys.argv[1]), sys.argv[2])
