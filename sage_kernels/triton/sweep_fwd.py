@@ -27,8 +27,9 @@ import triton.language as tl
 
 from .tiles import dot_precision, dot_upcast, interpreting, new_buffer, tiles_for
 
-#: running-max start value: finite, so the first rescale computes 0 * finite, never 0 * inf.
-_NEG_START = -1.0e30
+#: running-max start value: finite, so the first rescale computes 0 * finite, never 0 * inf
+#: (a constexpr: jitted code may read only constexpr globals).
+_NEG_START = tl.constexpr(-1.0e30)
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})

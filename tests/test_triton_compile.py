@@ -1,0 +1,93 @@
+"""The kernels compile for a Hopper GPU (sm_90, the H200) on a machine without one.
+
+The interpreter accepts code that the compiler rejects (a non-constexpr global, a dot
+shape below the hardware minimum, mismatched loop-carried types), so on CPU-only machines
+this test runs Triton's real compiler down to a cubin with `ptxas` for the GPU tile
+shapes, in a subprocess without TRITON_INTERPRET. It also checks that the 16-bit sweeps
+use Hopper's warpgroup MMA with a pipelined (cp.async) operand stream, as they must to
+run near GEMM speed. Pointers and D/V/strides get the divisibility-by-16 hint that the
+JIT gives them for real model shapes. On a CUDA machine the other kernel tests compile
+and run the kernels for real, so this one is not needed there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HINTED_INTS = ("N", "V", "D", "L", "stride_h", "stride_w", "stride_dz")
+
+
+def compile_for_sm90(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """Compile `kernel` (a JITFunction, possibly under triton.heuristics) for sm_90; return it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    while not isinstance(kernel, triton.JITFunction):
+        kernel = kernel.fn
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
+    hint = [["tt.divisibility", 16]]
+    attrs = {(i,): hint for i, name in enumerate(kernel.arg_names)
+             if name not in constexprs and (types[name].startswith("*") or name in HINTED_INTS)}
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def sweep_types(dtype: str, kernel: str) -> dict:
+    common = dict(hidden_ptr=f"*{dtype}", weight_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", ids_ptr="*i64",
+                  rows_ptr="*i64", count_ptr="*i64", N="i32", V="i32", D="i32", stride_h="i32",
+                  stride_w="i32", inv_temperature="fp32")
+    if kernel == "fwd":
+        return dict(common, max_ptr="*fp32", sumexp_ptr="*fp32", shifted_pz_ptr="*fp32", target_ptr="*fp32",
+                    tiles_per_split="i32")
+    return dict(common, lse_ptr="*fp32", entropy_ptr="*fp32", g_ptr="*fp32", c_ptr="*fp32",
+                dz_ptr=f"*{dtype}", v_begin="i32", chunk_width="i32", stride_dz="i32")
+
+
+def compile_all() -> None:
+    """Compile every kernel family in its main variants; assert the 16-bit sweeps use wgmma + cp.async."""
+    from sage_kernels.triton import sweep_bwd, sweep_fwd, token_stage
+
+    tiles = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, DOT_UPCAST=False)
+    for dtype, precision, bias in (("bf16", "tf32", True), ("fp16", "tf32", False), ("fp32", "ieee", True)):
+        stages = 2 if dtype == "fp32" else 3
+        no_bias = {} if bias else {"bias_ptr": None}
+        fwd = compile_for_sm90(sweep_fwd._sweep_fwd_kernel, sweep_types(dtype, "fwd"),
+                               dict(tiles, HAS_BIAS=bias, DOT_PRECISION=precision, **no_bias), 8, stages)
+        bwd = compile_for_sm90(sweep_bwd._dlogits_kernel, sweep_types(dtype, "bwd"),
+                               dict(tiles, HAS_BIAS=bias, HAS_ENTROPY_GRAD=True, DOT_PRECISION=precision,
+                                    **no_bias), 8, stages)
+        if dtype != "fp32":
+            for compiled in (fwd, bwd):
+                assert "wgmma" in compiled.asm["ptx"] and "cp.async" in compiled.asm["ptx"], compiled.name
+
+    types = {name: "*fp32" for name in ("logp_ptr", "entropy_ptr", "adv_ptr", "old_ptr", "ref_ptr", "isw_ptr",
+                                        "log_q_ptr", "threshold_ptr", "inv_norm_ptr", "q_ptr", "kl_ptr",
+                                        "ratio_ptr", "g_ptr", "c_ptr", "row_stats_ptr")}
+    types.update(mask_ptr="*u8", B="i32", L="i32", **{name: "fp32" for name in (
+        "beta", "gamma", "tau", "q_min", "q_max", "eps_low", "eps_high", "delta_clip", "dual_clip_c",
+        "entropy_coef")})
+    for kl, everything in ((1, True), (2, False), (3, True), (3, False)):
+        flags = dict(KL=kl, BRANCH=not everything, SEQUENCE=everything, GRPO=everything, HAS_DELTA=everything,
+                     HAS_DUAL=everything, HAS_OLD=everything, HAS_REF=True, HAS_IS_WEIGHTS=everything,
+                     HAS_LOG_Q=everything, HAS_QUANTILE=everything, N_STATS=9, BLOCK_L=1024)
+        absent = {"inv_norm_ptr": None} if everything else {
+            "old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}
+        compile_for_sm90(token_stage._token_stage_kernel, types, dict(flags, **absent), 4, 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the kernel tests compile for real")
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    compile_all()
