@@ -439,6 +439,9 @@ def main(argv=None) -> int:
     finally:
         bar.close()
         writer.close()
+    from .rewards import grading_stats
+
+    results["grading"] = grading_stats()  # math-verify timeouts (graded 0) are counted here
     write_outputs(out, results)
     print(markdown_table(results))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass_at_k.png'}")
@@ -489,8 +492,13 @@ def plot_curves(results: dict, path: Path) -> None:
 
     ks = results["config"]["ks"]
     tasks = results["config"]["tasks"]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    seeds = len(results["config"]["seeds"])
+    cols = min(3, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+        ax.set_visible(False)
+    for ax, task in zip(axes.flat, tasks):
         for label, model in results["models"].items():
             curve = model["tasks"][task]["pass_at_k"]
             mean = [curve[k]["mean"] for k in ks]
@@ -501,8 +509,8 @@ def plot_curves(results: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k")
-        ax.set_title(f"{task} (n = {results['config']['n']}, {len(results['config']['seeds'])} seeds)")
-        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{task} (n = {results['config']['n']}, {seeds} seed{'s' if seeds > 1 else ''})")
+        ax.set_ylim(-0.02, 1.02)  # a curve at 0 stays visible
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
