@@ -14,7 +14,8 @@ No signal is ever installed in the caller's process, so any thread may call thes
 Inside the workers math-verify's signal timeouts are switched off: the kill is the limit.
 
 A worker starts in about a second (importing sympy); a killed one is replaced at once and
-its replacement warms up while the other workers go on grading.
+its replacement warms up while the other workers go on grading. POSIX only (pipes passed to
+a subprocess, SIGALRM in the workers).
 """
 
 from __future__ import annotations
