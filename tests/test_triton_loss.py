@@ -133,7 +133,7 @@ inputs_present = st.fixed_dictionaries({
 
 
 # No shrinking: each example costs seconds under the interpreter; the failing one is printed as drawn.
-@settings(max_examples=10, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@settings(max_examples=20, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(opts=options, present=inputs_present, frozen=st.booleans(), seed=st.integers(0, 1000))
 def test_every_option_matches_the_reference_fp32(opts, present, frozen, seed):
     problem = make_problem(B=3, L=9, V=300, D=40, seed=seed, **present)

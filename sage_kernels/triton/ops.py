@@ -101,6 +101,9 @@ def loss_forward(hidden: Tensor, weight: Tensor, bias: MaybeTensor, token_ids: T
     lse = torch.where(flat_mask, lse, 0.0)
     logp = torch.where(flat_mask, logp, 0.0).view(B, L)
     entropy = torch.where(flat_mask, entropy, 0.0).view(B, L)
+    # the token stage addresses [B, L] tensors as row-major
+    old_logp, ref_logp, is_weights, log_q, advantages = (
+        None if t is None else t.contiguous() for t in (old_logp, ref_logp, is_weights, log_q, advantages))
     q, kl, ratio, g, c, row_stats = stage.token_stage(logp, entropy, mask, advantages, old_logp, ref_logp,
                                                       is_weights, log_q, config)
     loss = row_stats[:, stage.ROW_LOSS].sum()

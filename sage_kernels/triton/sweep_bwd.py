@@ -26,6 +26,13 @@ for 16-bit inputs each chunk's [N, D] product is rounded once to that dtype befo
 added to the fp32 accumulator: a relative error of 2^-8 per chunk term, well inside the
 bf16 tolerance and smaller than PyTorch's, whose logits are rounded to bf16.
 
+fp16 inputs: like PyTorch's own fp16 backward, d(logits) entries below fp16's range
+(~6e-8) flush to zero unless the loss is scaled (torch.amp.GradScaler); bf16 has fp32's
+range and needs no scaling.
+
+Not implemented: skipping tiles whose d(logits) is negligible (Cut Cross-Entropy's
+gradient filtering); every tile is computed, so the result has no filtering error.
+
 Masked rows are not recomputed: the dz rows of tokens past the valid count are written
 as zeros, so they add nothing to either product. The bias gradient is the column sum of
 dz, in fp32. The weight gradient is skipped when the weight is frozen.
