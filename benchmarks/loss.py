@@ -42,7 +42,7 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--shapes", type=_csv(str), help=f"comma-separated, from {sorted(SHAPES)}; "
                         "default: the device's plan")
     parser.add_argument("--n", type=_csv(int), help="token counts N (multiples of 1024 above 1024); "
-                        "default: each plan entry's")
+                        "default: the plan's, or 2048 with --shapes")
     parser.add_argument("--modes", type=_csv(str), help=f"from {list(MODES)}; default: both (with --shapes)")
     parser.add_argument("--masks", type=_csv(float), help="masked fractions; default: 0,0.5 (with --shapes)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp32 on cpu, bf16 on cuda")

@@ -7,6 +7,18 @@ from typing import Optional
 
 PEERS = ("naive", "torch-compile-chunked", "liger (best)", "liger-compiled", "liger-eager", "gemm-floor")
 
+#: The issues' targets, all fwd+bwd with nothing masked: (issue, shape, N, dtype, ours, peer, measure,
+#: bound on ours / peer).
+TARGETS = tuple(
+    [("4", shape, n, "fp32", "sage-cpu", peer, measure, bound)
+     for shape, n in (("cpu-small", 2048), ("qwen2.5-0.5b", 4096))
+     for peer, measure, bound in (("liger (best)", "time", 1.0), ("liger (best)", "peak memory", 0.5),
+                                  ("gemm-floor", "time", 1.3))]
+    + [("3", "qwen2.5-7b", 16384, "bf16", "sage-triton", peer, measure, bound)
+       for peer, measure, bound in (("gemm-floor", "time", 1.5), ("liger (best)", "time", 0.5),
+                                   ("naive", "extra memory", 0.01))])
+MEASURES = {"time": "ms_p50", "peak memory": "peak_mem_mib", "extra memory": "extra_mem_mib"}
+
 
 def _point_key(row: dict) -> tuple:
     return row["shape"], row["n"], row["dtype"], row["mask_fraction"], row["mode"]
@@ -32,9 +44,10 @@ def _runs(row: dict) -> str:
 
 
 def results_table(rows: list[dict]) -> str:
-    lines = ["| shape | N | D | V | dtype | masked | mode | provider | p50 ms | p20–p80 ms | runs | peak MiB "
-             "| TFLOP/s (6NDV) | TFLOP/s (8NDV) | err loss | err d(hidden) | err d(weight) | status |",
-             "|" + "---|" * 18]
+    lines = ["| shape | N | D | V | dtype | masked | mode | provider | p50 ms | p20–p80 ms | runs "
+             "| peak MiB | extra MiB | TFLOP/s (6NDV) | TFLOP/s (8NDV) | err loss | err d(hidden) "
+             "| err d(weight) | status |",
+             "|" + "---|" * 19]
     for r in rows:
         ok = r["status"] == "ok"
         spread = f"{r['ms_p20']:.1f}–{r['ms_p80']:.1f}" if ok else "—"
@@ -42,7 +55,8 @@ def results_table(rows: list[dict]) -> str:
             f"| {r['shape']} | {r['n']} | {r['d']} | {r['v']} | {r['dtype']} | {r['mask_fraction']:.0%} "
             f"| {r['mode']} | {r['provider']} | {_fmt(r.get('ms_p50'), '.1f')} | {spread} "
             f"| {_runs(r)} "
-            f"| {_fmt(r.get('peak_mem_mib'), '.0f')} | {_fmt(r.get('tflops_6ndv'), '.3f')} "
+            f"| {_fmt(r.get('peak_mem_mib'), '.0f')} | {_fmt(r.get('extra_mem_mib'), '.0f')} "
+            f"| {_fmt(r.get('tflops_6ndv'), '.3f')} "
             f"| {_fmt(r.get('tflops_8ndv'), '.3f')} | {_fmt(r.get('err_loss_abs'), '.1e')} "
             f"| {_fmt(r.get('err_grad_hidden_rel'), '.1e')} | {_fmt(r.get('err_grad_weight_rel'), '.1e')} "
             f"| {r['status']} |")
@@ -86,9 +100,37 @@ def ratio_table(rows: list[dict], ours_names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def targets_table(rows: list[dict]) -> str:
+    """The issues' targets at the points this run measured: ours / peer against the bound."""
+    points = _by_point(rows)
+    status = {(_point_key(r), r["provider"]): r["status"] for r in rows}
+    lines = ["| issue | shape | N | dtype | ours / peer | measure | ratio | bound | verdict |",
+             "|" + "---|" * 9]
+    for issue, shape, n, dtype, ours, peer, measure, bound in TARGETS:
+        key = (shape, n, dtype, 0.0, "fwd+bwd")
+        if not any(k == key for k, _ in status):
+            continue
+        measured = points.get(key, {})
+        field = MEASURES[measure]
+        mine, theirs = measured.get(ours, {}).get(field), measured.get(peer, {}).get(field)
+        if mine is None or not theirs:
+            missing = ours if mine is None else peer
+            why = status.get((key, missing), "not in this run")
+            ratio, verdict = "—", f"not measured ({missing}: {why})"
+        else:
+            ratio = f"{mine / theirs:.3f}"
+            verdict = "met" if mine / theirs <= bound else "not met"
+        lines.append(f"| {issue} | {shape} | {n} | {dtype} | {ours} / {peer} | {measure} | {ratio} "
+                     f"| ≤ {bound} | {verdict} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def markdown(rows: list[dict], command: str, ours_names: list[str]) -> str:
+    targets = targets_table(rows)
     return "\n".join([
         f"Machine: {machine_line(rows)}.", "", f"Command: `{command}`", "",
+        *(["Targets of the issues (fwd+bwd, nothing masked; `extra memory` excludes the gradients):", "",
+           targets, ""] if targets else []),
         "Ratios are ours / peer, time (p50) · peak memory above the inputs; below 1 means ours is faster or "
         "lighter. `liger (best)` is the faster of liger-compiled and liger-eager at that point.", "",
         ratio_table(rows, ours_names), "", results_table(rows), ""])

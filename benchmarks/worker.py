@@ -116,6 +116,10 @@ def measure(provider, point: Point, x: Inputs, sliced: Inputs, mode: str, refere
     compiles = _compilations()
     row.update(time_runs(run, reset, point.device, repeats=repeats, budget_s=budget_s))
     row["compiles_in_timing"] = _compilations() - compiles
+    if row["peak_mem_mib"] is not None:
+        # Beyond the gradients too (they are outputs, in the input dtype): the workspace alone.
+        grads = x.hidden.nbytes + x.weight.nbytes if mode == "fwd+bwd" else 0
+        row["extra_mem_mib"] = row["peak_mem_mib"] - grads / 2**20
     ndv = point.n * point.d * point.v
     seconds = row["ms_p50"] / 1e3
     row["tflops_6ndv"] = (6 if mode == "fwd+bwd" else 2) * ndv / seconds / 1e12

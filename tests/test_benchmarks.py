@@ -43,6 +43,7 @@ def test_measured_rows_have_sane_fields_and_small_errors(run):
         assert 0 < r["ms_p20"] <= r["ms_p50"] <= r["ms_p80"] and r["runs"] >= 1
         assert r["peak_mem_mib"] is None or r["peak_mem_mib"] >= 0
         assert r["tflops_6ndv"] > 0 and r["tflops_8ndv"] >= r["tflops_6ndv"]
+        assert r["compiles_in_timing"] == 0
         if r["provider"] == "gemm-floor":  # no loss, so no error to report
             assert "err_loss_abs" not in r
             continue
