@@ -148,6 +148,17 @@ def test_kl_estimators_and_ratio_levels(kl, importance_sampling):
     check_against_reference(problem, config, torch.float32)
 
 
+@pytest.mark.parametrize("guide", ["none", "branch", "log_q"])
+def test_guides(guide):
+    # Entropies here are about 5 nats: tau = 5 puts tokens on both sides of the fork threshold,
+    # and gamma = 2 lifts some of them to the q_max clamp.
+    problem = make_problem(B=3, L=8, V=300, D=32, seed=8, log_q=guide == "log_q")
+    config = LossConfig(guide="none" if guide == "none" else "branch", tau=5.0, gamma=2.0, beta=0.3)
+    out = check_against_reference(problem, config, torch.float32)
+    if guide != "none":
+        assert out.metrics["sage/q_max"] > 1.0
+
+
 @pytest.mark.parametrize("loss_type, extra", [
     ("grpo", {}), ("bnpo", {}), ("dr_grpo", {"max_completion_length": 20}), ("dapo", {}),
     ("dapo", {"num_items_in_batch": 17}),
