@@ -51,7 +51,7 @@ CHUNK_BYTES = 256 * 2**20
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=["N", "V", "v_begin", "chunk_width"])  # see tiles.py
 def _dlogits_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr,
                     lse_ptr, entropy_ptr, g_ptr, c_ptr, dz_ptr,
                     N, V, D, v_begin, chunk_width, stride_h, stride_w, stride_dz, inv_temperature,

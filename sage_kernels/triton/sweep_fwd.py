@@ -33,7 +33,7 @@ _NEG_START = tl.constexpr(-1.0e30)
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
-@triton.jit
+@triton.jit(do_not_specialize=["N", "V", "tiles_per_split"])  # see tiles.py
 def _sweep_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr,
                       max_ptr, sumexp_ptr, shifted_pz_ptr, target_ptr,
                       N, V, D, stride_h, stride_w, inv_temperature, tiles_per_split,

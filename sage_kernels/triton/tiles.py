@@ -4,6 +4,12 @@ One table per mode: the GPU settings are a known-good Hopper default (128x128 ti
 64-wide reduction chunks); under ``TRITON_INTERPRET=1`` the interpreter runs each tile
 op through NumPy, so small tiles keep the CPU tests fast and still exercise padded tails.
 
+Specialisation: Triton compiles a variant per value class of each integer argument
+(divisible by 16, equal to 1, other). The kernels keep that for D and the row strides,
+which decide vectorised, pipelined loads, and opt out (``do_not_specialize``) for
+token counts, V and chunk offsets, which only enter masks: a new batch shape or
+vocabulary then reuses the compiled kernel instead of compiling another.
+
 `new_buffer` allocates every tensor a kernel writes. Tests set `POISON_BUFFERS` to True
 so those buffers start as NaN and an element a kernel forgets to write fails loudly.
 """

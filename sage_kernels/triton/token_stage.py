@@ -93,7 +93,7 @@ def _policy_gradient(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
     "HAS_LOG_Q": lambda args: args["log_q_ptr"] is not None,
     "HAS_QUANTILE": lambda args: args["threshold_ptr"] is not None,
 })
-@triton.jit
+@triton.jit(do_not_specialize=["B", "L"])  # see tiles.py
 def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_ptr, isw_ptr, log_q_ptr,
                         threshold_ptr, inv_norm_ptr,
                         q_ptr, kl_ptr, ratio_ptr, g_ptr, c_ptr, row_stats_ptr,
