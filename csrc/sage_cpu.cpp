@@ -6,7 +6,7 @@
 //                          sum p*z give lse, logp[y] and the entropy.
 //   sage_cpu::block_grad   turns the workspace into d(logits) in place in one fused pass,
 //                          d z_v = (g (1[v = y] - p_v) - c p_v (log p_v + H)) / T,
-//                          then BLAS matmuls into grad_hidden, grad_weight (+=) and grad_bias (+=).
+//                          then BLAS matmuls into grad_hidden, grad_weight (+=) and grad_bias (+=), each optional.
 // Everything is float32; the Python side upcasts low-precision inputs and owns every buffer,
 // so no [N, V] tensor exists and the allocation recorder sees all memory.
 // The per-row loops are plain C++ written so that the compiler vectorises them (`omp simd`),
@@ -98,7 +98,7 @@ void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::
 // d(logits) in place (the workspace holds z from block_stats), then the three products.
 void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
                 const at::Tensor& grad_logp, const at::Tensor& grad_entropy, double inv_temperature,
-                const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& grad_hidden,
+                const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& grad_hidden,
                 const std::optional<at::Tensor>& grad_weight, const std::optional<at::Tensor>& grad_bias) {
   check_block(logits, "logits", 2);
   const int64_t rows = logits.size(0), V = logits.size(1);
@@ -126,8 +126,10 @@ void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::T
       z[y[i]] += gi;
     }
   });
-  at::Tensor grad_hidden_rows = grad_hidden;
-  at::mm_out(grad_hidden_rows, logits, weight);
+  if (grad_hidden.has_value()) {
+    at::Tensor grad_hidden_rows = *grad_hidden;  // a handle on the caller's rows, which mm_out fills
+    at::mm_out(grad_hidden_rows, logits, weight);
+  }
   if (grad_weight.has_value()) grad_weight->addmm_(logits.t(), hidden);
   if (grad_bias.has_value()) grad_bias->add_(at::sum(logits, 0));
 }
@@ -138,7 +140,7 @@ TORCH_LIBRARY(sage_cpu, m) {
   m.def("block_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float inv_temperature, "
         "Tensor(a!) logits, Tensor(b!) logp, Tensor(c!) entropy, Tensor(d!) lse) -> ()");
   m.def("block_grad(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
-        "Tensor grad_entropy, float inv_temperature, Tensor hidden, Tensor weight, Tensor(b!) grad_hidden, "
+        "Tensor grad_entropy, float inv_temperature, Tensor hidden, Tensor weight, Tensor(b!)? grad_hidden, "
         "Tensor(c!)? grad_weight, Tensor(d!)? grad_bias) -> ()");
 }
 

@@ -19,8 +19,11 @@ entropy quantile) a first sweep collects logp and H, and a second recomputes eac
 Either way the gradients are computed inside the forward, like Liger-Kernel's chunked
 losses, and scaled by the upstream gradient in the backward.
 
-Memory: the workspace (below N*V/16 elements, and `WORKSPACE_ELEMENTS`), the float32
-gradients, and O(N) per-token tensors. Low-precision inputs are upcast to float32
+Memory: the float32 gradients, O(N) per-token tensors, and the workspace, sized by
+`block_rows`: a quarter of the weight's size (so at most 1.25x the weight gradient in all),
+and always below N*V/16 elements. Every block re-reads the LM head twice and the weight
+gradient once, so taller blocks are faster; a quarter of the weight is where the block
+loop comes within a few percent of three whole-batch matmuls on a 2-core machine. Low-precision inputs are upcast to float32
 (hidden rows and the weight, once per call) and everything accumulates in float32.
 """
 
@@ -38,8 +41,10 @@ from .spec import LossConfig, SageInputs, SageLossOutput
 
 #: environment switch: "0" forces the PyTorch block loop even where the operator builds.
 NATIVE_ENV = "SAGE_CPU_NATIVE"
-#: upper bound on the logits workspace, in elements (64 MiB of float32).
-WORKSPACE_ELEMENTS = 1 << 24
+#: the logits workspace may hold this fraction of the LM head's elements ...
+WORKSPACE_SHARE_OF_WEIGHT = 0.25
+#: ... or this many elements (16 MiB of float32), whichever is more.
+WORKSPACE_MIN_ELEMENTS = 1 << 22
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sage_cpu.cpp"
 # Instruction-set flags per torch CPU capability; the capability is part of the extension's name,
 # so a cache shared between machines never loads code built for a richer instruction set.
@@ -111,17 +116,19 @@ class _TorchBlocks:
         d_logits = log_p.exp_().mul_(weight_per_p).neg_()  # -p (g + c (log p + H)), in the workspace
         d_logits.scatter_add_(1, targets[:, None], grad_logp[:, None])
         d_logits.mul_(inv_temperature)
-        torch.mm(d_logits, weight, out=grad_hidden)
+        if grad_hidden is not None:
+            torch.mm(d_logits, weight, out=grad_hidden)
         if grad_weight is not None:
             grad_weight.addmm_(d_logits.t(), hidden)
         if grad_bias is not None:
             grad_bias.add_(d_logits.sum(0))
 
 
-def block_rows(total_rows: int, valid_rows: int, vocab: int) -> int:
-    """Rows per block: the workspace stays below N*V/16 elements and `WORKSPACE_ELEMENTS`."""
+def block_rows(total_rows: int, valid_rows: int, vocab: int, hidden_size: int) -> int:
+    """Rows per block: the [rows, V] workspace stays below N*V/16 elements and within its budget."""
     below_limit = (total_rows * vocab // 16 - 1) // vocab
-    return max(1, min(valid_rows, below_limit, WORKSPACE_ELEMENTS // vocab))
+    budget = max(int(WORKSPACE_SHARE_OF_WEIGHT * vocab * hidden_size), WORKSPACE_MIN_ELEMENTS)
+    return max(1, min(valid_rows, below_limit, budget // vocab))
 
 
 def _as_float32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -137,9 +144,9 @@ class _Sweep:
         self.bias = _as_float32(bias)
         self.hidden = _as_float32(hidden2d if rows is None else hidden2d.index_select(0, rows))
         self.targets = (targets if rows is None else targets.index_select(0, rows)).contiguous()
-        n, vocab = self.hidden.shape[0], self.weight.shape[0]
+        n, (vocab, hidden_size) = self.hidden.shape[0], self.weight.shape
         self.inv_temperature = 1.0 / temperature
-        step = block_rows(total_rows, n, vocab)
+        step = block_rows(total_rows, n, vocab, hidden_size)
         self.blocks = [slice(start, min(start + step, n)) for start in range(0, n, step)]
         self.logits = torch.empty(step if n else 0, vocab, dtype=torch.float32)
         # zero-filled: the per-token stage may read rows a block loop has not reached yet
@@ -156,8 +163,8 @@ class _Sweep:
         """Add the block's share of the gradients, given g and c of its rows (consumes `logits`)."""
         self.ops.block_grad(logits, self.targets[block], self.lse[block], self.entropy[block],
                             grad_logp[block].contiguous(), grad_entropy[block].contiguous(),
-                            self.inv_temperature, self.hidden[block], self.weight, grad_hidden[block],
-                            grad_weight, grad_bias)
+                            self.inv_temperature, self.hidden[block], self.weight,
+                            None if grad_hidden is None else grad_hidden[block], grad_weight, grad_bias)
 
 
 def _per_token_grad_is_local(config: LossConfig) -> bool:
@@ -211,7 +218,7 @@ def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
         loss, per_token, _, _ = stage(with_grads=False)
         return loss, logp.view(B, L), entropy.view(B, L), per_token, None
 
-    grads = {"hidden": torch.empty_like(sweep.hidden),
+    grads = {"hidden": torch.empty_like(sweep.hidden) if need["hidden"] else None,
              "weight": torch.zeros_like(sweep.weight) if need["weight"] else None,
              "bias": torch.zeros_like(sweep.bias) if need["bias"] else None}
     if _per_token_grad_is_local(config):
@@ -234,9 +241,9 @@ def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
 def _finish_grads(grads: dict, rows, N: int, inputs: SageInputs) -> dict:
     """Valid-row gradients back to all N rows (zeros under the mask), in the inputs' dtypes."""
     grad_hidden = grads["hidden"]
-    if rows is not None:
+    if grad_hidden is not None and rows is not None:
         grad_hidden = torch.zeros(N, grad_hidden.shape[1], dtype=torch.float32).index_copy_(0, rows, grad_hidden)
-    out = {"hidden": grad_hidden.to(inputs.hidden.dtype)}
+    out = {"hidden": None if grad_hidden is None else grad_hidden.to(inputs.hidden.dtype)}
     out["weight"] = None if grads["weight"] is None else grads["weight"].to(inputs.weight.dtype)
     out["bias"] = None if grads["bias"] is None else grads["bias"].to(inputs.bias.dtype)
     return out

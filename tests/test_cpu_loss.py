@@ -79,13 +79,12 @@ def make_case(B=3, L=37, D=96, V=1271, *, dtype=torch.float32, bias=True, seed=0
     return case
 
 
-def run(case, config, *, backend, path=None, dtype=None, upstream=1.0, frozen_weight=False):
-    """The loss with leaf copies of hidden/weight/bias in `dtype`; backward with `upstream`."""
+def run(case, config, *, backend, path=None, dtype=None, upstream=1.0, frozen=()):
+    """The loss with leaf copies of hidden/weight/bias in `dtype` (those named in `frozen` need no
+    gradient); backward with `upstream`."""
     dtype = dtype or case["hidden"].dtype
-    leaves = {k: None if case[k] is None else case[k].detach().to(dtype).clone().requires_grad_(True)
+    leaves = {k: None if case[k] is None else case[k].detach().to(dtype).clone().requires_grad_(k not in frozen)
               for k in ("hidden", "weight", "bias")}
-    if frozen_weight:
-        leaves["weight"].requires_grad_(False)
     kwargs = {k: case[k] for k in ("old_logp", "ref_logp", "is_weights", "log_q")}
     if backend == "cpu":
         inputs = validate_inputs(leaves["hidden"], leaves["weight"], case["token_ids"], case["mask"],
@@ -100,13 +99,12 @@ def run(case, config, *, backend, path=None, dtype=None, upstream=1.0, frozen_we
     return out, grads
 
 
-def check_against_reference(case, config, path, *, frozen_weight=False, seed=0):
+def check_against_reference(case, config, path, *, frozen=(), seed=0):
     """Every output and gradient of the CPU backend against the float64 reference."""
     dtype = case["hidden"].dtype
     upstream = 0.5 + torch.rand((), generator=torch.Generator().manual_seed(seed)).item()
-    out, grads = run(case, config, backend="cpu", path=path, upstream=upstream, frozen_weight=frozen_weight)
-    ref, ref_grads = run(case, config, backend="reference", dtype=torch.float64, upstream=upstream,
-                         frozen_weight=frozen_weight)
+    out, grads = run(case, config, backend="cpu", path=path, upstream=upstream, frozen=frozen)
+    ref, ref_grads = run(case, config, backend="reference", dtype=torch.float64, upstream=upstream, frozen=frozen)
     assert out.loss.dtype == torch.float32 and out.loss.dim() == 0
     assert_close(out.loss, ref.loss, dtype, "loss", "loss")
     for name in ("logp", "entropy", "q", "kl", "ratio"):
@@ -120,8 +118,9 @@ def check_against_reference(case, config, path, *, frozen_weight=False, seed=0):
             continue
         assert grads[name].dtype == dtype and grads[name].shape == ref_grads[name].shape
         assert_grad_close(grads[name], ref_grads[name], dtype, f"grad {name}")
-    hidden_grad = grads["hidden"].reshape(case["mask"].shape + (-1,))
-    assert bool((hidden_grad[~case["mask"]] == 0).all()), "masked rows must get exactly zero gradient"
+    if grads["hidden"] is not None:
+        hidden_grad = grads["hidden"].reshape(case["mask"].shape + (-1,))
+        assert bool((hidden_grad[~case["mask"]] == 0).all()), "masked rows must get exactly zero gradient"
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -139,10 +138,11 @@ def test_low_precision_inputs(path, dtype):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("variant", ["on-policy", "no-ref-beta0", "is-weights-log-q", "token-advantages",
-                                     "no-bias-frozen-weight", "v1000-all-rows-valid", "entropy-term-only"])
+                                     "no-bias-frozen-weight", "frozen-hidden-and-bias", "v1000-all-rows-valid",
+                                     "entropy-term-only"])
 def test_input_variants(path, variant):
     config = LossConfig()
-    frozen = False
+    frozen = ()
     if variant == "on-policy":
         case = make_case(old_logp=False, seed=11)
     elif variant == "no-ref-beta0":
@@ -152,7 +152,9 @@ def test_input_variants(path, variant):
     elif variant == "token-advantages":
         case = make_case(token_advantages=True, seed=14)
     elif variant == "no-bias-frozen-weight":
-        case, frozen = make_case(bias=False, seed=15), True
+        case, frozen = make_case(bias=False, seed=15), ("weight",)
+    elif variant == "frozen-hidden-and-bias":  # only the LM head trains
+        case, frozen = make_case(seed=18), ("hidden", "bias")
     elif variant == "entropy-term-only":  # g = 0: the gradient is the entropy bonus's alone
         case, config = make_case(seed=17), LossConfig(beta=0.0, entropy_coef=0.3)
         case["advantages"].zero_()
@@ -162,7 +164,7 @@ def test_input_variants(path, variant):
         case["token_ids"].clamp_(max=999)
         case["old_logp"] = torch.nan_to_num(case["old_logp"], nan=-5.0)
         case["ref_logp"] = torch.nan_to_num(case["ref_logp"], nan=-5.0)
-    check_against_reference(case, config, path, frozen_weight=frozen)
+    check_against_reference(case, config, path, frozen=frozen)
 
 
 @pytest.mark.parametrize("path", PATHS)
