@@ -67,6 +67,11 @@ def native_ops():
 
 def build_extension(source: Path, name: str, flags: list) -> bool:
     """Compile and load `source` as the extension `name` (cached by torch); False and one warning on failure."""
+    if not source.is_file():
+        warnings.warn(f"sage_kernels: native CPU operator unavailable ({source} not found: csrc/ ships with "
+                      f"source checkouts and editable installs); using the slower chunked PyTorch path",
+                      RuntimeWarning, stacklevel=3)
+        return False
     try:
         from torch.utils.cpp_extension import load
 

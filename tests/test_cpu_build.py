@@ -30,6 +30,13 @@ def test_failed_build_warns_once_and_reports_the_compiler_error(tmp_path, monkey
     assert "chunked PyTorch path" in messages[0] and "error" in messages[0].lower()
 
 
+def test_missing_source_warns_once(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cpu.build_extension(tmp_path / "absent.cpp", "sage_cpu_absent_for_test", []) is False
+    assert [str(w.message).count("not found") for w in caught] == [1]
+
+
 def test_env_switch_selects_the_pytorch_blocks(monkeypatch):
     monkeypatch.setenv(cpu.NATIVE_ENV, "0")
     assert cpu._ops_for(None) is cpu._TorchBlocks

@@ -139,7 +139,7 @@ def test_low_precision_inputs(path, dtype):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("variant", ["on-policy", "no-ref-beta0", "is-weights-log-q", "token-advantages",
                                      "no-bias-frozen-weight", "frozen-hidden-and-bias", "v1000-all-rows-valid",
-                                     "entropy-term-only"])
+                                     "entropy-term-only", "non-contiguous-hidden"])
 def test_input_variants(path, variant):
     config = LossConfig()
     frozen = ()
@@ -155,6 +155,10 @@ def test_input_variants(path, variant):
         case, frozen = make_case(bias=False, seed=15), ("weight",)
     elif variant == "frozen-hidden-and-bias":  # only the LM head trains
         case, frozen = make_case(seed=18), ("hidden", "bias")
+    elif variant == "non-contiguous-hidden":
+        case = make_case(seed=19)
+        case["hidden"] = case["hidden"].transpose(0, 1).contiguous().transpose(0, 1)
+        assert not case["hidden"].is_contiguous()
     elif variant == "entropy-term-only":  # g = 0: the gradient is the entropy bonus's alone
         case, config = make_case(seed=17), LossConfig(beta=0.0, entropy_coef=0.3)
         case["advantages"].zero_()
@@ -182,6 +186,18 @@ def test_everything_masked_gives_zero_loss_and_gradients(path):
     for name, grad in grads.items():
         assert bool((grad == 0).all()), f"grad {name} must be zero"
     assert bool((out.q == 1).all()) and bool((out.ratio == 1).all())
+
+
+def test_second_backward_through_one_loss_is_refused():
+    case = make_case(seed=61)
+    hidden = case["hidden"].clone().requires_grad_(True)
+    config = LossConfig()
+    inputs = validate_inputs(hidden, case["weight"], case["token_ids"], case["mask"], case["advantages"],
+                             bias=case["bias"], old_logp=case["old_logp"], ref_logp=case["ref_logp"], config=config)
+    loss = cpu.sage_loss(inputs, config).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward called twice"):
+        loss.backward()
 
 
 @settings(max_examples=12)
