@@ -20,11 +20,12 @@ Either way the gradients are computed inside the forward, like Liger-Kernel's ch
 losses, and scaled by the upstream gradient in the backward.
 
 Memory: the float32 gradients, O(N) per-token tensors, and the workspace, sized by
-`block_rows`: a quarter of the weight's size (so at most 1.25x the weight gradient in all),
-and always below N*V/16 elements. Every block re-reads the LM head twice and the weight
-gradient once, so taller blocks are faster; a quarter of the weight is where the block
-loop comes within a few percent of three whole-batch matmuls on a 2-core machine. Low-precision inputs are upcast to float32
-(hidden rows and the weight, once per call) and everything accumulates in float32.
+`block_rows` to a quarter of the LM head (the weight gradient plus at most 25%), always
+below N*V/16 elements. Every block re-reads the LM head twice and reads and writes the
+weight gradient once, so taller blocks are faster; at a quarter of the head the block loop
+stays within ~10% of three whole-batch matmuls on a 2-core machine (Qwen2.5-0.5B head).
+Low-precision inputs are upcast to float32 (the valid hidden rows and the weight, once
+per call) and everything accumulates in float32.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def native_ops():
 
 
 def build_extension(source: Path, name: str, flags: list) -> bool:
-    """Compile and load `source` as the extension `name` (cached by torch); False and one warning on failure."""
+    """Compile and load `source` as the extension `name` (cached by torch).
+
+    False, after one warning line, when it cannot (no source, no compiler or ninja, a failed build)."""
     if not source.is_file():
         warnings.warn(f"sage_kernels: native CPU operator unavailable ({source} not found: csrc/ ships with "
                       f"source checkouts and editable installs); using the slower chunked PyTorch path",
@@ -95,7 +98,8 @@ def _ops_for(native: Optional[bool]):
         return _TorchBlocks
     ops = native_ops()
     if ops is None:
-        raise RuntimeError("native=True, but the sage_cpu operator could not be built (see the warning above)")
+        raise RuntimeError("native=True, but the sage_cpu operator could not be built "
+                           "(see the warning above)")
     return ops
 
 
@@ -161,10 +165,12 @@ class _Sweep:
         """Fill logp, entropy and lse of `block`; returns the workspace holding its logits."""
         logits = self.logits[: block.stop - block.start]
         self.ops.block_stats(self.hidden[block], self.weight, self.bias, self.targets[block],
-                             self.inv_temperature, logits, self.logp[block], self.entropy[block], self.lse[block])
+                             self.inv_temperature, logits, self.logp[block], self.entropy[block],
+                             self.lse[block])
         return logits
 
-    def grad(self, block: slice, logits, grad_logp, grad_entropy, grad_hidden, grad_weight, grad_bias) -> None:
+    def grad(self, block: slice, logits, grad_logp, grad_entropy, grad_hidden, grad_weight,
+             grad_bias) -> None:
         """Add the block's share of the gradients, given g and c of its rows (consumes `logits`)."""
         self.ops.block_grad(logits, self.targets[block], self.lse[block], self.entropy[block],
                             grad_logp[block].contiguous(), grad_entropy[block].contiguous(),
@@ -247,7 +253,8 @@ def _finish_grads(grads: dict, rows, N: int, inputs: SageInputs) -> dict:
     """Valid-row gradients back to all N rows (zeros under the mask), in the inputs' dtypes."""
     grad_hidden = grads["hidden"]
     if grad_hidden is not None and rows is not None:
-        grad_hidden = torch.zeros(N, grad_hidden.shape[1], dtype=torch.float32).index_copy_(0, rows, grad_hidden)
+        valid = grad_hidden
+        grad_hidden = torch.zeros(N, valid.shape[1], dtype=torch.float32).index_copy_(0, rows, valid)
     out = {"hidden": None if grad_hidden is None else grad_hidden.to(inputs.hidden.dtype)}
     out["weight"] = None if grads["weight"] is None else grads["weight"].to(inputs.weight.dtype)
     out["bias"] = None if grads["bias"] is None else grads["bias"].to(inputs.bias.dtype)

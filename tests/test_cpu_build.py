@@ -68,4 +68,5 @@ def test_block_rows(total, valid, vocab, hidden, expected):
     rows = cpu.block_rows(total, valid, vocab, hidden)
     assert rows == expected
     assert rows == 1 or rows * vocab < total * vocab // 16
-    assert rows * vocab <= max(vocab, cpu.WORKSPACE_MIN_ELEMENTS, vocab * hidden * cpu.WORKSPACE_SHARE_OF_WEIGHT)
+    budget = max(cpu.WORKSPACE_MIN_ELEMENTS, vocab * hidden * cpu.WORKSPACE_SHARE_OF_WEIGHT)
+    assert rows * vocab <= max(vocab, budget)

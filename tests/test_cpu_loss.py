@@ -62,7 +62,7 @@ def make_case(B=3, L=37, D=96, V=1271, *, dtype=torch.float32, bias=True, seed=0
     token_ids[~mask] = V + 7  # out of range: only legal because masked
     case = dict(hidden=hidden, weight=weight, token_ids=token_ids, mask=mask,
                 bias=(0.5 * torch.randn(V, generator=gen)).to(dtype) if bias else None,
-                advantages=torch.randn(B, L, generator=gen) if token_advantages else torch.randn(B, generator=gen))
+                advantages=torch.randn((B, L) if token_advantages else (B,), generator=gen))
     with torch.no_grad():
         logp64, _ = reference_logprobs_and_entropy(
             hidden.double().reshape(B * L, D), weight.double(), token_ids.clamp(max=V - 1).reshape(-1),
@@ -83,7 +83,8 @@ def run(case, config, *, backend, path=None, dtype=None, upstream=1.0, frozen=()
     """The loss with leaf copies of hidden/weight/bias in `dtype` (those named in `frozen` need no
     gradient); backward with `upstream`."""
     dtype = dtype or case["hidden"].dtype
-    leaves = {k: None if case[k] is None else case[k].detach().to(dtype).clone().requires_grad_(k not in frozen)
+    leaves = {k: None if case[k] is None
+              else case[k].detach().to(dtype).clone().requires_grad_(k not in frozen)
               for k in ("hidden", "weight", "bias")}
     kwargs = {k: case[k] for k in ("old_logp", "ref_logp", "is_weights", "log_q")}
     if backend == "cpu":
@@ -104,7 +105,8 @@ def check_against_reference(case, config, path, *, frozen=(), seed=0):
     dtype = case["hidden"].dtype
     upstream = 0.5 + torch.rand((), generator=torch.Generator().manual_seed(seed)).item()
     out, grads = run(case, config, backend="cpu", path=path, upstream=upstream, frozen=frozen)
-    ref, ref_grads = run(case, config, backend="reference", dtype=torch.float64, upstream=upstream, frozen=frozen)
+    ref, ref_grads = run(case, config, backend="reference", dtype=torch.float64, upstream=upstream,
+                         frozen=frozen)
     assert out.loss.dtype == torch.float32 and out.loss.dim() == 0
     assert_close(out.loss, ref.loss, dtype, "loss", "loss")
     for name in ("logp", "entropy", "q", "kl", "ratio"):
@@ -138,8 +140,8 @@ def test_low_precision_inputs(path, dtype):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("variant", ["on-policy", "no-ref-beta0", "is-weights-log-q", "token-advantages",
-                                     "no-bias-frozen-weight", "frozen-hidden-and-bias", "v1000-all-rows-valid",
-                                     "entropy-term-only", "non-contiguous-hidden"])
+                                     "no-bias-frozen-weight", "frozen-hidden-and-bias",
+                                     "v1000-all-rows-valid", "entropy-term-only", "non-contiguous-hidden"])
 def test_input_variants(path, variant):
     config = LossConfig()
     frozen = ()
@@ -193,7 +195,8 @@ def test_second_backward_through_one_loss_is_refused():
     hidden = case["hidden"].clone().requires_grad_(True)
     config = LossConfig()
     inputs = validate_inputs(hidden, case["weight"], case["token_ids"], case["mask"], case["advantages"],
-                             bias=case["bias"], old_logp=case["old_logp"], ref_logp=case["ref_logp"], config=config)
+                             bias=case["bias"], old_logp=case["old_logp"], ref_logp=case["ref_logp"],
+                             config=config)
     loss = cpu.sage_loss(inputs, config).loss
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward called twice"):
