@@ -109,6 +109,7 @@ class TrainConfig:
     zero_stage: int = 0
     deepspeed_config: str = ""  # a DeepSpeed JSON/YAML file merged over the generated config
     bf16: bool = True  # on GPU; CPU runs stay in float32
+    cpu_threads: int = 0  # torch intra-op threads per process on CPU; 0 keeps torch's default
 
     # evaluation before and after RL
     eval_problems: int = 32
@@ -243,7 +244,7 @@ def validate(cfg: TrainConfig) -> None:
                 "eval_samples", "log_every", "save_every", "dynamic_sampling_max_rounds", "tiny_hidden_size",
                 "tiny_layers", "tiny_heads", "tiny_kv_heads", "tiny_intermediate_size", "sft_batch_size"):
         require(getattr(cfg, key) > 0, key, "a positive integer")
-    for key in ("sft_steps", "warmup_steps", "eval_problems", "eval_max_new_tokens", "keep_checkpoints"):
+    for key in ("sft_steps", "cpu_threads", "warmup_steps", "eval_problems", "eval_max_new_tokens", "keep_checkpoints"):
         require(getattr(cfg, key) >= 0, key, "an integer >= 0")
     require(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
     require(cfg.lr > 0 and cfg.sft_lr > 0, "lr" if cfg.lr <= 0 else "sft_lr", "> 0")

@@ -83,8 +83,8 @@ class PolicyHead(nn.Module):
     """A causal LM seen through its last hidden states and LM head, never its logits.
 
     forward(batch) scores the completion tokens: per-token log-probs and entropies from
-    `logprobs_and_entropy`. forward(batch, loss_inputs) returns the `fused_linear_sage_loss`
-    output instead. Both run inside this module's forward so that ZeRO-3 gathers the LM head.
+    `logprobs_and_entropy`. forward(batch, loss_inputs) returns (loss, the whole
+    `fused_linear_sage_loss` output) instead. Both run inside this module's forward so that ZeRO-3 gathers the LM head.
     """
 
     def __init__(self, lm: nn.Module, backend: str = "auto") -> None:
@@ -101,8 +101,9 @@ class PolicyHead(nn.Module):
         if loss_inputs is None:
             return logprobs_and_entropy(hidden, head.weight, completion_ids, bias=head.bias,
                                         temperature=temperature, backend=self.backend)
-        return fused_linear_sage_loss(hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend,
-                                      **loss_inputs)
+        output = fused_linear_sage_loss(hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend,
+                                        **loss_inputs)
+        return output.loss, output  # the loss as a plain tensor output, so ZeRO-3 hooks its backward
 
 
 @dataclass
@@ -233,8 +234,8 @@ def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, lo
             loss_inputs = {"mask": batch.completion_mask[rows], "advantages": advantages[rows],
                            "old_logp": old_logp[rows], "ref_logp": None if ref_logp is None else ref_logp[rows],
                            "log_q": None if log_q is None else log_q[rows], "config": loss_cfg}
-            out = ctx.engine(**batch.model_inputs(rows, cfg.temperature), loss_inputs=loss_inputs)
-            loss = out.loss * row_share(rows)
+            loss, out = ctx.engine(**batch.model_inputs(rows, cfg.temperature), loss_inputs=loss_inputs)
+            loss = loss * row_share(rows)
             ctx.engine.backward(loss * ctx.world, scale_wrt_gas=False)  # undo DeepSpeed's averaging
             ctx.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
             totals.add(loss, out, batch.completion_mask[rows])
@@ -360,6 +361,8 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
     run_start = time.time()
     rank, world, device = init_distributed()
     check_batch_shape(cfg, world)
+    if device.type == "cpu" and cfg.cpu_threads:
+        torch.set_num_threads(cfg.cpu_threads)  # tiny models run fastest on one thread per process
     run_dir = cfg.run_dir
     resume_step = prepare_run_dir(cfg, run_dir, rank)
     seed_everything(cfg.seed + rank)

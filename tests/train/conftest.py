@@ -12,8 +12,14 @@ TINY_RUN = {
     "tiny_intermediate_size": 64, "task": "arithmetic", "task_options": {"digits": 1},
     "sft_steps": 0, "steps": 3, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8,
     "max_new_tokens": 4, "eval_problems": 0, "progress": False, "plots": False, "tensorboard": False,
-    "loss_backend": "auto",
+    "loss_backend": "auto", "cpu_threads": 1,
 }
+
+
+@pytest.fixture
+def tiny_run():
+    """The keys of a seconds-long run, as a YAML-ready mapping."""
+    return dict(TINY_RUN)
 
 
 @pytest.fixture

@@ -61,3 +61,28 @@ def test_gradient_is_invariant_to_micro_batch_size(tiny_config, distributed, alg
     for name in grads[1]:
         torch.testing.assert_close(grads[1][name], grads[4][name], rtol=1e-5, atol=1e-6, msg=name)
     assert any(g.abs().max() > 1e-4 for g in grads[1].values())
+
+
+@pytest.mark.parametrize("algorithm", ["sage-branch", "dapo"])
+def test_an_update_moves_log_probs_with_the_advantage(tiny_config, distributed, algorithm):
+    """After a few steps on one batch, completions with positive advantage became more likely and
+    those with negative advantage less (the loss's sign, through the engine and the normalisers)."""
+    tokenizer = build_char_tokenizer()
+    cfg = tiny_config(algorithm=algorithm, prompts_per_step=2, group_size=4, micro_batch_size=4, lr=1e-3)
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64, max_positions=64, seed=0)
+    reference = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=64, max_positions=64, seed=0).requires_grad_(False)
+    engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
+    ctx = Context(cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1,
+                  device=torch.device("cpu"))
+    batch = make_batch(completions(tokenizer, 8, seed=1), torch.device("cpu"), tokenizer.pad_token_id)
+    advantages = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
+    before, _ = score(engine, batch, 4, cfg.temperature)
+    for _ in range(3):
+        old_logp, _ = score(engine, batch, 4, cfg.temperature)
+        ref_logp, _ = score(reference, batch, 4, cfg.temperature)
+        policy_update(ctx, batch, advantages, old_logp, ref_logp, None)
+    after, _ = score(engine, batch, 4, cfg.temperature)
+    change = ((after - before) * batch.completion_mask).sum(dim=1)
+    assert (change[advantages > 0] > 0.1).all() and (change[advantages < 0] < -0.1).all(), change
