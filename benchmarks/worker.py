@@ -90,16 +90,21 @@ def skip_reason(provider, point: Point) -> str | None:
     return reason
 
 
+def slice_errors(provider, sliced: Inputs, mode: str, reference) -> dict:
+    """The provider's errors on the slice against the float64 reference (none for gemm-floor)."""
+    loss, grad_h, grad_w = run_once(provider, sliced, mode)
+    if provider.guide is None:
+        return {}
+    loss64, grad_h64, grad_w64 = reference(provider.guide)
+    return {"err_loss_abs": abs(loss.double().item() - loss64.item()),
+            "err_grad_hidden_rel": relative_error(grad_h, grad_h64),
+            "err_grad_weight_rel": relative_error(grad_w, grad_w64)}
+
+
 def measure(provider, point: Point, x: Inputs, sliced: Inputs, mode: str, reference, repeats: int,
             budget_s: float) -> dict:
-    row = {}
-    loss, grad_h, grad_w = run_once(provider, sliced, mode)
+    row = slice_errors(provider, sliced, mode, reference)
     run_once(provider, warmup_slice(x), mode)
-    if provider.guide is not None:
-        loss64, grad_h64, grad_w64 = reference(provider.guide)
-        row = {"err_loss_abs": abs(loss.double().item() - loss64.item()),
-               "err_grad_hidden_rel": relative_error(grad_h, grad_h64),
-               "err_grad_weight_rel": relative_error(grad_w, grad_w64)}
     leaves = dataclasses.replace(x, hidden=x.hidden.requires_grad_(mode == "fwd+bwd"),
                                  weight=x.weight.requires_grad_(mode == "fwd+bwd"))
 
