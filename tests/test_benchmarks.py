@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from benchmarks import loss as bench
+from benchmarks import report
 from benchmarks.chunked_loss import chunked_grpo_loss
 from benchmarks.shapes import Point, make_inputs
 from sage_kernels import fused_linear_sage_loss
@@ -72,3 +73,15 @@ def test_chunked_peer_matches_the_float64_reference():
     torch.testing.assert_close(loss.double(), ref.loss.detach(), atol=1e-5, rtol=1e-5)
     for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
+
+
+def test_targets_table_uses_the_faster_liger_and_names_missing_peers():
+    point = {"shape": "cpu-small", "n": 2048, "dtype": "fp32", "mask_fraction": 0.0, "mode": "fwd+bwd"}
+    rows = [{**point, "provider": name, "status": "ok", "ms_p50": ms, "peak_mem_mib": mib}
+            for name, ms, mib in (("sage-cpu", 90.0, 40.0), ("liger-compiled", 100.0, 100.0),
+                                  ("liger-eager", 80.0, 70.0))]
+    rows.append({**point, "provider": "gemm-floor", "status": "skipped: test"})
+    lines = report.targets_table(rows).splitlines()[2:]
+    verdicts = [line.split(" | ")[-1] for line in lines]
+    assert verdicts == ["not met |", "not met |", "not measured (gemm-floor: skipped: test) |"]
+    assert "| 1.125 |" in lines[0] and "| 0.571 |" in lines[1]  # against liger-eager, the faster one
