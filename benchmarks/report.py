@@ -1,4 +1,4 @@
-"""Rows -> a markdown report (all rows, then ours against each peer) and a plot against N."""
+"""Rows -> a markdown report (the issues' targets, ours against each peer, all rows) and a plot against N."""
 
 from __future__ import annotations
 
