@@ -156,6 +156,7 @@ class _Sweep:
         n, (vocab, hidden_size) = self.hidden.shape[0], self.weight.shape
         self.inv_temperature = 1.0 / temperature
         step = block_rows(total_rows, n, vocab, hidden_size)
+        step = -(-n // -(-n // step)) if n else step  # as many blocks, evened out: no thin last block
         self.blocks = [slice(start, min(start + step, n)) for start in range(0, n, step)]
         self.logits = torch.empty(step if n else 0, vocab, dtype=torch.float32)
         # zero-filled: the per-token stage may read rows a block loop has not reached yet
