@@ -6,9 +6,10 @@
 //                          sum p*z give lse, logp[y] and the entropy.
 //   sage_cpu::block_grad   turns the workspace into d(logits) in place in one fused pass,
 //                          d z_v = (g (1[v = y] - p_v) - c p_v (log p_v + H)) / T,
-//                          then BLAS matmuls into grad_hidden, grad_weight (+=) and grad_bias (+=), each optional.
-// Everything is float32; the Python side upcasts low-precision inputs and owns every buffer,
-// so no [N, V] tensor exists and the allocation recorder sees all memory.
+//                          then BLAS matmuls into grad_hidden, grad_weight (+=) and grad_bias (+=),
+//                          each optional.
+// Everything is float32; the Python side upcasts low-precision inputs and owns every large
+// buffer, so no [N, V] tensor exists and the allocation recorder sees the workspace.
 // The per-row loops are plain C++ written so that the compiler vectorises them (`omp simd`),
 // including the exponential, which is our own (Cephes-style) so that it vectorises.
 
