@@ -8,12 +8,13 @@ from typing import Optional
 PEERS = ("naive", "torch-compile-chunked", "liger (best)", "liger-compiled", "liger-eager", "gemm-floor")
 
 #: The issues' targets, all fwd+bwd with nothing masked: (issue, shape, N, dtype, ours, peer, measure,
-#: bound on ours / peer).
+#: bound on ours / peer). Issue 4's memory bound is shown both with the gradients (peak memory
+#: above the inputs) and without them (extra memory), since the issue does not say which.
 TARGETS = tuple(
     [("4", shape, n, "fp32", "sage-cpu", peer, measure, bound)
      for shape, n in (("cpu-small", 2048), ("qwen2.5-0.5b", 4096))
      for peer, measure, bound in (("liger (best)", "time", 1.0), ("liger (best)", "peak memory", 0.5),
-                                  ("gemm-floor", "time", 1.3))]
+                                  ("liger (best)", "extra memory", 0.5), ("gemm-floor", "time", 1.3))]
     + [("3", "qwen2.5-7b", 16384, "bf16", "sage-triton", peer, measure, bound)
        for peer, measure, bound in (("gemm-floor", "time", 1.5), ("liger (best)", "time", 0.5),
                                    ("naive", "extra memory", 0.01))])
@@ -115,8 +116,9 @@ def targets_table(rows: list[dict]) -> str:
         mine, theirs = measured.get(ours, {}).get(field), measured.get(peer, {}).get(field)
         if mine is None or not theirs:
             missing = ours if mine is None else peer
-            why = status.get((key, missing), "not in this run")
-            ratio, verdict = "—", f"not measured ({missing}: {why})"
+            names = ("liger-compiled", "liger-eager") if missing == "liger (best)" else (missing,)
+            why = "; ".join(f"{name}: {status.get((key, name), 'not in this run')}" for name in names)
+            ratio, verdict = "—", f"not measured ({why})"
         else:
             ratio = f"{mine / theirs:.3f}"
             verdict = "met" if mine / theirs <= bound else "not met"

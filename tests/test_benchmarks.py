@@ -77,11 +77,12 @@ def test_chunked_peer_matches_the_float64_reference():
 
 def test_targets_table_uses_the_faster_liger_and_names_missing_peers():
     point = {"shape": "cpu-small", "n": 2048, "dtype": "fp32", "mask_fraction": 0.0, "mode": "fwd+bwd"}
-    rows = [{**point, "provider": name, "status": "ok", "ms_p50": ms, "peak_mem_mib": mib}
+    rows = [{**point, "provider": name, "status": "ok", "ms_p50": ms, "peak_mem_mib": mib,
+             "extra_mem_mib": mib / 2}
             for name, ms, mib in (("sage-cpu", 90.0, 40.0), ("liger-compiled", 100.0, 100.0),
                                   ("liger-eager", 80.0, 70.0))]
     rows.append({**point, "provider": "gemm-floor", "status": "skipped: test"})
     lines = report.targets_table(rows).splitlines()[2:]
     verdicts = [line.split(" | ")[-1] for line in lines]
-    assert verdicts == ["not met |", "not met |", "not measured (gemm-floor: skipped: test) |"]
+    assert verdicts == ["not met |", "not met |", "not met |", "not measured (gemm-floor: skipped: test) |"]
     assert "| 1.125 |" in lines[0] and "| 0.571 |" in lines[1]  # against liger-eager, the faster one
