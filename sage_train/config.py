@@ -48,11 +48,13 @@ class TrainConfig:
     task: str = "arithmetic"
     task_options: dict = field(default_factory=dict)
     eval_task: str = ""  # "" evaluates on `task`'s test split
+    train_problems: int = 0  # RL prompts come from the first N training problems (0: all the task gives)
 
     # supervised warm start (plain AdamW, identical on every rank, before the RL engine exists)
     sft_steps: int = 0
     sft_batch_size: int = 32
     sft_lr: float = 3e-3
+    sft_target_loss: float = 0.0  # stop the warm start early once its mean token loss is below this (0: off)
 
     # RL
     algorithm: str = "sage-branch"
@@ -112,6 +114,7 @@ class TrainConfig:
     cpu_threads: int = 0  # torch intra-op threads per process on CPU; 0 keeps torch's default
 
     # evaluation before and after RL
+    eval_splits: list = field(default_factory=lambda: ["train", "test"])  # "train": the RL prompts; "test": held out
     eval_problems: int = 32
     eval_samples: int = 8
     eval_temperature: float = 1.0
@@ -197,6 +200,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
 
     Without ``--config`` the packaged default (`DEFAULT_CONFIG`) is used. Values are read as
     YAML scalars (``--lr=1e-3``, ``--stop=["\\n"]``, ``--beta=null``); a bare ``--flag`` means true.
+    ``--local_rank``, which the deepspeed launcher adds, is accepted and ignored.
     """
     config_file, overrides = DEFAULT_CONFIG, {}
     args = list(argv)
@@ -215,6 +219,8 @@ def parse_args(argv: list[str]) -> TrainConfig:
                 raise ConfigError(f"--{key} needs a value (--{key}=VALUE)")
         if key == "config":
             config_file = text
+            continue
+        if key == "local_rank":  # passed by the deepspeed launcher; LOCAL_RANK in the environment says the same
             continue
         _check_keys({key: None}, "the command line")
         overrides[key] = yaml.safe_load(text) if text != "" else ""
@@ -244,11 +250,12 @@ def validate(cfg: TrainConfig) -> None:
                 "eval_samples", "log_every", "save_every", "dynamic_sampling_max_rounds", "tiny_hidden_size",
                 "tiny_layers", "tiny_heads", "tiny_kv_heads", "tiny_intermediate_size", "sft_batch_size"):
         require(getattr(cfg, key) > 0, key, "a positive integer")
-    for key in ("sft_steps", "cpu_threads", "warmup_steps", "eval_problems", "eval_max_new_tokens", "keep_checkpoints"):
+    for key in ("sft_steps", "cpu_threads", "train_problems", "warmup_steps", "eval_problems", "eval_max_new_tokens", "keep_checkpoints"):
         require(getattr(cfg, key) >= 0, key, "an integer >= 0")
     require(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
     require(cfg.lr > 0 and cfg.sft_lr > 0, "lr" if cfg.lr <= 0 else "sft_lr", "> 0")
     require(cfg.temperature > 0, "temperature", "> 0")
+    require(cfg.sft_target_loss >= 0, "sft_target_loss", ">= 0 (0: off)")
     require(cfg.max_grad_norm >= 0, "max_grad_norm", ">= 0 (0: no clipping)")
     require(cfg.eval_temperature > 0, "eval_temperature", "> 0")
     require(0 < cfg.top_p <= 1, "top_p", "in (0, 1]")
@@ -260,6 +267,7 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.loss_backend in ("auto", "reference", "cpu", "triton"), "loss_backend",
             "'auto', 'reference', 'cpu' or 'triton'")
     require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
+    require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
     require(cfg.name != "" and "/" not in cfg.name, "name", "a non-empty name without '/'")
 
 

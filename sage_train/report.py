@@ -120,9 +120,9 @@ def format_summary(summary: dict) -> str:
              f"  training reward: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f} "
              f"(mean over {summary.get('reward_window_steps', 0)} steps each)"]
     for when in ("before", "after"):
-        result = summary.get(f"eval_{when}")
-        if result:
+        for split, result in (summary.get(f"eval_{when}") or {}).items():
             scores = ", ".join(f"{key} {value:.3f}" for key, value in result.items() if key.startswith("pass@"))
-            lines.append(f"  eval {when} RL ({result['problems']} problems x {result['samples']} samples): {scores}")
+            lines.append(f"  eval {when} RL, {split} ({result['problems']} problems x {result['samples']} samples): "
+                         f"{scores}")
     lines.append(f"  outputs: {summary['run_dir']} (final model: {summary.get('final_model', '-')})")
     return "\n".join(lines)

@@ -5,8 +5,9 @@ to bottom; `train` is the run around it (warm start, evaluation, checkpoints, re
 Launch:
 
     sage-train                                      # the packaged tiny-cpu default (python -m sage_train too)
-    sage-train --config my.yaml --algorithm=dapo --steps=300 --zero_stage=2
-    torchrun --nproc_per_node 2 -m sage_train --zero_stage=3             # several processes, one machine
+    sage-train --config my.yaml --algorithm=dapo --steps=300
+    torchrun --nproc_per_node 2 -m sage_train --zero_stage=2             # several processes, one machine
+    torchrun --nproc_per_node 8 -m sage_train --config my.yaml --zero_stage=3 --deepspeed_config=ds-zero3
     deepspeed --num_gpus 8 --module sage_train --config my.yaml          # DeepSpeed's launcher
     torchrun --nnodes 4 --node_rank R --master_addr HOST --nproc_per_node 8 -m sage_train ...  # many machines
 
@@ -14,6 +15,8 @@ Each process takes ``prompts_per_step / world_size`` prompts per step; gradients
 by DeepSpeed. CPU runs use the gloo backend and float32; GPU runs NCCL and bf16.
 
 RL simplifications in force (as in TRL's GRPOTrainer unless said):
+- Prompts are drawn without replacement within a step, from the first ``train_problems`` training
+  problems (all when 0), by a generator seeded with (seed, step).
 - One rollout batch per step, used for ``num_iterations`` optimizer steps (default 1, where the
   ratio is 1 and clipping is inert). No value model; the reward is the task verifier's 0/1.
 - The policy's log-probs are those of the temperature-scaled distribution; the sampler's top-p /
@@ -71,6 +74,8 @@ from .rollout import SamplingParams, make_engine
 from .tasks import get_task
 
 #: keys that may differ between a run and its resumption (they do not change what is computed)
+#: steps over which the warm start's loss is averaged for ``sft_target_loss``
+SFT_WINDOW = 50
 #: what a fresh run into an existing run directory removes first (the old run's outputs)
 FRESH_RUN_CLEARS = ("checkpoints", "sft", "final", "tensorboard", "eval_before.json", "eval_after.json",
                     "summary.json", "metrics.png")
@@ -369,8 +374,12 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
 
     # models: the warm-started policy, and its frozen copy as the reference
     task = get_task(cfg.task, **cfg.task_options)
-    train_problems = list(task.problems("train", None, cfg.seed))
-    model, tokenizer = initial_policy(cfg, task, train_problems, run_dir, rank, resumed=resume_step is not None)
+    sft_problems = list(task.problems("train", None, cfg.seed))
+    train_problems = sft_problems[:cfg.train_problems] if cfg.train_problems else sft_problems
+    if len(train_problems) < cfg.prompts_per_step:
+        raise ConfigError(f"config key 'train_problems': {len(train_problems)} problems cannot fill "
+                          f"prompts_per_step={cfg.prompts_per_step}")
+    model, tokenizer = initial_policy(cfg, task, sft_problems, run_dir, rank, resumed=resume_step is not None)
     reference_lm = copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None
 
     engine, reference = build_engines(cfg, model, reference_lm, world, device)
@@ -487,16 +496,22 @@ def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, 
         return load_pretrained(str(sft_dir))
     model, tokenizer = load_model_and_tokenizer(cfg)
     if cfg.sft_steps:
-        sft_warm_start(model, tokenizer, task, train_problems, cfg)
+        steps = sft_warm_start(model, tokenizer, task, train_problems, cfg)
         if rank == 0:
+            print(f"sage-train: warm start done after {steps} SFT steps", flush=True)
             model.save_pretrained(sft_dir)
             tokenizer.save_pretrained(sft_dir)
     return model, tokenizer
 
 
-def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> None:
+def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> int:
     """Supervised fine-tuning on ``prompt + meta["sft_completion"] + EOS`` (the task's correct
-    completions), the loss on completion tokens only. Deterministic in ``cfg.seed``."""
+    completions), the loss on completion tokens only. Deterministic in ``cfg.seed``.
+
+    With ``sft_target_loss`` it stops once the mean loss of the last `SFT_WINDOW` steps is below
+    it: how fast a tiny model learns arithmetic varies a lot with the seed (some seeds reach 95%
+    in the steps where others reach 15%), and RL needs a start that is neither. Returns the
+    number of steps taken."""
     examples = [(task.prompt(p), p.meta["sft_completion"]) for p in problems if "sft_completion" in p.meta]
     if not examples:
         raise ConfigError(f"sft_steps: task {cfg.task!r} gives no meta['sft_completion'] to warm-start on; "
@@ -506,7 +521,8 @@ def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps)))
     rng = random.Random(f"sft:{cfg.seed}")
     model.train()
-    for _ in range(cfg.sft_steps):
+    recent = []
+    for step in range(1, cfg.sft_steps + 1):
         chosen = [examples[rng.randrange(len(examples))] for _ in range(cfg.sft_batch_size)]
         prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in chosen]
         answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, a in chosen]
@@ -527,6 +543,11 @@ def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> 
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
+        if cfg.sft_target_loss:
+            recent = (recent + [loss.detach()])[-SFT_WINDOW:]
+            if step % SFT_WINDOW == 0 and float(torch.stack(recent).mean()) < cfg.sft_target_loss:
+                break
+    return step
 
 
 def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: torch.device):
@@ -536,7 +557,7 @@ def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: tor
     local_rows = check_batch_shape(cfg, world)
     ds_config = deepspeed_config(cfg, world, local_rows // cfg.micro_batch_size, device)
     policy = PolicyHead(model.to(device), cfg.loss_backend)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = cfg.steps * cfg.num_iterations
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config,
                                       lr_scheduler=lambda opt: lr_schedule(opt, cfg, total))
@@ -583,6 +604,10 @@ def deepspeed_config(cfg: TrainConfig, world: int, accumulation: int, device: to
                 config[key] = {**config[key], **value}
             else:
                 config[key] = value
+    stage = config["zero_optimization"].get("stage", 0)
+    if stage != cfg.zero_stage:
+        raise ConfigError(f"config key 'deepspeed_config' ({cfg.deepspeed_config}) sets ZeRO stage {stage} but "
+                          f"'zero_stage' is {cfg.zero_stage}; make them agree (the trainer reads zero_stage)")
     return config
 
 
@@ -661,17 +686,29 @@ class InterruptFlag:
 
 
 def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
-    """pass@1 and pass@k on the test split, computed once (a resumed run reads the saved file).
+    """pass@1 and pass@k per split of ``eval_splits``, computed once (a resumed run reads the file).
 
-    Each rank evaluates an equal share of the problems (ZeRO-3 needs the same number of
-    generate calls everywhere); the (n, c) counts are gathered and averaged over problems."""
+    "train" samples the first ``eval_problems`` RL prompts, "test" as many held-out problems (of
+    ``eval_task`` when set). Each rank evaluates an equal share of the problems (ZeRO-3 needs the
+    same number of generate calls everywhere); the (n, c) counts are gathered over ranks."""
     cfg = ctx.cfg
-    if cfg.eval_problems == 0:
+    if cfg.eval_problems == 0 or not cfg.eval_splits:
         return None
     if path.is_file():
         return json.loads(path.read_text())
-    task = get_task(cfg.eval_task) if cfg.eval_task else ctx.task
-    problems = list(task.problems("test", cfg.eval_problems, cfg.seed))
+    results = {}
+    for split in cfg.eval_splits:
+        task = get_task(cfg.eval_task) if cfg.eval_task and split == "test" else ctx.task
+        problems = (ctx.train_problems[:cfg.eval_problems] if split == "train"
+                    else list(task.problems("test", cfg.eval_problems, cfg.seed)))
+        results[split] = pass_at_k_over_ranks(ctx, task, problems)
+    if ctx.rank == 0:
+        path.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def pass_at_k_over_ranks(ctx: Context, task, problems: list) -> dict:
+    cfg = ctx.cfg
     share = len(problems) // ctx.world
     ks = sorted({1, cfg.eval_samples})
     sampling = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
@@ -681,11 +718,8 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
     gathered = [None] * ctx.world
     dist.all_gather_object(gathered, [(r["n"], r["c"]) for r in result["problems"]])
     counts = [pair for part in gathered for pair in part]
-    summary = {"problems": len(counts), "samples": cfg.eval_samples,
-               **{f"pass@{k}": mean_pass_at_k(counts, k) for k in ks}}
-    if ctx.rank == 0:
-        path.write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+    return {"problems": len(counts), "samples": cfg.eval_samples,
+            **{f"pass@{k}": mean_pass_at_k(counts, k) for k in ks}}
 
 
 def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> None:

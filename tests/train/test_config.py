@@ -10,13 +10,14 @@ def test_packaged_default_loads_and_resolves_to_sage_branch():
     cfg = parse_args([])
     assert cfg.algorithm == "sage-branch" and cfg.guide == "branch" and cfg.beta == 0.05 and cfg.kl == "k3"
     assert cfg.model == "tiny" and cfg.sft_steps > 0
-    assert {"tiny-cpu", "zero2", "zero3"} <= set(packaged_config_names())
+    assert {"tiny-cpu", "ds-zero2", "ds-zero3"} <= set(packaged_config_names())
 
 
 def test_command_line_overrides_win_and_are_typed(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("steps: 7\nlr: 0.01\nname: from-file\n")
-    cfg = parse_args(["--config", str(path), "--lr=2e-4", "--stop", '["\\n"]', "--name=123", "--resume"])
+    cfg = parse_args(["--config", str(path), "--lr=2e-4", "--stop", '["\\n"]', "--name=123", "--resume",
+                      "--local_rank=1"])
     assert (cfg.steps, cfg.lr, cfg.stop, cfg.name, cfg.resume) == (7, 2e-4, ["\n"], "123", True)
     assert isinstance(cfg.lr, float)
 
@@ -80,3 +81,16 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     save_yaml(cfg, tmp_path / "c.yaml")
     assert load_yaml(tmp_path / "c.yaml") == cfg
     assert isinstance(cfg, TrainConfig)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_packaged_deepspeed_files_merge_and_must_agree_with_zero_stage(stage):
+    import torch
+    from sage_train.trainer import deepspeed_config
+    cfg = resolve(build({"zero_stage": stage, "deepspeed_config": f"ds-zero{stage}"}))
+    merged = deepspeed_config(cfg, world=2, accumulation=4, device=torch.device("cpu"))
+    assert merged["zero_optimization"]["stage"] == stage and merged["zero_optimization"]["overlap_comm"]
+    assert merged["train_batch_size"] == cfg.micro_batch_size * 4 * 2
+    with pytest.raises(ConfigError, match="zero_stage"):
+        deepspeed_config(resolve(build({"zero_stage": 0, "deepspeed_config": f"ds-zero{stage}"})), world=1,
+                         accumulation=1, device=torch.device("cpu"))

@@ -42,7 +42,7 @@ def test_two_process_run(tmp_path, tiny_run, stage):
     run = tmp_path / f"zero{stage}"
     assert [row["step"] for row in report.read_metrics(run / "metrics.jsonl")] == [1, 2]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["eval_after"]["problems"] == 4 and not summary["interrupted"]
+    assert summary["eval_after"]["test"]["problems"] == 4 and not summary["interrupted"]
     assert sorted(p.name for p in (run / "checkpoints" / "step000002").glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     assert model.lm_head.weight.shape[1] == tiny_run["tiny_hidden_size"]

@@ -37,8 +37,10 @@ def test_short_run_writes_every_output(tiny_config, distributed):
     saved = json.loads((run / "summary.json").read_text())
     assert saved["steps_done"] == 3 and not saved["interrupted"] and saved == summary
     for when in ("before", "after"):
-        assert set(saved[f"eval_{when}"]) == {"problems", "samples", "pass@1", "pass@2"}
-        assert 0 <= saved[f"eval_{when}"]["pass@1"] <= saved[f"eval_{when}"]["pass@2"] <= 1
+        assert set(saved[f"eval_{when}"]) == {"train", "test"}
+        for result in saved[f"eval_{when}"].values():
+            assert set(result) == {"problems", "samples", "pass@1", "pass@2"} and result["problems"] == 4
+            assert 0 <= result["pass@1"] <= result["pass@2"] <= 1
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tokenizer = AutoTokenizer.from_pretrained(run / "final")
     assert tokenizer.decode(tokenizer("1+2=")["input_ids"]) == "1+2="
