@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sage_train.config import build, resolve
 
@@ -35,3 +36,13 @@ def distributed():
     """torch.distributed initialised as a world of one (gloo), as `sage-train` does without a launcher."""
     from sage_train.trainer import init_distributed
     return init_distributed()
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    """Tiny models run fastest on one thread (many threads on a shared 2-core machine crawl);
+    the thread count is restored after each test, as `train` sets it process-wide."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

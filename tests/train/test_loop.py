@@ -95,3 +95,16 @@ def test_resume_refuses_a_changed_config(tiny_config, distributed):
     train(tiny_config(name="changed", steps=2, save_every=1))
     with pytest.raises(ConfigError, match="lr"):
         train(tiny_config(name="changed", steps=2, resume=True, lr=0.5))
+
+
+def test_warm_start_stops_at_the_target_loss(tiny_config):
+    from sage_train.model import load_model_and_tokenizer
+    from sage_train.tasks import get_task
+    from sage_train.trainer import SFT_WINDOW, sft_warm_start
+
+    task = get_task("arithmetic", digits=1)
+    problems = task.problems("train", None, 0)
+    never = tiny_config(sft_steps=SFT_WINDOW + 5, sft_target_loss=0.0)
+    assert sft_warm_start(*load_model_and_tokenizer(never), task, problems, never) == SFT_WINDOW + 5
+    easy = tiny_config(sft_steps=10 * SFT_WINDOW, sft_target_loss=100.0)  # any loss is below it
+    assert sft_warm_start(*load_model_and_tokenizer(easy), task, problems, easy) == SFT_WINDOW
