@@ -349,6 +349,9 @@ class LossTotals:
 
 def main(argv: list[str]) -> int:
     """`sage-train [--config FILE] [--key=value ...]`; returns the exit status."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage())
+        return 0
     try:
         cfg = parse_args(argv)
     except ConfigError as error:
@@ -356,6 +359,16 @@ def main(argv: list[str]) -> int:
         return 2
     summary = train(cfg)
     return 0 if summary is not None else 1
+
+
+def usage() -> str:
+    """The command line, then every config key with its default (the packaged default config's values)."""
+    from .config import DEFAULT_CONFIG, packaged_config_names
+    defaults = parse_args([])
+    keys = "\n".join(f"  --{key}={value!r}" for key, value in defaults.to_dict().items())
+    return (f"usage: sage-train [--config FILE_OR_PACKAGED_NAME] [--key=value ...]\n"
+            f"packaged configs: {', '.join(packaged_config_names())} (default: {DEFAULT_CONFIG})\n"
+            f"keys, with the default run's values:\n{keys}")
 
 
 def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = None) -> dict:

@@ -94,3 +94,12 @@ def test_packaged_deepspeed_files_merge_and_must_agree_with_zero_stage(stage):
     with pytest.raises(ConfigError, match="zero_stage"):
         deepspeed_config(resolve(build({"zero_stage": 0, "deepspeed_config": f"ds-zero{stage}"})), world=1,
                          accumulation=1, device=torch.device("cpu"))
+
+
+def test_main_reports_config_errors_and_help(capsys):
+    from sage_train.trainer import main
+    assert main(["--stpes=3"]) == 2
+    assert "stpes" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: sage-train" in out and "--sft_target_loss=" in out and "tiny-cpu" in out
