@@ -52,8 +52,10 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
     tag = f"{TAG_PREFIX}{step:06d}"
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step})
     rank = dist.get_rank()
-    torch.save({"rng": rng_state(), "guide": guide.state_dict() if guide is not None else None},
-               root / tag / f"rank{rank}.pt")
+    torch.save(
+        {"rng": rng_state(), "guide": guide.state_dict() if guide is not None else None},
+        root / tag / f"rank{rank}.pt",
+    )
     if rank == 0:
         save_yaml(cfg, root / tag / "config.yaml")
         if keep:
@@ -68,7 +70,7 @@ def latest_step(run_dir: Path) -> Optional[int]:
     latest = checkpoint_dir(run_dir) / "latest"
     if not latest.is_file():
         return None
-    return int(latest.read_text().strip()[len(TAG_PREFIX):])
+    return int(latest.read_text().strip()[len(TAG_PREFIX) :])
 
 
 def load(engine, run_dir: Path, guide) -> int:

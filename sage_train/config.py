@@ -114,7 +114,9 @@ class TrainConfig:
     cpu_threads: int = 0  # torch intra-op threads per process on CPU; 0 keeps torch's default
 
     # evaluation before and after RL
-    eval_splits: list = field(default_factory=lambda: ["train", "test"])  # "train": the RL prompts; "test": held out
+    eval_splits: list = field(
+        default_factory=lambda: ["train", "test"]
+    )  # "train": the RL prompts; "test": held out
     eval_problems: int = 32
     eval_samples: int = 8
     eval_temperature: float = 1.0
@@ -162,7 +164,9 @@ def _coerce(key: str, value):
             return value
         if kind in (str, bool, list, dict) and isinstance(value, kind):
             return value
-    raise ConfigError(f"config key {key!r} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(
+        f"config key {key!r} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})"
+    )
 
 
 def _check_keys(values: dict, source: str) -> None:
@@ -173,7 +177,9 @@ def _check_keys(values: dict, source: str) -> None:
 
 def packaged_config_path(name: str):
     """The packaged YAML `name` (with or without .yaml) in sage_train/configs, or None."""
-    candidate = resources.files("sage_train") / "configs" / (name if name.endswith(".yaml") else f"{name}.yaml")
+    candidate = (
+        resources.files("sage_train") / "configs" / (name if name.endswith(".yaml") else f"{name}.yaml")
+    )
     return candidate if candidate.is_file() else None
 
 
@@ -182,8 +188,10 @@ def read_yaml(name_or_path: str) -> dict:
     path = Path(name_or_path)
     source = path if path.is_file() else packaged_config_path(name_or_path)
     if source is None:
-        raise ConfigError(f"config file {name_or_path!r} not found (a path, or one of the packaged configs "
-                          f"{packaged_config_names()})")
+        raise ConfigError(
+            f"config file {name_or_path!r} not found (a path, or one of the packaged configs "
+            f"{packaged_config_names()})"
+        )
     values = yaml.safe_load(source.read_text()) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"config file {name_or_path!r} must hold a mapping of keys to values")
@@ -220,7 +228,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
         if key == "config":
             config_file = text
             continue
-        if key == "local_rank":  # passed by the deepspeed launcher; LOCAL_RANK in the environment says the same
+        if (
+            key == "local_rank"
+        ):  # passed by the deepspeed launcher; LOCAL_RANK in the environment says the same
             continue
         _check_keys({key: None}, "the command line")
         overrides[key] = yaml.safe_load(text) if text != "" else ""
@@ -242,15 +252,38 @@ def build(values: dict) -> TrainConfig:
 
 def validate(cfg: TrainConfig) -> None:
     """Ranges and cross-key rules, each failure naming the key and what was expected."""
+
     def require(ok: bool, key: str, expected: str) -> None:
         if not ok:
             raise ConfigError(f"config key {key!r} must be {expected}, got {getattr(cfg, key)!r}")
 
-    for key in ("steps", "prompts_per_step", "micro_batch_size", "num_iterations", "max_new_tokens",
-                "eval_samples", "log_every", "save_every", "dynamic_sampling_max_rounds", "tiny_hidden_size",
-                "tiny_layers", "tiny_heads", "tiny_kv_heads", "tiny_intermediate_size", "sft_batch_size"):
+    for key in (
+        "steps",
+        "prompts_per_step",
+        "micro_batch_size",
+        "num_iterations",
+        "max_new_tokens",
+        "eval_samples",
+        "log_every",
+        "save_every",
+        "dynamic_sampling_max_rounds",
+        "tiny_hidden_size",
+        "tiny_layers",
+        "tiny_heads",
+        "tiny_kv_heads",
+        "tiny_intermediate_size",
+        "sft_batch_size",
+    ):
         require(getattr(cfg, key) > 0, key, "a positive integer")
-    for key in ("sft_steps", "cpu_threads", "train_problems", "warmup_steps", "eval_problems", "eval_max_new_tokens", "keep_checkpoints"):
+    for key in (
+        "sft_steps",
+        "cpu_threads",
+        "train_problems",
+        "warmup_steps",
+        "eval_problems",
+        "eval_max_new_tokens",
+        "keep_checkpoints",
+    ):
         require(getattr(cfg, key) >= 0, key, "an integer >= 0")
     require(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
     require(cfg.lr > 0 and cfg.sft_lr > 0, "lr" if cfg.lr <= 0 else "sft_lr", "> 0")
@@ -262,10 +295,15 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.top_k >= 0, "top_k", ">= 0 (0: off)")
     require(0 <= cfg.min_p < 1, "min_p", "in [0, 1) (0: off)")
     require(cfg.zero_stage in (0, 1, 2, 3), "zero_stage", "0, 1, 2 or 3")
-    require(cfg.lr_schedule in ("constant", "cosine", "linear"), "lr_schedule", "'constant', 'cosine' or 'linear'")
+    require(
+        cfg.lr_schedule in ("constant", "cosine", "linear"), "lr_schedule", "'constant', 'cosine' or 'linear'"
+    )
     require(cfg.rollout_engine in ("hf",), "rollout_engine", "'hf' (the embedded engine)")
-    require(cfg.loss_backend in ("auto", "reference", "cpu", "triton"), "loss_backend",
-            "'auto', 'reference', 'cpu' or 'triton'")
+    require(
+        cfg.loss_backend in ("auto", "reference", "cpu", "triton"),
+        "loss_backend",
+        "'auto', 'reference', 'cpu' or 'triton'",
+    )
     require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
     require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
     require(cfg.name != "" and "/" not in cfg.name, "name", "a non-empty name without '/'")
@@ -274,6 +312,7 @@ def validate(cfg: TrainConfig) -> None:
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """Fill the None loss options from the algorithm preset and check the loss options."""
     from .presets import apply_preset
+
     return apply_preset(cfg)
 
 

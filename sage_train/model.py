@@ -13,8 +13,13 @@ import string
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARACTERS = "\n" + "".join(c for c in string.printable if c.isprintable())
@@ -31,20 +36,24 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in CHARACTERS:
         vocab[byte_char[ord(char)]] = len(vocab)
-    assert all(token in alphabet for token in list(vocab)[len(SPECIAL_TOKENS):])
+    assert all(token in alphabet for token in list(vocab)[len(SPECIAL_TOKENS) :])
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>", padding_side="left")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
     tokenizer.model_max_length = 512
     return tokenizer
 
 
 def _bytes_to_unicode() -> list[str]:
     """GPT-2's byte -> printable character table (the byte-level alphabet, in byte order)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -55,15 +64,32 @@ def _bytes_to_unicode() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def build_tiny_model(tokenizer, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                     intermediate_size: int, max_positions: int, seed: int) -> Qwen2ForCausalLM:
+def build_tiny_model(
+    tokenizer,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_positions: int,
+    seed: int,
+) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 model sized by the arguments, vocabulary rounded up to 64."""
     vocab_size = -(-len(tokenizer) // 64) * 64
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         intermediate_size=intermediate_size, max_position_embeddings=max_positions,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -77,10 +103,16 @@ def load_model_and_tokenizer(cfg):
     ``tiny_*`` keys; anything else is a hub name or a local directory (HF format)."""
     if cfg.model == "tiny":
         tokenizer = build_char_tokenizer()
-        model = build_tiny_model(tokenizer, hidden_size=cfg.tiny_hidden_size, num_layers=cfg.tiny_layers,
-                                 num_heads=cfg.tiny_heads, num_kv_heads=cfg.tiny_kv_heads,
-                                 intermediate_size=cfg.tiny_intermediate_size,
-                                 max_positions=cfg.tiny_max_positions, seed=cfg.seed)
+        model = build_tiny_model(
+            tokenizer,
+            hidden_size=cfg.tiny_hidden_size,
+            num_layers=cfg.tiny_layers,
+            num_heads=cfg.tiny_heads,
+            num_kv_heads=cfg.tiny_kv_heads,
+            intermediate_size=cfg.tiny_intermediate_size,
+            max_positions=cfg.tiny_max_positions,
+            seed=cfg.seed,
+        )
         return model, tokenizer
     return load_pretrained(cfg.model)
 

@@ -12,7 +12,7 @@ command line win. The resolved values are saved with the run.
 | sage-branch      | SAGE with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max); default|
 | sage-token       | SAGE with the token (surprisal) guide, strength on a cosine with restarts        |
 | sage-random      | SAGE with the random guide (log q ~ N(0, sigma^2)), the control for placement     |
-| dapo             | token-level loss, clip-higher eps_high 0.28, no KL, dynamic sampling, overlong filtering |
+| dapo             | token-level loss, eps_high 0.28, no KL, dynamic sampling, overlong filtering    |
 | bnpo             | GRPO normalised by the batch's completion-token count                           |
 | dr_grpo          | Dr. GRPO: constant normaliser (B x max_new_tokens) and unscaled advantages r - mean |
 
@@ -40,11 +40,25 @@ from sage_kernels import LossConfig
 from .config import ConfigError, TrainConfig
 
 BASE = {
-    "beta": 0.05, "kl": "k3", "guide": "none", "gamma": 0.3, "tau": 1.2, "q_min": 0.6, "q_max": 1.4,
-    "loss_type": "grpo", "eps_low": 0.2, "eps_high": 0.2, "importance_sampling": "token",
-    "top_entropy_quantile": 1.0, "entropy_coef": 0.0,
-    "guide_strength": 0.3, "guide_strength_end": 0.0, "guide_period": 100,
-    "dynamic_sampling": False, "overlong_filter": False, "scale_rewards": True,
+    "beta": 0.05,
+    "kl": "k3",
+    "guide": "none",
+    "gamma": 0.3,
+    "tau": 1.2,
+    "q_min": 0.6,
+    "q_max": 1.4,
+    "loss_type": "grpo",
+    "eps_low": 0.2,
+    "eps_high": 0.2,
+    "importance_sampling": "token",
+    "top_entropy_quantile": 1.0,
+    "entropy_coef": 0.0,
+    "guide_strength": 0.3,
+    "guide_strength_end": 0.0,
+    "guide_period": 100,
+    "dynamic_sampling": False,
+    "overlong_filter": False,
+    "scale_rewards": True,
 }
 
 PRESETS = {
@@ -54,8 +68,13 @@ PRESETS = {
     "sage-branch": {"guide": "branch"},
     "sage-token": {"guide": "token"},
     "sage-random": {"guide": "random", "guide_strength": 0.2},
-    "dapo": {"beta": 0.0, "loss_type": "dapo", "eps_high": 0.28, "dynamic_sampling": True,
-             "overlong_filter": True},
+    "dapo": {
+        "beta": 0.0,
+        "loss_type": "dapo",
+        "eps_high": 0.28,
+        "dynamic_sampling": True,
+        "overlong_filter": True,
+    },
     "bnpo": {"loss_type": "bnpo"},
     "dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": False},
 }
@@ -87,9 +106,22 @@ def apply_preset(cfg: TrainConfig) -> TrainConfig:
 
 def loss_config(cfg: TrainConfig) -> LossConfig:
     """The `LossConfig` of a resolved TrainConfig (the normaliser is set per step by the trainer)."""
-    return LossConfig(beta=cfg.beta, kl=cfg.kl, guide="branch" if cfg.guide == "branch" else "none",
-                      gamma=cfg.gamma, tau=cfg.tau, q_min=cfg.q_min, q_max=cfg.q_max, loss_type=cfg.loss_type,
-                      eps_low=cfg.eps_low, eps_high=cfg.eps_high, delta_clip=cfg.delta_clip,
-                      dual_clip_c=cfg.dual_clip_c, importance_sampling=cfg.importance_sampling,
-                      top_entropy_quantile=cfg.top_entropy_quantile, entropy_coef=cfg.entropy_coef,
-                      temperature=cfg.temperature, max_completion_length=cfg.max_new_tokens)
+    return LossConfig(
+        beta=cfg.beta,
+        kl=cfg.kl,
+        guide="branch" if cfg.guide == "branch" else "none",
+        gamma=cfg.gamma,
+        tau=cfg.tau,
+        q_min=cfg.q_min,
+        q_max=cfg.q_max,
+        loss_type=cfg.loss_type,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        delta_clip=cfg.delta_clip,
+        dual_clip_c=cfg.dual_clip_c,
+        importance_sampling=cfg.importance_sampling,
+        top_entropy_quantile=cfg.top_entropy_quantile,
+        entropy_coef=cfg.entropy_coef,
+        temperature=cfg.temperature,
+        max_completion_length=cfg.max_new_tokens,
+    )

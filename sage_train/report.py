@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Optional
 
 #: the progress bar's fields: (metric name, label, format)
-PROGRESS_FIELDS = (("reward", "reward", ".3f"), ("kl", "kl", ".4f"), ("entropy", "H", ".3f"),
-                   ("sage/q_mean", "q", ".3f"), ("sage/q_max", "q_max", ".2f"), ("step_time", "s/step", ".2f"))
+PROGRESS_FIELDS = (
+    ("reward", "reward", ".3f"),
+    ("kl", "kl", ".4f"),
+    ("entropy", "H", ".3f"),
+    ("sage/q_mean", "q", ".3f"),
+    ("sage/q_max", "q_max", ".2f"),
+    ("step_time", "s/step", ".2f"),
+)
 
 #: the plots: (panel title, metric names drawn in it)
 PLOT_PANELS = (
@@ -31,13 +37,18 @@ class MetricsLog:
     """Appends rows to ``metrics.jsonl``; on resume, first drops rows past the checkpoint's step
     (written after it by the interrupted run), so the file reads like an uninterrupted run's."""
 
-    def __init__(self, path: Path, *, resume_step: Optional[int] = None, tensorboard_dir: Optional[Path] = None):
+    def __init__(
+        self, path: Path, *, resume_step: Optional[int] = None, tensorboard_dir: Optional[Path] = None
+    ):
         self.path = Path(path)
         if resume_step is None:
             self.path.write_text("")
         elif self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= resume_step
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.tensorboard = _tensorboard_writer(tensorboard_dir) if tensorboard_dir else None
 
@@ -72,6 +83,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def progress_bar(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
+
     return tqdm(total=total, initial=initial, desc="RL", unit="step", disable=not enabled, dynamic_ncols=True)
 
 
@@ -85,8 +97,11 @@ def reward_trend(rows: list[dict], fraction: float = 0.1) -> dict:
     if not rewards:
         return {"reward_first": math.nan, "reward_last": math.nan}
     count = max(1, int(len(rewards) * fraction))
-    return {"reward_first": sum(rewards[:count]) / count, "reward_last": sum(rewards[-count:]) / count,
-            "reward_window_steps": count}
+    return {
+        "reward_first": sum(rewards[:count]) / count,
+        "reward_last": sum(rewards[-count:]) / count,
+        "reward_window_steps": count,
+    }
 
 
 def plot_metrics(rows: list[dict], path: Path) -> Optional[Path]:
@@ -94,6 +109,7 @@ def plot_metrics(rows: list[dict], path: Path) -> Optional[Path]:
     if not rows:
         return None
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -115,14 +131,20 @@ def plot_metrics(rows: list[dict], path: Path) -> Optional[Path]:
 
 def format_summary(summary: dict) -> str:
     """The console summary of a finished run."""
-    lines = [f"run {summary['name']} ({summary['algorithm']}): {summary['steps_done']} RL steps, "
-             f"{summary['wall_time_s']:.0f} s",
-             f"  training reward: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f} "
-             f"(mean over {summary.get('reward_window_steps', 0)} steps each)"]
+    lines = [
+        f"run {summary['name']} ({summary['algorithm']}): {summary['steps_done']} RL steps, "
+        f"{summary['wall_time_s']:.0f} s",
+        f"  training reward: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f} "
+        f"(mean over {summary.get('reward_window_steps', 0)} steps each)",
+    ]
     for when in ("before", "after"):
         for split, result in (summary.get(f"eval_{when}") or {}).items():
-            scores = ", ".join(f"{key} {value:.3f}" for key, value in result.items() if key.startswith("pass@"))
-            lines.append(f"  eval {when} RL, {split} ({result['problems']} problems x {result['samples']} samples): "
-                         f"{scores}")
+            scores = ", ".join(
+                f"{key} {value:.3f}" for key, value in result.items() if key.startswith("pass@")
+            )
+            lines.append(
+                f"  eval {when} RL, {split} ({result['problems']} problems x {result['samples']} samples): "
+                f"{scores}"
+            )
     lines.append(f"  outputs: {summary['run_dir']} (final model: {summary.get('final_model', '-')})")
     return "\n".join(lines)

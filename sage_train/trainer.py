@@ -77,37 +77,71 @@ from .tasks import get_task
 #: steps over which the warm start's loss is averaged for ``sft_target_loss``
 SFT_WINDOW = 50
 #: what a fresh run into an existing run directory removes first (the old run's outputs)
-FRESH_RUN_CLEARS = ("checkpoints", "sft", "final", "tensorboard", "eval_before.json", "eval_after.json",
-                    "summary.json", "metrics.png")
-RESUME_MAY_CHANGE = ("resume", "progress", "plots", "tensorboard", "log_every", "save_every", "keep_checkpoints")
+FRESH_RUN_CLEARS = (
+    "checkpoints",
+    "sft",
+    "final",
+    "tensorboard",
+    "eval_before.json",
+    "eval_after.json",
+    "summary.json",
+    "metrics.png",
+)
+RESUME_MAY_CHANGE = (
+    "resume",
+    "progress",
+    "plots",
+    "tensorboard",
+    "log_every",
+    "save_every",
+    "keep_checkpoints",
+)
 
 
 # ----------------------------------------------------------------------------- the model as a loss head
+
 
 class PolicyHead(nn.Module):
     """A causal LM seen through its last hidden states and LM head, never its logits.
 
     forward(batch) scores the completion tokens: per-token log-probs and entropies from
     `logprobs_and_entropy`. forward(batch, loss_inputs) returns (loss, the whole
-    `fused_linear_sage_loss` output) instead. Both run inside this module's forward so that ZeRO-3 gathers the LM head.
+    `fused_linear_sage_loss` output) instead. Both run inside this module's forward so that
+    ZeRO-3 gathers the LM head.
     """
 
     def __init__(self, lm: nn.Module, backend: str = "auto") -> None:
         super().__init__()
         self.lm, self.backend = lm, backend
 
-    def forward(self, input_ids, attention_mask, position_ids, completion_ids, prompt_length: int,
-                temperature: float, loss_inputs: Optional[dict] = None):
-        hidden = decoder_of(self.lm)(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids, use_cache=False).last_hidden_state
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        completion_ids,
+        prompt_length: int,
+        temperature: float,
+        loss_inputs: Optional[dict] = None,
+    ):
+        hidden = decoder_of(self.lm)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         # the hidden state at position t predicts token t + 1: the completion starts at prompt_length
-        hidden = hidden[:, prompt_length - 1:prompt_length - 1 + completion_ids.shape[1]]
+        hidden = hidden[:, prompt_length - 1 : prompt_length - 1 + completion_ids.shape[1]]
         head = self.lm.get_output_embeddings()
         if loss_inputs is None:
-            return logprobs_and_entropy(hidden, head.weight, completion_ids, bias=head.bias,
-                                        temperature=temperature, backend=self.backend)
-        output = fused_linear_sage_loss(hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend,
-                                        **loss_inputs)
+            return logprobs_and_entropy(
+                hidden,
+                head.weight,
+                completion_ids,
+                bias=head.bias,
+                temperature=temperature,
+                backend=self.backend,
+            )
+        output = fused_linear_sage_loss(
+            hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend, **loss_inputs
+        )
         return output.loss, output  # the loss as a plain tensor output, so ZeRO-3 hooks its backward
 
 
@@ -115,21 +149,26 @@ class PolicyHead(nn.Module):
 class Batch:
     """A step's sequences: left-padded prompts followed by right-padded completions."""
 
-    input_ids: torch.Tensor        # [B, P + L]
-    attention_mask: torch.Tensor   # [B, P + L]
-    position_ids: torch.Tensor     # [B, P + L], as `generate` numbers left-padded rows
-    completion_ids: torch.Tensor   # [B, L]
+    input_ids: torch.Tensor  # [B, P + L]
+    attention_mask: torch.Tensor  # [B, P + L]
+    position_ids: torch.Tensor  # [B, P + L], as `generate` numbers left-padded rows
+    completion_ids: torch.Tensor  # [B, L]
     completion_mask: torch.Tensor  # [B, L] bool: tokens that count in the loss
-    prompt_length: int             # P
+    prompt_length: int  # P
 
     @property
     def rows(self) -> int:
         return self.input_ids.shape[0]
 
     def model_inputs(self, rows: slice, temperature: float) -> dict:
-        return {"input_ids": self.input_ids[rows], "attention_mask": self.attention_mask[rows],
-                "position_ids": self.position_ids[rows], "completion_ids": self.completion_ids[rows],
-                "prompt_length": self.prompt_length, "temperature": temperature}
+        return {
+            "input_ids": self.input_ids[rows],
+            "attention_mask": self.attention_mask[rows],
+            "position_ids": self.position_ids[rows],
+            "completion_ids": self.completion_ids[rows],
+            "prompt_length": self.prompt_length,
+            "temperature": temperature,
+        }
 
 
 def make_batch(completions: list, device: torch.device, pad_id: int) -> Batch:
@@ -140,37 +179,41 @@ def make_batch(completions: list, device: torch.device, pad_id: int) -> Batch:
     attention_mask = torch.zeros_like(input_ids)
     for row, c in enumerate(completions):
         prompt, completion = torch.tensor(c.prompt_ids), torch.tensor(c.completion_ids, dtype=torch.long)
-        input_ids[row, P - len(prompt):P] = prompt
-        input_ids[row, P:P + len(completion)] = completion
-        attention_mask[row, P - len(prompt):P + len(completion)] = 1
+        input_ids[row, P - len(prompt) : P] = prompt
+        input_ids[row, P : P + len(completion)] = completion
+        attention_mask[row, P - len(prompt) : P + len(completion)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    batch = Batch(input_ids, attention_mask, position_ids, input_ids[:, P:].clone(),
-                  attention_mask[:, P:].bool(), P)
+    batch = Batch(
+        input_ids, attention_mask, position_ids, input_ids[:, P:].clone(), attention_mask[:, P:].bool(), P
+    )
     return Batch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in dataclasses.astuple(batch)))
 
 
 @torch.no_grad()
 def score(model: nn.Module, batch: Batch, micro_batch_size: int, temperature: float):
     """Per-token log-probs and entropies [B, L] of the completions under `model` (a PolicyHead)."""
-    parts = [model(**batch.model_inputs(slice(start, start + micro_batch_size), temperature))
-             for start in range(0, batch.rows, micro_batch_size)]
+    parts = [
+        model(**batch.model_inputs(slice(start, start + micro_batch_size), temperature))
+        for start in range(0, batch.rows, micro_batch_size)
+    ]
     return torch.cat([logp for logp, _ in parts]), torch.cat([entropy for _, entropy in parts])
 
 
 # ----------------------------------------------------------------------------- the step
+
 
 @dataclass
 class Context:
     """What the step needs, built once by `train`."""
 
     cfg: TrainConfig
-    engine: object             # the DeepSpeed engine wrapping PolicyHead(policy)
+    engine: object  # the DeepSpeed engine wrapping PolicyHead(policy)
     reference: Optional[nn.Module]  # PolicyHead(frozen reference), or None when beta = 0
-    rollout: object            # the rollout engine
+    rollout: object  # the rollout engine
     tokenizer: object
     task: object
     train_problems: list
-    guide: object              # TokenGuide / RandomGuide, or None (branch: inside the loss)
+    guide: object  # TokenGuide / RandomGuide, or None (branch: inside the loss)
     rank: int
     world: int
     device: torch.device
@@ -207,15 +250,21 @@ def rl_step(ctx: Context, step: int) -> dict:
     totals = policy_update(ctx, batch, advantages, old_logp, ref_logp, log_q)
 
     # 6. metrics, still tensors; converted at log intervals
-    lengths = batch.completion_mask.new_tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
+    lengths = batch.completion_mask.new_tensor(
+        [len(c.completion_ids) for c in completions], dtype=torch.float32
+    )
     metrics = {
-        "reward": rewards.mean(), "reward_std": rewards.std(dim=1).mean(),
+        "reward": rewards.mean(),
+        "reward_std": rewards.std(dim=1).mean(),
         "frac_reward_zero_std": (rewards.std(dim=1) == 0).float().mean(),
-        "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
-        "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.float().mean(),
+        "completions/mean_length": lengths.mean(),
+        "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": truncated.float().mean(),
         "num_tokens": batch.attention_mask.sum().float(),
         **totals.metrics(cfg.num_iterations),
-        "learning_rate": ctx.engine.get_lr()[0], "step_time": time.perf_counter() - start,
+        "learning_rate": ctx.engine.get_lr()[0],
+        "step_time": time.perf_counter() - start,
     }
     if cfg.dynamic_sampling:
         metrics["dynamic_sampling/rounds"] = float(rounds)
@@ -236,9 +285,14 @@ def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, lo
     for _ in range(cfg.num_iterations):
         for start_row in range(0, batch.rows, mb):
             rows = slice(start_row, start_row + mb)
-            loss_inputs = {"mask": batch.completion_mask[rows], "advantages": advantages[rows],
-                           "old_logp": old_logp[rows], "ref_logp": None if ref_logp is None else ref_logp[rows],
-                           "log_q": None if log_q is None else log_q[rows], "config": loss_cfg}
+            loss_inputs = {
+                "mask": batch.completion_mask[rows],
+                "advantages": advantages[rows],
+                "old_logp": old_logp[rows],
+                "ref_logp": None if ref_logp is None else ref_logp[rows],
+                "log_q": None if log_q is None else log_q[rows],
+                "config": loss_cfg,
+            }
             loss, out = ctx.engine(**batch.model_inputs(rows, cfg.temperature), loss_inputs=loss_inputs)
             loss = loss * row_share(rows)
             ctx.engine.backward(loss * ctx.world, scale_wrt_gas=False)  # undo DeepSpeed's averaging
@@ -262,10 +316,19 @@ def collect_groups(ctx: Context, step: int):
     informative, uninformative = [], []
     rounds = 0
     while True:
-        problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, cfg.prompts_per_step)[ctx.rank::ctx.world]
-        params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                min_p=cfg.min_p, max_new_tokens=cfg.max_new_tokens, stop=tuple(cfg.stop),
-                                seed=rollout_seed(cfg.seed, step, rounds, ctx.rank))
+        problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, cfg.prompts_per_step)[
+            ctx.rank :: ctx.world
+        ]
+        params = SamplingParams(
+            n=cfg.group_size,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            min_p=cfg.min_p,
+            max_new_tokens=cfg.max_new_tokens,
+            stop=tuple(cfg.stop),
+            seed=rollout_seed(cfg.seed, step, rounds, ctx.rank),
+        )
         outputs = ctx.rollout.generate([ctx.task.prompt(p) for p in problems], params)
         for problem, completions in zip(problems, outputs):
             scores = grade(ctx.task, [c.text for c in completions], problem)
@@ -289,7 +352,7 @@ def step_problems(pool: list, seed: int, step: int, round_: int, count: int) -> 
 
 
 def rollout_seed(seed: int, step: int, round_: int, rank: int) -> int:
-    return (seed * 1_000_003 + step * 1009 + round_ * 101 + rank) % (2 ** 31)
+    return (seed * 1_000_003 + step * 1009 + round_ * 101 + rank) % (2**31)
 
 
 def all_ranks(flag: bool, device: torch.device) -> bool:
@@ -322,8 +385,14 @@ def step_loss_config(ctx: Context, batch: Batch):
 class LossTotals:
     """Sums of the loss and of the loss's metrics over micro-batches, token-weighted."""
 
-    MEAN_METRICS = ("kl", "entropy", "sage/q_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                    "clip_ratio/region_mean")
+    MEAN_METRICS = (
+        "kl",
+        "entropy",
+        "sage/q_mean",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+    )
 
     def __init__(self) -> None:
         self.loss, self.tokens, self.sums = 0.0, 0.0, {}
@@ -347,6 +416,7 @@ class LossTotals:
 
 # ----------------------------------------------------------------------------- the run
 
+
 def main(argv: list[str]) -> int:
     """`sage-train [--config FILE] [--key=value ...]`; returns the exit status."""
     if any(arg in ("-h", "--help") for arg in argv):
@@ -364,11 +434,14 @@ def main(argv: list[str]) -> int:
 def usage() -> str:
     """The command line, then every config key with its default (the packaged default config's values)."""
     from .config import DEFAULT_CONFIG, packaged_config_names
+
     defaults = parse_args([])
     keys = "\n".join(f"  --{key}={value!r}" for key, value in defaults.to_dict().items())
-    return (f"usage: sage-train [--config FILE_OR_PACKAGED_NAME] [--key=value ...]\n"
-            f"packaged configs: {', '.join(packaged_config_names())} (default: {DEFAULT_CONFIG})\n"
-            f"keys, with the default run's values:\n{keys}")
+    return (
+        f"usage: sage-train [--config FILE_OR_PACKAGED_NAME] [--key=value ...]\n"
+        f"packaged configs: {', '.join(packaged_config_names())} (default: {DEFAULT_CONFIG})\n"
+        f"keys, with the default run's values:\n{keys}"
+    )
 
 
 def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = None) -> dict:
@@ -388,26 +461,38 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
     # models: the warm-started policy, and its frozen copy as the reference
     task = get_task(cfg.task, **cfg.task_options)
     sft_problems = list(task.problems("train", None, cfg.seed))
-    train_problems = sft_problems[:cfg.train_problems] if cfg.train_problems else sft_problems
+    train_problems = sft_problems[: cfg.train_problems] if cfg.train_problems else sft_problems
     if len(train_problems) < cfg.prompts_per_step:
-        raise ConfigError(f"config key 'train_problems': {len(train_problems)} problems cannot fill "
-                          f"prompts_per_step={cfg.prompts_per_step}")
+        raise ConfigError(
+            f"config key 'train_problems': {len(train_problems)} problems cannot fill "
+            f"prompts_per_step={cfg.prompts_per_step}"
+        )
     model, tokenizer = initial_policy(cfg, task, sft_problems, run_dir, rank, resumed=resume_step is not None)
     reference_lm = copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None
 
     engine, reference = build_engines(cfg, model, reference_lm, world, device)
-    rollout = make_engine(cfg.rollout_engine, model, tokenizer, device=device,
-                          synced_gpus=cfg.zero_stage == 3 and world > 1)
+    rollout = make_engine(
+        cfg.rollout_engine, model, tokenizer, device=device, synced_gpus=cfg.zero_stage == 3 and world > 1
+    )
     guide = make_guide(cfg, rank)
-    ctx = Context(cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device)
+    ctx = Context(
+        cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device
+    )
 
     first_step = 1
     if resume_step is not None:
         first_step = checkpoint.load(engine, run_dir, guide) + 1
     eval_before = evaluate_once(ctx, run_dir / "eval_before.json")
 
-    log = report.MetricsLog(run_dir / "metrics.jsonl", resume_step=first_step - 1,
-                            tensorboard_dir=run_dir / "tensorboard" if cfg.tensorboard else None) if rank == 0 else None
+    log = (
+        report.MetricsLog(
+            run_dir / "metrics.jsonl",
+            resume_step=first_step - 1,
+            tensorboard_dir=run_dir / "tensorboard" if cfg.tensorboard else None,
+        )
+        if rank == 0
+        else None
+    )
     bar = report.progress_bar(cfg.steps, first_step - 1, cfg.progress and rank == 0)
     interrupted = InterruptFlag()
     pending: list[tuple[int, dict]] = []
@@ -440,8 +525,9 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
     summary = None
     if rank == 0:
         log.close()
-        summary = write_summary(cfg, run_dir, step, eval_before, eval_after, time.time() - run_start,
-                                interrupted=not finished)
+        summary = write_summary(
+            cfg, run_dir, step, eval_before, eval_after, time.time() - run_start, interrupted=not finished
+        )
         print(report.format_summary(summary), flush=True)
     dist.barrier()
     return summary if rank == 0 else {}
@@ -458,8 +544,9 @@ def init_distributed():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
@@ -472,7 +559,7 @@ def init_distributed():
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
@@ -482,15 +569,22 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int) -> Optional[int]
     step = checkpoint.latest_step(run_dir) if cfg.resume else None
     if step is not None:
         saved = load_yaml(run_dir / "config.yaml").to_dict()
-        changed = sorted(k for k, v in cfg.to_dict().items() if saved.get(k) != v and k not in RESUME_MAY_CHANGE)
+        changed = sorted(
+            k for k, v in cfg.to_dict().items() if saved.get(k) != v and k not in RESUME_MAY_CHANGE
+        )
         if changed:
-            raise ConfigError(f"resume: config key(s) {changed} differ from the run's saved config.yaml "
-                              f"({', '.join(f'{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}' for k in changed)})")
+            raise ConfigError(
+                f"resume: config key(s) {changed} differ from the run's saved config.yaml "
+                f"({', '.join(f'{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}' for k in changed)})"
+            )
     if rank == 0:
         if step is None and run_dir.is_dir():
             stale = [run_dir / name for name in FRESH_RUN_CLEARS if (run_dir / name).exists()]
             if stale:
-                print(f"sage-train: starting {run_dir} afresh (pass --resume to continue it instead)", flush=True)
+                print(
+                    f"sage-train: starting {run_dir} afresh (pass --resume to continue it instead)",
+                    flush=True,
+                )
             for path in stale:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -527,18 +621,23 @@ def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> 
     number of steps taken."""
     examples = [(task.prompt(p), p.meta["sft_completion"]) for p in problems if "sft_completion" in p.meta]
     if not examples:
-        raise ConfigError(f"sft_steps: task {cfg.task!r} gives no meta['sft_completion'] to warm-start on; "
-                          "set sft_steps=0")
+        raise ConfigError(
+            f"sft_steps: task {cfg.task!r} gives no meta['sft_completion'] to warm-start on; set sft_steps=0"
+        )
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
+    )
     rng = random.Random(f"sft:{cfg.seed}")
     model.train()
     recent = []
     for step in range(1, cfg.sft_steps + 1):
         chosen = [examples[rng.randrange(len(examples))] for _ in range(cfg.sft_batch_size)]
         prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in chosen]
-        answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, a in chosen]
+        answers = [
+            tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, a in chosen
+        ]
         width = max(len(p) + len(a) for p, a in zip(prompts, answers))
         input_ids = torch.full((len(chosen), width), tokenizer.pad_token_id, dtype=torch.long)
         labels = torch.full_like(input_ids, -100)
@@ -546,11 +645,15 @@ def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> 
         for row, (p, a) in enumerate(zip(prompts, answers)):
             start = width - len(p) - len(a)  # left padding, as in generation
             input_ids[row, start:] = torch.tensor(p + a)
-            labels[row, width - len(a):] = torch.tensor(a)
+            labels[row, width - len(a) :] = torch.tensor(a)
             attention_mask[row, start:] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        loss = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                     position_ids=position_ids.to(device), labels=labels.to(device)).loss
+        loss = model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device),
+            labels=labels.to(device),
+        ).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -572,15 +675,26 @@ def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: tor
     policy = PolicyHead(model.to(device), cfg.loss_backend)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = cfg.steps * cfg.num_iterations
-    engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config,
-                                      lr_scheduler=lambda opt: lr_schedule(opt, cfg, total))
+    engine, *_ = deepspeed.initialize(
+        model=policy,
+        optimizer=optimizer,
+        config=ds_config,
+        lr_scheduler=lambda opt: lr_schedule(opt, cfg, total),
+    )
     reference = None
     if reference_lm is not None:
         reference = PolicyHead(reference_lm.to(device), cfg.loss_backend)
         if cfg.zero_stage == 3:
-            reference_config = {key: ds_config[key] for key in ("train_micro_batch_size_per_gpu",
-                                                                 "gradient_accumulation_steps", "train_batch_size",
-                                                                 "zero_optimization", "bf16")}
+            reference_config = {
+                key: ds_config[key]
+                for key in (
+                    "train_micro_batch_size_per_gpu",
+                    "gradient_accumulation_steps",
+                    "train_batch_size",
+                    "zero_optimization",
+                    "bf16",
+                )
+            }
             reference, *_ = deepspeed.initialize(model=reference, config=reference_config)
         elif ds_config["bf16"]["enabled"]:
             reference = reference.to(torch.bfloat16)
@@ -591,9 +705,11 @@ def check_batch_shape(cfg: TrainConfig, world: int) -> int:
     """Each rank's rows per step (its prompts x group_size); they must split into micro-batches."""
     local_rows = cfg.prompts_per_step // world * cfg.group_size
     if cfg.prompts_per_step % world or local_rows % cfg.micro_batch_size:
-        raise ConfigError(f"config key 'prompts_per_step' ({cfg.prompts_per_step}) must split evenly over "
-                          f"{world} rank(s), and each rank's prompts x group_size ({local_rows}) into "
-                          f"'micro_batch_size' ({cfg.micro_batch_size}) micro-batches")
+        raise ConfigError(
+            f"config key 'prompts_per_step' ({cfg.prompts_per_step}) must split evenly over "
+            f"{world} rank(s), and each rank's prompts x group_size ({local_rows}) into "
+            f"'micro_batch_size' ({cfg.micro_batch_size}) micro-batches"
+        )
     return local_rows
 
 
@@ -607,11 +723,12 @@ def deepspeed_config(cfg: TrainConfig, world: int, accumulation: int, device: to
         "zero_optimization": {"stage": cfg.zero_stage},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": device.type == "cuda" and cfg.bf16},
-        "steps_per_print": 2 ** 31,
+        "steps_per_print": 2**31,
         "wall_clock_breakdown": False,
     }
     if cfg.deepspeed_config:
         from .config import read_yaml  # JSON is YAML too
+
         for key, value in read_yaml(cfg.deepspeed_config).items():
             if isinstance(value, dict) and isinstance(config.get(key), dict):
                 config[key] = {**config[key], **value}
@@ -619,13 +736,16 @@ def deepspeed_config(cfg: TrainConfig, world: int, accumulation: int, device: to
                 config[key] = value
     stage = config["zero_optimization"].get("stage", 0)
     if stage != cfg.zero_stage:
-        raise ConfigError(f"config key 'deepspeed_config' ({cfg.deepspeed_config}) sets ZeRO stage {stage} but "
-                          f"'zero_stage' is {cfg.zero_stage}; make them agree (the trainer reads zero_stage)")
+        raise ConfigError(
+            f"config key 'deepspeed_config' ({cfg.deepspeed_config}) sets ZeRO stage {stage} but "
+            f"'zero_stage' is {cfg.zero_stage}; make them agree (the trainer reads zero_stage)"
+        )
     return config
 
 
 def lr_schedule(optimizer, cfg: TrainConfig, total_steps: int):
     """Linear warmup over ``warmup_steps``, then constant, cosine to 0, or linear to 0."""
+
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
@@ -635,17 +755,30 @@ def lr_schedule(optimizer, cfg: TrainConfig, total_steps: int):
         if cfg.lr_schedule == "linear":
             return max(0.0, 1 - progress)
         return 1.0
+
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def make_guide(cfg: TrainConfig, rank: int):
     """The guide computed outside the loss (token, random), or None (branch lives in the loss)."""
     if cfg.guide == "token":
-        return TokenGuide(gamma=cfg.guide_strength, gamma_end=cfg.guide_strength_end, period=cfg.guide_period,
-                          tau=cfg.tau, q_min=cfg.q_min, q_max=cfg.q_max)
+        return TokenGuide(
+            gamma=cfg.guide_strength,
+            gamma_end=cfg.guide_strength_end,
+            period=cfg.guide_period,
+            tau=cfg.tau,
+            q_min=cfg.q_min,
+            q_max=cfg.q_max,
+        )
     if cfg.guide == "random":
-        return RandomGuide(sigma=cfg.guide_strength, sigma_end=cfg.guide_strength_end, period=cfg.guide_period,
-                           q_min=cfg.q_min, q_max=cfg.q_max, seed=cfg.seed * 1009 + rank)
+        return RandomGuide(
+            sigma=cfg.guide_strength,
+            sigma_end=cfg.guide_strength_end,
+            period=cfg.guide_period,
+            q_min=cfg.q_min,
+            q_max=cfg.q_max,
+            seed=cfg.seed * 1009 + rank,
+        )
     return None
 
 
@@ -654,8 +787,14 @@ def reduce_rows(pending: list[tuple[int, dict]], device: torch.device) -> list[d
 
     The one host sync of the log interval: every value goes to one tensor, then `.tolist()`."""
     names = sorted(pending[0][1])
-    values = torch.stack([torch.stack([torch.as_tensor(m[name], dtype=torch.float32, device=device).reshape(())
-                                       for name in names]) for _, m in pending])
+    values = torch.stack(
+        [
+            torch.stack(
+                [torch.as_tensor(m[name], dtype=torch.float32, device=device).reshape(()) for name in names]
+            )
+            for _, m in pending
+        ]
+    )
     if dist.get_world_size() > 1:
         low, high = names.index("sage/q_min"), names.index("sage/q_max")
         minimum, maximum = values[:, low].clone(), values[:, high].clone()
@@ -677,6 +816,7 @@ class InterruptFlag:
 
     def __enter__(self):
         import threading
+
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -712,8 +852,11 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
     results = {}
     for split in cfg.eval_splits:
         task = get_task(cfg.eval_task) if cfg.eval_task and split == "test" else ctx.task
-        problems = (ctx.train_problems[:cfg.eval_problems] if split == "train"
-                    else list(task.problems("test", cfg.eval_problems, cfg.seed)))
+        problems = (
+            ctx.train_problems[: cfg.eval_problems]
+            if split == "train"
+            else list(task.problems("test", cfg.eval_problems, cfg.seed))
+        )
         results[split] = pass_at_k_over_ranks(ctx, task, problems)
     if ctx.rank == 0:
         path.write_text(json.dumps(results, indent=1) + "\n")
@@ -724,15 +867,31 @@ def pass_at_k_over_ranks(ctx: Context, task, problems: list) -> dict:
     cfg = ctx.cfg
     share = len(problems) // ctx.world
     ks = sorted({1, cfg.eval_samples})
-    sampling = SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                              max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, stop=tuple(cfg.stop))
-    result = evaluate_engine(ctx.rollout, task, problems[ctx.rank * share:(ctx.rank + 1) * share],
-                             n=cfg.eval_samples, ks=ks, sampling=sampling, seeds=[cfg.seed])
+    sampling = SamplingParams(
+        temperature=cfg.eval_temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        min_p=cfg.min_p,
+        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+        stop=tuple(cfg.stop),
+    )
+    result = evaluate_engine(
+        ctx.rollout,
+        task,
+        problems[ctx.rank * share : (ctx.rank + 1) * share],
+        n=cfg.eval_samples,
+        ks=ks,
+        sampling=sampling,
+        seeds=[cfg.seed],
+    )
     gathered = [None] * ctx.world
     dist.all_gather_object(gathered, [(r["n"], r["c"]) for r in result["problems"]])
     counts = [pair for part in gathered for pair in part]
-    return {"problems": len(counts), "samples": cfg.eval_samples,
-            **{f"pass@{k}": mean_pass_at_k(counts, k) for k in ks}}
+    return {
+        "problems": len(counts),
+        "samples": cfg.eval_samples,
+        **{f"pass@{k}": mean_pass_at_k(counts, k) for k in ks},
+    }
 
 
 def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> None:
@@ -740,8 +899,9 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
     import deepspeed
 
     lm = engine.module.lm
-    gather = deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None,
-                                               enabled=cfg.zero_stage == 3)
+    gather = deepspeed.zero.GatheredParameters(
+        list(lm.parameters()), modifier_rank=None, enabled=cfg.zero_stage == 3
+    )
     with gather:
         if rank == 0:
             lm.save_pretrained(path)
@@ -749,14 +909,32 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
     dist.barrier()
 
 
-def write_summary(cfg: TrainConfig, run_dir: Path, step: int, eval_before, eval_after, wall_time: float,
-                  *, interrupted: bool) -> dict:
+def write_summary(
+    cfg: TrainConfig,
+    run_dir: Path,
+    step: int,
+    eval_before,
+    eval_after,
+    wall_time: float,
+    *,
+    interrupted: bool,
+) -> dict:
     rows = report.read_metrics(run_dir / "metrics.jsonl")
     plot = report.plot_metrics(rows, run_dir / "metrics.png") if cfg.plots else None
-    summary = {"name": cfg.name, "algorithm": cfg.algorithm, "task": cfg.task, "steps_done": step,
-               "steps": cfg.steps, "interrupted": interrupted, "wall_time_s": wall_time,
-               **report.reward_trend(rows), "eval_before": eval_before, "eval_after": eval_after,
-               "run_dir": str(run_dir), "final_model": None if interrupted else str(run_dir / "final"),
-               "plot": str(plot) if plot else None}
+    summary = {
+        "name": cfg.name,
+        "algorithm": cfg.algorithm,
+        "task": cfg.task,
+        "steps_done": step,
+        "steps": cfg.steps,
+        "interrupted": interrupted,
+        "wall_time_s": wall_time,
+        **report.reward_trend(rows),
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "run_dir": str(run_dir),
+        "final_model": None if interrupted else str(run_dir / "final"),
+        "plot": str(plot) if plot else None,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

@@ -11,6 +11,7 @@ def make_engine(name: str, model, tokenizer, **options) -> RolloutEngine:
     """The engine `name` sampling from `model`. "hf": transformers generate (options: device, synced_gpus)."""
     if name == "hf":
         from .hf import HFEngine
+
         return HFEngine(model, tokenizer, **options)
     raise ValueError(f"rollout engine must be one of {list(ENGINES)}, got {name!r}")
 

@@ -20,7 +20,9 @@ from .base import Completion, SamplingParams
 
 
 class HFEngine:
-    def __init__(self, model, tokenizer, *, device: torch.device | str = "cpu", synced_gpus: bool = False) -> None:
+    def __init__(
+        self, model, tokenizer, *, device: torch.device | str = "cpu", synced_gpus: bool = False
+    ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(device)
         self.synced_gpus = synced_gpus
@@ -39,36 +41,54 @@ class HFEngine:
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                min_p=params.min_p or None, max_new_tokens=params.max_new_tokens,
-                stop_strings=list(params.stop) or None, tokenizer=self.tokenizer if params.stop else None,
-                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-                output_scores=True, return_dict_in_generate=True, synced_gpus=self.synced_gpus)
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=True,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p or None,
+                max_new_tokens=params.max_new_tokens,
+                stop_strings=list(params.stop) or None,
+                tokenizer=self.tokenizer if params.stop else None,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+                output_scores=True,
+                return_dict_in_generate=True,
+                synced_gpus=self.synced_gpus,
+            )
         self.model.train(was_training)
-        new_tokens = out.sequences[:, input_ids.shape[1]:]
+        new_tokens = out.sequences[:, input_ids.shape[1] :]
         if new_tokens.shape[1] > 0:
             scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)
             token_logprobs = scores.gather(-1, new_tokens[..., None]).squeeze(-1).cpu()
         else:
             token_logprobs = torch.zeros(new_tokens.shape)
         new_tokens = new_tokens.cpu()
-        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
+        prompt_ids = [
+            ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])
+        ]
         results: list[list[Completion]] = [[] for _ in prompts]
         for row in range(new_tokens.shape[0]):
             index = row // params.n
             ids, finish = self._cut(new_tokens[row].tolist(), params)
-            results[index].append(Completion(
-                prompt_index=index, prompt_ids=prompt_ids[index], completion_ids=ids,
-                text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                logprobs=token_logprobs[row, :len(ids)].tolist(), finish_reason=finish))
+            results[index].append(
+                Completion(
+                    prompt_index=index,
+                    prompt_ids=prompt_ids[index],
+                    completion_ids=ids,
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    logprobs=token_logprobs[row, : len(ids)].tolist(),
+                    finish_reason=finish,
+                )
+            )
         return results
 
     def _cut(self, ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
         """The completion's tokens up to EOS (kept) or the first stop string (kept), and why it ended."""
         eos = self.tokenizer.eos_token_id
         if eos in ids:
-            return ids[:ids.index(eos) + 1], "stop"
+            return ids[: ids.index(eos) + 1], "stop"
         if params.stop:  # generate pads the rows it stopped at a stop string
             while ids and ids[-1] == self.tokenizer.pad_token_id:
                 ids = ids[:-1]

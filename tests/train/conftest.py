@@ -9,11 +9,26 @@ from sage_train.config import build, resolve
 
 #: a run that takes seconds: a 2-layer, 32-wide model on 1-digit addition
 TINY_RUN = {
-    "model": "tiny", "tiny_hidden_size": 32, "tiny_layers": 2, "tiny_heads": 2, "tiny_kv_heads": 1,
-    "tiny_intermediate_size": 64, "task": "arithmetic", "task_options": {"digits": 1},
-    "sft_steps": 0, "steps": 3, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8,
-    "max_new_tokens": 4, "eval_problems": 0, "progress": False, "plots": False, "tensorboard": False,
-    "loss_backend": "auto", "cpu_threads": 1,
+    "model": "tiny",
+    "tiny_hidden_size": 32,
+    "tiny_layers": 2,
+    "tiny_heads": 2,
+    "tiny_kv_heads": 1,
+    "tiny_intermediate_size": 64,
+    "task": "arithmetic",
+    "task_options": {"digits": 1},
+    "sft_steps": 0,
+    "steps": 3,
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "micro_batch_size": 8,
+    "max_new_tokens": 4,
+    "eval_problems": 0,
+    "progress": False,
+    "plots": False,
+    "tensorboard": False,
+    "loss_backend": "auto",
+    "cpu_threads": 1,
 }
 
 
@@ -26,8 +41,10 @@ def tiny_run():
 @pytest.fixture
 def tiny_config(tmp_path):
     """tiny_config(**overrides) -> a resolved TrainConfig writing under tmp_path."""
+
     def make(**overrides):
         return resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), **overrides}))
+
     return make
 
 
@@ -35,6 +52,7 @@ def tiny_config(tmp_path):
 def distributed():
     """torch.distributed initialised as a world of one (gloo), as `sage-train` does without a launcher."""
     from sage_train.trainer import init_distributed
+
     return init_distributed()
 
 

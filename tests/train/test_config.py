@@ -16,28 +16,32 @@ def test_packaged_default_loads_and_resolves_to_sage_branch():
 def test_command_line_overrides_win_and_are_typed(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("steps: 7\nlr: 0.01\nname: from-file\n")
-    cfg = parse_args(["--config", str(path), "--lr=2e-4", "--stop", '["\\n"]', "--name=123", "--resume",
-                      "--local_rank=1"])
+    cfg = parse_args(
+        ["--config", str(path), "--lr=2e-4", "--stop", '["\\n"]', "--name=123", "--resume", "--local_rank=1"]
+    )
     assert (cfg.steps, cfg.lr, cfg.stop, cfg.name, cfg.resume) == (7, 2e-4, ["\n"], "123", True)
     assert isinstance(cfg.lr, float)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--stpes=3"], ["unknown", "stpes"]),
-    (["--steps=three"], ["steps", "int", "three"]),
-    (["--lr=fast"], ["lr", "float"]),
-    (["--resume=maybe"], ["resume", "bool"]),
-    (["--task_options=5"], ["task_options", "dict"]),
-    (["--steps=0"], ["steps", "positive"]),
-    (["--group_size=1"], ["group_size", "at least 2"]),
-    (["--algorithm=ppo"], ["algorithm", "grpo", "dapo"]),
-    (["--guide=fork"], ["guide", "branch"]),
-    (["--kl=k9"], ["kl", "k3"]),
-    (["--eps_low=1.5"], ["eps_low"]),
-    (["--zero_stage=4"], ["zero_stage"]),
-    (["--config", "no-such-config"], ["no-such-config", "tiny-cpu"]),
-    (["steps=3"], ["unexpected argument"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--stpes=3"], ["unknown", "stpes"]),
+        (["--steps=three"], ["steps", "int", "three"]),
+        (["--lr=fast"], ["lr", "float"]),
+        (["--resume=maybe"], ["resume", "bool"]),
+        (["--task_options=5"], ["task_options", "dict"]),
+        (["--steps=0"], ["steps", "positive"]),
+        (["--group_size=1"], ["group_size", "at least 2"]),
+        (["--algorithm=ppo"], ["algorithm", "grpo", "dapo"]),
+        (["--guide=fork"], ["guide", "branch"]),
+        (["--kl=k9"], ["kl", "k3"]),
+        (["--eps_low=1.5"], ["eps_low"]),
+        (["--zero_stage=4"], ["zero_stage"]),
+        (["--config", "no-such-config"], ["no-such-config", "tiny-cpu"]),
+        (["steps=3"], ["unexpected argument"]),
+    ],
+)
 def test_bad_configs_fail_naming_the_key(argv, words):
     with pytest.raises(ConfigError) as error:
         parse_args(argv)
@@ -55,19 +59,37 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
 @pytest.mark.parametrize("name", sorted(set(PRESETS) - {"grpo-forward-kl"}))
 def test_every_preset_resolves_to_valid_loss_options(name):
     cfg = resolve(build({"algorithm": name}))
-    assert all(getattr(cfg, key) is not None for key in ("beta", "kl", "guide", "loss_type", "eps_high",
-                                                          "dynamic_sampling", "overlong_filter", "scale_rewards"))
+    assert all(
+        getattr(cfg, key) is not None
+        for key in (
+            "beta",
+            "kl",
+            "guide",
+            "loss_type",
+            "eps_high",
+            "dynamic_sampling",
+            "overlong_filter",
+            "scale_rewards",
+        )
+    )
     loss_config(cfg)
 
 
 def test_preset_values_and_explicit_keys_winning():
     dapo = resolve(build({"algorithm": "dapo"}))
-    assert (dapo.beta, dapo.loss_type, dapo.eps_high, dapo.dynamic_sampling, dapo.overlong_filter) == \
-        (0.0, "dapo", 0.28, True, True)
+    assert (dapo.beta, dapo.loss_type, dapo.eps_high, dapo.dynamic_sampling, dapo.overlong_filter) == (
+        0.0,
+        "dapo",
+        0.28,
+        True,
+        True,
+    )
     assert resolve(build({"algorithm": "dapo", "eps_high": 0.3})).eps_high == 0.3
     assert resolve(build({"algorithm": "dr_grpo"})).scale_rewards is False
     assert resolve(build({"algorithm": "grpo-no-kl"})).beta == 0.0
-    assert loss_config(resolve(build({"algorithm": "sage-token"}))).guide == "none"  # log_q comes from outside
+    assert (
+        loss_config(resolve(build({"algorithm": "sage-token"}))).guide == "none"
+    )  # log_q comes from outside
 
 
 def test_forward_kl_preset_says_what_is_missing():
@@ -77,6 +99,7 @@ def test_forward_kl_preset_says_what_is_missing():
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
     from sage_train.config import load_yaml, save_yaml
+
     cfg = parse_args(["--algorithm=sage-random", "--task_options={digits: 3}"])
     save_yaml(cfg, tmp_path / "c.yaml")
     assert load_yaml(tmp_path / "c.yaml") == cfg
@@ -87,17 +110,23 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 def test_packaged_deepspeed_files_merge_and_must_agree_with_zero_stage(stage):
     import torch
     from sage_train.trainer import deepspeed_config
+
     cfg = resolve(build({"zero_stage": stage, "deepspeed_config": f"ds-zero{stage}"}))
     merged = deepspeed_config(cfg, world=2, accumulation=4, device=torch.device("cpu"))
     assert merged["zero_optimization"]["stage"] == stage and merged["zero_optimization"]["overlap_comm"]
     assert merged["train_batch_size"] == cfg.micro_batch_size * 4 * 2
     with pytest.raises(ConfigError, match="zero_stage"):
-        deepspeed_config(resolve(build({"zero_stage": 0, "deepspeed_config": f"ds-zero{stage}"})), world=1,
-                         accumulation=1, device=torch.device("cpu"))
+        deepspeed_config(
+            resolve(build({"zero_stage": 0, "deepspeed_config": f"ds-zero{stage}"})),
+            world=1,
+            accumulation=1,
+            device=torch.device("cpu"),
+        )
 
 
 def test_main_reports_config_errors_and_help(capsys):
     from sage_train.trainer import main
+
     assert main(["--stpes=3"]) == 2
     assert "stpes" in capsys.readouterr().out
     assert main(["--help"]) == 0

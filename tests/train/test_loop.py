@@ -13,14 +13,38 @@ from sage_train import report
 from sage_train.config import load_yaml
 from sage_train.trainer import train
 
-TRL_NAMES = {"reward", "reward_std", "kl", "entropy", "sage/q_mean", "sage/q_min", "sage/q_max",
-             "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "completions/mean_length",
-             "completions/clipped_ratio", "frac_reward_zero_std", "loss", "learning_rate", "step_time"}
+TRL_NAMES = {
+    "reward",
+    "reward_std",
+    "kl",
+    "entropy",
+    "sage/q_mean",
+    "sage/q_min",
+    "sage/q_max",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "frac_reward_zero_std",
+    "loss",
+    "learning_rate",
+    "step_time",
+}
 
 
 def test_short_run_writes_every_output(tiny_config, distributed):
-    cfg = tiny_config(name="short", steps=3, sft_steps=5, eval_problems=4, eval_samples=2, save_every=2,
-                      plots=True, task_options={"digits": 1, "template": "instruct"}, max_new_tokens=6)
+    cfg = tiny_config(
+        name="short",
+        steps=3,
+        sft_steps=5,
+        eval_problems=4,
+        eval_samples=2,
+        save_every=2,
+        plots=True,
+        task_options={"digits": 1, "template": "instruct"},
+        max_new_tokens=6,
+    )
     summary = train(cfg)
     run = cfg.run_dir
     rows = report.read_metrics(run / "metrics.jsonl")
@@ -50,7 +74,9 @@ def test_short_run_writes_every_output(tiny_config, distributed):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "sage-token", "sage-random", "dapo", "bnpo"])
 def test_presets_run(tiny_config, distributed, algorithm):
-    cfg = tiny_config(name=algorithm, algorithm=algorithm, steps=2, num_iterations=2, dynamic_sampling_max_rounds=2)
+    cfg = tiny_config(
+        name=algorithm, algorithm=algorithm, steps=2, num_iterations=2, dynamic_sampling_max_rounds=2
+    )
     train(cfg)
     rows = report.read_metrics(cfg.run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
@@ -61,8 +87,16 @@ def test_presets_run(tiny_config, distributed, algorithm):
 
 
 def test_resume_after_sigterm_reproduces_the_uninterrupted_metrics(tiny_config, distributed):
-    options = dict(steps=4, save_every=10, sft_steps=3, algorithm="sage-random", eval_problems=2,
-                   eval_samples=2, num_iterations=2, lr=3e-3)
+    options = dict(
+        steps=4,
+        save_every=10,
+        sft_steps=3,
+        algorithm="sage-random",
+        eval_problems=2,
+        eval_samples=2,
+        num_iterations=2,
+        lr=3e-3,
+    )
     whole = tiny_config(name="whole", **options)
     train(whole)
 
@@ -92,6 +126,7 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_metrics(tiny_config, 
 
 def test_resume_refuses_a_changed_config(tiny_config, distributed):
     from sage_train.config import ConfigError
+
     train(tiny_config(name="changed", steps=2, save_every=1))
     with pytest.raises(ConfigError, match="lr"):
         train(tiny_config(name="changed", steps=2, resume=True, lr=0.5))

@@ -26,10 +26,26 @@ def completions(tokenizer, rows: int, seed: int) -> list:
 
 
 def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
-    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64, max_positions=64, seed=seed)
-    reference = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                                 intermediate_size=64, max_positions=64, seed=seed + 1).requires_grad_(False)
+    model = build_tiny_model(
+        tokenizer,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_positions=64,
+        seed=seed,
+    )
+    reference = build_tiny_model(
+        tokenizer,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_positions=64,
+        seed=seed + 1,
+    ).requires_grad_(False)
     engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
     captured = {}
 
@@ -38,8 +54,9 @@ def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
             captured[name] = p.grad.detach().clone()
 
     engine.optimizer.register_step_pre_hook(capture)
-    ctx = Context(cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1,
-                  device=torch.device("cpu"))
+    ctx = Context(
+        cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")
+    )
     old_logp, _ = score(engine, batch, 3, cfg.temperature)
     ref_logp, _ = score(reference, batch, 3, cfg.temperature)
     policy_update(ctx, batch, advantages, old_logp, ref_logp, None)
@@ -54,8 +71,15 @@ def test_gradient_is_invariant_to_micro_batch_size(tiny_config, distributed, alg
     advantages = torch.randn(8, generator=torch.Generator().manual_seed(2))
     grads = {}
     for micro in (1, 4):
-        cfg = tiny_config(algorithm=algorithm, prompts_per_step=2, group_size=4, micro_batch_size=micro,
-                          max_grad_norm=0.0, temperature=0.8, max_new_tokens=8)
+        cfg = tiny_config(
+            algorithm=algorithm,
+            prompts_per_step=2,
+            group_size=4,
+            micro_batch_size=micro,
+            max_grad_norm=0.0,
+            temperature=0.8,
+            max_new_tokens=8,
+        )
         grads[micro] = optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed=3)
     assert grads[1].keys() == grads[4].keys() and len(grads[1]) > 0
     for name in grads[1]:
@@ -69,13 +93,30 @@ def test_an_update_moves_log_probs_with_the_advantage(tiny_config, distributed, 
     those with negative advantage less (the loss's sign, through the engine and the normalisers)."""
     tokenizer = build_char_tokenizer()
     cfg = tiny_config(algorithm=algorithm, prompts_per_step=2, group_size=4, micro_batch_size=4, lr=1e-3)
-    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64, max_positions=64, seed=0)
-    reference = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                                 intermediate_size=64, max_positions=64, seed=0).requires_grad_(False)
+    model = build_tiny_model(
+        tokenizer,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_positions=64,
+        seed=0,
+    )
+    reference = build_tiny_model(
+        tokenizer,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_positions=64,
+        seed=0,
+    ).requires_grad_(False)
     engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
-    ctx = Context(cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1,
-                  device=torch.device("cpu"))
+    ctx = Context(
+        cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")
+    )
     batch = make_batch(completions(tokenizer, 8, seed=1), torch.device("cpu"), tokenizer.pad_token_id)
     advantages = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
     before, _ = score(engine, batch, 4, cfg.temperature)

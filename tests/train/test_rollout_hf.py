@@ -9,8 +9,16 @@ from sage_train.trainer import PolicyHead, make_batch, score
 
 
 def tiny_model(tokenizer, seed=0):
-    return build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                            intermediate_size=64, max_positions=128, seed=seed)
+    return build_tiny_model(
+        tokenizer,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_positions=128,
+        seed=seed,
+    )
 
 
 def test_char_tokenizer_round_trips_and_reloads(tmp_path):
@@ -48,8 +56,9 @@ def test_engine_logprobs_equal_the_fused_scoring_of_the_same_tokens():
     tokenizer = build_char_tokenizer()
     model = tiny_model(tokenizer, seed=1)
     engine = make_engine("hf", model, tokenizer)
-    groups = engine.generate(["7+8=", "123+456=", "5="], SamplingParams(n=2, max_new_tokens=10, temperature=0.7,
-                                                                         seed=3))
+    groups = engine.generate(
+        ["7+8=", "123+456=", "5="], SamplingParams(n=2, max_new_tokens=10, temperature=0.7, seed=3)
+    )
     completions = [c for group in groups for c in group]
     batch = make_batch(completions, torch.device("cpu"), tokenizer.pad_token_id)
     logp, entropy = score(PolicyHead(model), batch, micro_batch_size=4, temperature=0.7)
