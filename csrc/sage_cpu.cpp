@@ -48,6 +48,9 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Rows per thread task: at least ~64K logits, so that small blocks are not split across threads.
+int64_t row_grain(int64_t V) { return std::max<int64_t>(1, (int64_t{1} << 16) / V); }
+
 void check_block(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
@@ -69,7 +72,7 @@ void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::
   float* out_entropy = entropy.data_ptr<float>();
   float* out_lse = lse.data_ptr<float>();
   const float scale = static_cast<float>(inv_temperature);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(V), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* z = logits.data_ptr<float>() + i * V;
       float max_z = -std::numeric_limits<float>::infinity();
@@ -109,7 +112,7 @@ void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::T
   const float* g = grad_logp.data_ptr<float>();
   const float* c = grad_entropy.data_ptr<float>();
   const float scale = static_cast<float>(inv_temperature);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, row_grain(V), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* z = logits.data_ptr<float>() + i * V;
       const float m = row_lse[i], gi = g[i] * scale, ci = c[i] * scale, h = row_entropy[i];
