@@ -48,11 +48,18 @@ def reference_logprobs_and_entropy(hidden2d, weight, token_ids_flat, *, bias=Non
 
 
 def kl_estimate(delta: torch.Tensor, kl: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || anchor) from delta = log anchor - log pi at the sampled token."""
+    """Per-token KL estimate from delta = log anchor - log pi at a token sampled from pi.
+
+    k1, k2, k3 (Schulman's) estimate the reverse KL(pi || anchor). fk3 = r*delta - (r - 1) with
+    r = anchor/pi = exp(delta) estimates the forward KL(anchor || pi): E_pi[r log r] is that KL
+    and E_pi[r - 1] = 0 is a control variate; it is >= 0 like k3 (our choice for grpo-forward-kl).
+    """
     if kl == "k1":
         return -delta
     if kl == "k2":
         return 0.5 * delta * delta
+    if kl == "fk3":
+        return torch.exp(delta) * delta - torch.expm1(delta)
     return torch.expm1(delta) - delta
 
 

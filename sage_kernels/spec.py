@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-KL_CODES = {"k1": 1, "k2": 2, "k3": 3}
+KL_CODES = {"k1": 1, "k2": 2, "k3": 3, "fk3": 4}
 GUIDE_CODES = {"none": 0, "branch": 1}
 LOSS_TYPE_CODES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3}
 IS_LEVEL_CODES = {"token": 0, "sequence": 1}
@@ -54,7 +54,7 @@ class LossConfig:
     """Options of the SAGE loss; defaults are the official SAGE code's.
 
     beta: weight of the KL term. kl: estimator of KL(pi || q*pi_ref) per sampled token,
-    "k1", "k2" or "k3" (default, TRL's). guide: "branch" (q from the policy's entropy) or
+    "k1", "k2" or "k3" (default, TRL's); or "fk3" for the forward direction KL(q*pi_ref || pi). guide: "branch" (q from the policy's entropy) or
     "none" (q = 1, plain GRPO); an explicit ``log_q`` passed to the loss overrides it.
     gamma, tau, q_min, q_max: branch guide q = clamp(1 + gamma*(H - tau)+, q_min, q_max).
     loss_type: "grpo", "bnpo", "dr_grpo" or "dapo" (TRL's normalisers). eps_low, eps_high:

@@ -30,6 +30,7 @@ PATHS = ("native", "torch")
 OPTION_CASES = {
     "defaults": {},
     "k1-bnpo": dict(kl="k1", loss_type="bnpo"),
+    "fk3-dapo": dict(kl="fk3", loss_type="dapo"),
     "k2-dr_grpo": dict(kl="k2", loss_type="dr_grpo", max_completion_length=50),
     "dapo-items": dict(loss_type="dapo", num_items_in_batch=97),
     "dapo-items-tensor": dict(loss_type="dapo", num_items_in_batch=torch.tensor(61.0)),

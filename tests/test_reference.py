@@ -42,6 +42,7 @@ def stage(logp, entropy, mask, advantages, *, old_logp=None, ref_logp=None, is_w
     ("k1", math.log(2)),
     ("k2", math.log(2) ** 2 / 2),
     ("k3", 0.5 + math.log(2) - 1),
+    ("fk3", 0.5 * -math.log(2) - (0.5 - 1)),
 ])
 def test_kl_estimators_against_hand_values(kl, expected):
     # pi = 0.5, pi_ref = 0.25, guide off: delta = log(0.25 / 0.5) = -log 2
@@ -216,7 +217,8 @@ def trl_style_sage_loss(hidden, weight, bias, token_ids, mask, advantages, old_l
     per_token_kl = None
     if c.beta != 0.0:
         d = ref_logp + log_q - per_token_logps
-        per_token_kl = {"k1": -d, "k2": d ** 2 / 2, "k3": torch.exp(d) - d - 1}[c.kl]
+        r = torch.exp(d)
+        per_token_kl = {"k1": -d, "k2": d ** 2 / 2, "k3": r - d - 1, "fk3": r * d - r + 1}[c.kl]
     adv = advantages if advantages.dim() == 2 else advantages[:, None]
     old = per_token_logps.detach() if old_logp is None else old_logp
     log_ratio = per_token_logps - old
@@ -247,7 +249,7 @@ def trl_style_sage_loss(hidden, weight, bias, token_ids, mask, advantages, old_l
 
 OPTIONS = st.fixed_dictionaries({
     "beta": st.sampled_from([0.0, 0.05, 0.3]),
-    "kl": st.sampled_from(["k1", "k2", "k3"]),
+    "kl": st.sampled_from(["k1", "k2", "k3", "fk3"]),
     "guide": st.sampled_from(["none", "branch"]),
     "gamma": st.sampled_from([0.3, 1.0]),
     "tau": st.sampled_from([0.2, 1.2]),

@@ -112,7 +112,7 @@ def check_against_reference(problem, config, dtype, *, frozen_weight=False, seed
 
 options = st.fixed_dictionaries({
     "beta": st.sampled_from([0.0, 0.05, 0.3]),
-    "kl": st.sampled_from(["k1", "k2", "k3"]),
+    "kl": st.sampled_from(["k1", "k2", "k3", "fk3"]),
     "guide": st.sampled_from(["none", "branch"]),
     "gamma": st.floats(0.0, 1.0),
     "tau": st.floats(0.5, 3.0),
@@ -140,7 +140,7 @@ def test_every_option_matches_the_reference_fp32(opts, present, frozen, seed):
     check_against_reference(problem, LossConfig(**opts), torch.float32, frozen_weight=frozen, seed=seed)
 
 
-@pytest.mark.parametrize("kl", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("kl", ["k1", "k2", "k3", "fk3"])
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 def test_kl_estimators_and_ratio_levels(kl, importance_sampling):
     problem = make_problem(B=4, L=7, V=257, D=48, seed=3)

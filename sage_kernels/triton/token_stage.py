@@ -44,6 +44,13 @@ def _kl_and_slope(delta, KL: tl.constexpr):
     elif KL == 2:
         kl = 0.5 * delta * delta
         slope = -delta
+    elif KL == 4:
+        # fk3 = r*d - (r - 1), r = exp(d): the same cancellation for small d; series sum_m (m-1) d^m / m!.
+        r = tl.exp(delta)
+        series = delta * delta * (0.5 + delta * (1.0 / 3.0 + delta * (1.0 / 8.0 + delta * (1.0 / 30.0
+                                                                                      + delta * (1.0 / 144.0)))))
+        kl = tl.where(tl.abs(delta) < 0.1, series, r * delta - (r - 1.0))
+        slope = -r * delta
     else:
         # exp(d) - 1 - d cancels for small d in fp32: use its Taylor series there (error < 1e-9 relative).
         series = delta * delta * (0.5 + delta * (1.0 / 6.0 + delta * (1.0 / 24.0 + delta * (1.0 / 120.0))))
