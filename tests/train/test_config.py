@@ -56,7 +56,7 @@ def test_unknown_key_in_yaml_names_the_file(tmp_path):
         parse_args(["--config", str(path)])
 
 
-@pytest.mark.parametrize("name", sorted(set(PRESETS) - {"grpo-forward-kl"}))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_resolves_to_valid_loss_options(name):
     cfg = resolve(build({"algorithm": name}))
     assert all(
@@ -92,9 +92,9 @@ def test_preset_values_and_explicit_keys_winning():
     )  # log_q comes from outside
 
 
-def test_forward_kl_preset_says_what_is_missing():
-    with pytest.raises(ConfigError, match="fk3"):
-        resolve(build({"algorithm": "grpo-forward-kl"}))
+def test_forward_kl_preset_uses_the_forward_estimator():
+    cfg = resolve(build({"algorithm": "grpo-forward-kl"}))
+    assert (cfg.kl, cfg.guide, cfg.beta) == ("fk3", "none", 0.05)
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
