@@ -44,6 +44,15 @@ class TrainConfig:
     tiny_intermediate_size: int = 128
     tiny_max_positions: int = 256
 
+    # LoRA through peft (sage_train/lora.py): 0 trains every weight; > 0 trains an adapter of this
+    # rank only, the LM head frozen, and the reference is the base model with the adapter disabled
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
     # task (sage_train.tasks registry) and its options
     task: str = "arithmetic"
     task_options: dict = field(default_factory=dict)
@@ -77,6 +86,23 @@ class TrainConfig:
     min_p: float = 0.0
     max_new_tokens: int = 16
     stop: list = field(default_factory=list)
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template (with system_prompt)
+    system_prompt: str = ""  # "" : none; "sage": the official reasoning prompt (tasks/math.py)
+
+    # rollout engines (rollout/): "hf" samples from the live training model; "vllm" a colocated
+    # vllm.LLM fed the policy's weights after every optimizer step; "openai" an external server
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_sleep_mode: bool = True
+    vllm_sync_bucket_mb: int = 512
+    vllm_max_model_len: int = 0  # 0: prompt + max_new_tokens of the longest eval / RL setting
+    vllm_tensor_parallel_size: int = 1
+    vllm_dtype: str = "bfloat16"
+    openai_base_url: str = ""  # e.g. http://host:8000 (vllm serve ... --enable-lora)
+    openai_model: str = ""  # the served model's name ("": the `model` key)
+    openai_shared_dir: str = ""  # where adapters are saved for the server to load
+    # truncated importance sampling between the rollout engine's and the trainer's log-probs
+    tis_level: str = "off"  # "token", "sequence" or "off"
+    tis_cap: float = 2.0
 
     # loss options; None takes the algorithm preset's value
     beta: Optional[float] = None
@@ -298,7 +324,33 @@ def validate(cfg: TrainConfig) -> None:
     require(
         cfg.lr_schedule in ("constant", "cosine", "linear"), "lr_schedule", "'constant', 'cosine' or 'linear'"
     )
-    require(cfg.rollout_engine in ("hf",), "rollout_engine", "'hf' (the embedded engine)")
+    require(
+        cfg.rollout_engine in ("hf", "vllm", "openai"), "rollout_engine", "'hf', 'vllm' or 'openai'"
+    )
+    require(cfg.lora_rank >= 0, "lora_rank", "an integer >= 0 (0: off)")
+    require(cfg.lora_alpha > 0, "lora_alpha", "> 0")
+    require(0 <= cfg.lora_dropout < 1, "lora_dropout", "in [0, 1)")
+    require(
+        bool(cfg.lora_target_modules) and all(isinstance(m, str) and m for m in cfg.lora_target_modules),
+        "lora_target_modules",
+        "a non-empty list of module names",
+    )
+    require(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "in (0, 1]")
+    require(cfg.vllm_sync_bucket_mb > 0, "vllm_sync_bucket_mb", "a positive integer")
+    require(cfg.vllm_max_model_len >= 0, "vllm_max_model_len", "an integer >= 0 (0: derived)")
+    require(cfg.vllm_tensor_parallel_size == 1, "vllm_tensor_parallel_size", "1 (one engine per rank)")
+    require(
+        cfg.rollout_engine != "openai" or cfg.openai_base_url != "",
+        "openai_base_url",
+        "the server's URL when rollout_engine is 'openai'",
+    )
+    require(
+        cfg.rollout_engine != "openai" or cfg.lora_rank > 0,
+        "lora_rank",
+        "> 0 with rollout_engine 'openai' (only adapters are synced to a remote server)",
+    )
+    require(cfg.tis_level in ("token", "sequence", "off"), "tis_level", "'token', 'sequence' or 'off'")
+    require(cfg.tis_cap > 0, "tis_cap", "> 0")
     require(
         cfg.loss_backend in ("auto", "reference", "cpu", "triton"),
         "loss_backend",

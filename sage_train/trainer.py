@@ -68,6 +68,8 @@ from . import checkpoint, report
 from .advantages import group_advantages
 from .config import ConfigError, TrainConfig, load_yaml, parse_args, save_yaml
 from .evaluate import evaluate_engine, grade, mean_pass_at_k
+from .importance import truncated_is_weights
+from .lora import AdapterDisabled, apply_lora, base_lm, hf_state_dict, is_lora, merge_lora, merged
 from .model import decoder_of, load_model_and_tokenizer, load_pretrained
 from .presets import loss_config
 from .rollout import SamplingParams, make_engine
@@ -124,12 +126,13 @@ class PolicyHead(nn.Module):
         temperature: float,
         loss_inputs: Optional[dict] = None,
     ):
-        hidden = decoder_of(self.lm)(
+        lm = base_lm(self.lm)  # under LoRA: the LM whose layers carry the (possibly disabled) adapter
+        hidden = decoder_of(lm)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         # the hidden state at position t predicts token t + 1: the completion starts at prompt_length
         hidden = hidden[:, prompt_length - 1 : prompt_length - 1 + completion_ids.shape[1]]
-        head = self.lm.get_output_embeddings()
+        head = lm.get_output_embeddings()
         if loss_inputs is None:
             return logprobs_and_entropy(
                 hidden,
@@ -208,7 +211,7 @@ class Context:
 
     cfg: TrainConfig
     engine: object  # the DeepSpeed engine wrapping PolicyHead(policy)
-    reference: Optional[nn.Module]  # PolicyHead(frozen reference), or None when beta = 0
+    reference: Optional[Callable]  # PolicyHead(frozen reference), the adapter-disabled engine, or None
     rollout: object  # the rollout engine
     tokenizer: object
     task: object
@@ -239,6 +242,7 @@ def rl_step(ctx: Context, step: int) -> dict:
     # 4. behaviour and reference log-probs (no gradient), and the external guide if any
     mb = cfg.micro_batch_size
     old_logp, _ = score(ctx.engine, batch, mb, cfg.temperature)
+    is_weights, tis_metrics = rollout_correction(cfg, completions, old_logp, batch)
     ref_logp = score(ctx.reference, batch, mb, cfg.temperature)[0] if ctx.reference is not None else None
     log_q = None
     if isinstance(ctx.guide, TokenGuide):
@@ -247,7 +251,12 @@ def rl_step(ctx: Context, step: int) -> dict:
         log_q = ctx.guide(batch.completion_mask)
 
     # 5. the loss on hidden states + LM head, micro-batch by micro-batch, then the optimizer step
-    totals = policy_update(ctx, batch, advantages, old_logp, ref_logp, log_q)
+    totals = policy_update(ctx, batch, advantages, old_logp, ref_logp, log_q, is_weights)
+
+    # 5b. the rollout engine samples the next step from the updated weights
+    sync_start = time.perf_counter()
+    ctx.rollout.sync_weights(ctx.engine.module.lm)
+    sync_time = time.perf_counter() - sync_start
 
     # 6. metrics, still tensors; converted at log intervals
     lengths = batch.completion_mask.new_tensor(
@@ -265,6 +274,8 @@ def rl_step(ctx: Context, step: int) -> dict:
         **totals.metrics(cfg.num_iterations),
         "learning_rate": ctx.engine.get_lr()[0],
         "step_time": time.perf_counter() - start,
+        "rollout/sync_time": sync_time,
+        **tis_metrics,
     }
     if cfg.dynamic_sampling:
         metrics["dynamic_sampling/rounds"] = float(rounds)
@@ -273,7 +284,29 @@ def rl_step(ctx: Context, step: int) -> dict:
     return metrics
 
 
-def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, log_q) -> "LossTotals":
+def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: Batch):
+    """(is_weights [B, L] or None, metrics): truncated importance sampling between the rollout
+    engine's log-probs and the trainer's (`sage_train.importance`), both temperature-scaled.
+    None when ``tis_level`` is "off" or the engine returned no log-probs."""
+    if cfg.tis_level == "off" or any(c.logprobs is None for c in completions):
+        return None, {}
+    rollout_logp = torch.zeros_like(train_logp)
+    for row, c in enumerate(completions):
+        rollout_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=train_logp.dtype)
+    mask = batch.completion_mask
+    weights = truncated_is_weights(train_logp, rollout_logp, mask, level=cfg.tis_level, cap=cfg.tis_cap)
+    tokens = mask.sum().clamp(min=1)
+    log_ratio = torch.where(mask, train_logp.float() - rollout_logp.float(), 0.0)
+    return weights, {
+        "tis/weight_mean": (weights * mask).sum() / tokens,
+        "tis/clipped_frac": ((weights >= cfg.tis_cap) & mask).sum() / tokens,
+        "tis/abs_log_ratio": log_ratio.abs().sum() / tokens,
+    }
+
+
+def policy_update(
+    ctx: Context, batch: Batch, advantages, old_logp, ref_logp, log_q, is_weights=None
+) -> "LossTotals":
     """``num_iterations`` optimizer steps on the batch, each accumulated over micro-batches.
 
     The normalisers are the whole step's, over all micro-batches and ranks (module docstring),
@@ -291,6 +324,7 @@ def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, lo
                 "old_logp": old_logp[rows],
                 "ref_logp": None if ref_logp is None else ref_logp[rows],
                 "log_q": None if log_q is None else log_q[rows],
+                "is_weights": None if is_weights is None else is_weights[rows],
                 "config": loss_cfg,
             }
             loss, out = ctx.engine(**batch.model_inputs(rows, cfg.temperature), loss_inputs=loss_inputs)
@@ -468,12 +502,15 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
             f"prompts_per_step={cfg.prompts_per_step}"
         )
     model, tokenizer = initial_policy(cfg, task, sft_problems, run_dir, rank, resumed=resume_step is not None)
-    reference_lm = copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None
+    rollout_init = rollout_model_path(cfg, model, tokenizer, run_dir, rank)
+    if cfg.lora_rank:  # the reference is this model with the adapter disabled: no copy
+        model, reference_lm = with_lora(model, cfg), None
+    else:
+        reference_lm = copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None
 
     engine, reference = build_engines(cfg, model, reference_lm, world, device)
-    rollout = make_engine(
-        cfg.rollout_engine, model, tokenizer, device=device, synced_gpus=cfg.zero_stage == 3 and world > 1
-    )
+    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world)
+    task = chat_prompted(cfg, task, tokenizer)
     guide = make_guide(cfg, rank)
     ctx = Context(
         cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device
@@ -482,6 +519,7 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
     first_step = 1
     if resume_step is not None:
         first_step = checkpoint.load(engine, run_dir, guide) + 1
+    rollout.sync_weights(engine.module.lm)  # the engine starts from the policy being trained
     eval_before = evaluate_once(ctx, run_dir / "eval_before.json")
 
     log = (
@@ -603,7 +641,10 @@ def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, 
         return load_pretrained(str(sft_dir))
     model, tokenizer = load_model_and_tokenizer(cfg)
     if cfg.sft_steps:
-        steps = sft_warm_start(model, tokenizer, task, train_problems, cfg)
+        if cfg.lora_rank:  # the warm start trains an adapter of its own, merged in afterwards
+            model = with_lora(model, cfg)
+        steps = sft_warm_start(model, tokenizer, chat_prompted(cfg, task, tokenizer), train_problems, cfg)
+        model = merge_lora(model)
         if rank == 0:
             print(f"sage-train: warm start done after {steps} SFT steps", flush=True)
             model.save_pretrained(sft_dir)
@@ -625,7 +666,8 @@ def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> 
             f"sft_steps: task {cfg.task!r} gives no meta['sft_completion'] to warm-start on; set sft_steps=0"
         )
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, weight_decay=0.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.sft_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
     )
@@ -655,7 +697,7 @@ def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> 
             labels=labels.to(device),
         ).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -673,7 +715,8 @@ def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: tor
     local_rows = check_batch_shape(cfg, world)
     ds_config = deepspeed_config(cfg, world, local_rows // cfg.micro_batch_size, device)
     policy = PolicyHead(model.to(device), cfg.loss_backend)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # the adapter only under LoRA
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = cfg.steps * cfg.num_iterations
     engine, *_ = deepspeed.initialize(
         model=policy,
@@ -682,6 +725,8 @@ def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: tor
         lr_scheduler=lambda opt: lr_schedule(opt, cfg, total),
     )
     reference = None
+    if is_lora(model) and cfg.beta != 0:
+        reference = AdapterDisabled(engine, model)
     if reference_lm is not None:
         reference = PolicyHead(reference_lm.to(device), cfg.loss_backend)
         if cfg.zero_stage == 3:
@@ -699,6 +744,67 @@ def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: tor
         elif ds_config["bf16"]["enabled"]:
             reference = reference.to(torch.bfloat16)
     return engine, reference
+
+
+def with_lora(model, cfg: TrainConfig):
+    return apply_lora(
+        model,
+        rank=cfg.lora_rank,
+        alpha=cfg.lora_alpha,
+        dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules,
+    )
+
+
+def chat_prompted(cfg: TrainConfig, task, tokenizer):
+    """`task` with its prompts in the tokenizer's chat template (``chat_template``), else `task`."""
+    if not cfg.chat_template:
+        return task
+    from .tasks.math import ChatPromptTask
+
+    return ChatPromptTask(task, tokenizer, cfg.system_prompt)
+
+
+def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: int) -> str:
+    """What an engine that loads weights itself (vllm) starts from: `cfg.model`, or, for a model
+    built here ("tiny") or warm-started, a copy saved to ``run_dir/rollout_init`` (HF format).
+    The engine then receives the policy's weights before the first step in any case."""
+    if cfg.rollout_engine != "vllm":
+        return cfg.model
+    if cfg.model != "tiny" and not cfg.sft_steps:
+        return cfg.model
+    path = run_dir / "rollout_init"
+    if rank == 0:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    dist.barrier()
+    return str(path)
+
+
+def build_rollout(cfg: TrainConfig, lm, tokenizer, model_path: str, device, rank: int, world: int):
+    """The rollout engine of ``cfg.rollout_engine``, sampling from `lm` (the policy module)."""
+    if cfg.rollout_engine == "hf":
+        return make_engine("hf", lm, tokenizer, device=device, synced_gpus=cfg.zero_stage == 3 and world > 1)
+    if cfg.rollout_engine == "vllm":
+        return make_engine(
+            "vllm",
+            model_path,
+            tokenizer,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            enable_sleep_mode=cfg.vllm_sleep_mode,
+            sync_bucket_mb=cfg.vllm_sync_bucket_mb,
+            max_model_len=cfg.vllm_max_model_len or None,
+            dtype=cfg.vllm_dtype,
+            seed=cfg.seed + rank,
+        )
+    shared = cfg.openai_shared_dir or str(cfg.run_dir / "adapters")
+    return make_engine(
+        "openai",
+        cfg.openai_base_url,
+        tokenizer,
+        model=cfg.openai_model or cfg.model,
+        shared_dir=os.path.join(shared, f"rank{rank}"),
+    )
 
 
 def check_batch_shape(cfg: TrainConfig, world: int) -> int:
@@ -851,7 +957,9 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
         return json.loads(path.read_text())
     results = {}
     for split in cfg.eval_splits:
-        task = get_task(cfg.eval_task) if cfg.eval_task and split == "test" else ctx.task
+        task = ctx.task
+        if cfg.eval_task and split == "test":
+            task = chat_prompted(cfg, get_task(cfg.eval_task), ctx.tokenizer)
         problems = (
             ctx.train_problems[: cfg.eval_problems]
             if split == "train"
@@ -903,7 +1011,12 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
         list(lm.parameters()), modifier_rank=None, enabled=cfg.zero_stage == 3
     )
     with gather:
-        if rank == 0:
+        if rank == 0 and is_lora(lm):  # the adapter, and the merged model beside it
+            lm.save_pretrained(path / "adapter")
+            with merged(lm):
+                base_lm(lm).save_pretrained(path, state_dict=hf_state_dict(lm))
+            tokenizer.save_pretrained(path)
+        elif rank == 0:
             lm.save_pretrained(path)
             tokenizer.save_pretrained(path)
     dist.barrier()

@@ -4,15 +4,32 @@ from __future__ import annotations
 
 from .base import Completion, RolloutEngine, SamplingParams
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm", "openai")
 
 
 def make_engine(name: str, model, tokenizer, **options) -> RolloutEngine:
-    """The engine `name` sampling from `model`. "hf": transformers generate (options: device, synced_gpus)."""
+    """The engine `name`.
+
+    "hf": transformers generate on `model`, the live training module (options: device, synced_gpus).
+    "vllm": a colocated `vllm.LLM` loading `model`, a hub name or HF-format directory (options:
+    gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb, max_model_len, dtype, seed).
+    "openai": an external OpenAI-compatible server at the URL `model` (options: model, the served
+    model's name; shared_dir, where synced adapters are saved for the server to load).
+    vllm and openai are imported only when asked for: vLLM is an optional extra.
+    """
     if name == "hf":
         from .hf import HFEngine
 
         return HFEngine(model, tokenizer, **options)
+    if name == "vllm":
+        from .vllm import VLLMEngine
+
+        return VLLMEngine(model, tokenizer, **options)
+    if name == "openai":
+        from .vllm import OpenAIServerEngine
+
+        served = options.pop("model")
+        return OpenAIServerEngine(model, served, tokenizer, **options)
     raise ValueError(f"rollout engine must be one of {list(ENGINES)}, got {name!r}")
 
 
