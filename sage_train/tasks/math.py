@@ -6,10 +6,25 @@
     checkout, `../shared/data/math` beside the repository; otherwise to its Hugging Face hub
     dataset (needs the `datasets` package and a network connection);
   - a path to a `.jsonl` file;
-  - "hub:<owner>/<dataset>[:<split>]" for any hub dataset with the same fields.
+  - "hub:<owner>/<dataset>[:<split>]" for any hub dataset with the same fields;
+  - a training set (`TRAIN_SETS`): "dapo-math" (open-r1/DAPO-Math-17k-Processed) or
+    "openmathreasoning-mini" (unsloth/OpenMathReasoning-mini), from the hub;
+  - "jsonl:<path>": a jsonl file in any of the formats below, whatever its extension.
 
-Rows need the problem text in `problem` (or `question`) and the gold answer in `answer`, or else
-as the last `\\boxed{}` of `solution`. A source is one fixed list: `problems(split, n, seed)`
+Row formats (detected per row):
+  - MATH style: the problem in `problem` (or `question`), the gold in `answer`, or else as the
+    last `\\boxed{}` of `solution`;
+  - DAPO-Math-17k-Processed: `prompt` (the problem) and `solution` (the bare gold answer);
+  - OpenMathReasoning: `problem`, `expected_answer`, and `generated_solution`, a worked
+    solution kept as ``meta["sft_completion"]``: the trainer's warm start (``sft_steps``)
+    fine-tunes base models on it.
+
+Prompts. ``template`` builds the user message; with the trainer's ``chat_template`` key the
+message goes through the tokenizer's chat template (`ChatPromptTask`), after the system prompt
+``system_prompt`` ("sage": `SYSTEM_PROMPTS["sage"]`, which asks for step-by-step reasoning and
+the final answer in \\boxed{}). Grading (`MathTask.score`) takes the last \\boxed{} of the
+completion and, if there is none, the content of its last ``<answer>...</answer>`` tags, so
+either convention the prompt may ask for is accepted. A source is one fixed list: `problems(split, n, seed)`
 returns its first `n` rows in file order whatever the split and seed, so a smaller `n` is a
 prefix of a larger one and an evaluation subset is the same on every run.
 
@@ -23,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +48,19 @@ from .base import Problem
 TEMPLATES = {
     "sage": "{question}\nPlease reason step by step, and put your final answer within \\boxed{}.",
     "plain": "{question}",
+}
+
+SYSTEM_PROMPTS = {
+    "sage": (
+        "You are a helpful assistant that solves math problems. Think through the problem step by "
+        "step before answering, then give the final answer within \\boxed{}, e.g. \\boxed{42}."
+    ),
+}
+
+# name -> (hub dataset, hub config or None, hub split); rows in the formats of the module docstring
+TRAIN_SETS = {
+    "dapo-math": ("open-r1/DAPO-Math-17k-Processed", "all", "train"),
+    "openmathreasoning-mini": ("unsloth/OpenMathReasoning-mini", None, "cot"),
 }
 
 # name -> (shipped file, hub dataset, hub split)
@@ -70,7 +99,9 @@ def last_boxed(text: str) -> str | None:
 
 
 def _gold(row: dict, where: str) -> str:
-    answer = row.get("answer")
+    answer = row.get("answer", row.get("expected_answer"))
+    if answer is None and "problem" not in row and "question" not in row and "prompt" in row:
+        answer = row.get("solution")  # DAPO-Math-17k-Processed: the solution is the bare answer
     if answer is None and isinstance(row.get("solution"), str):
         answer = last_boxed(row["solution"])
     if answer is None:
@@ -84,10 +115,12 @@ def rows_to_problems(rows, name: str, where: str) -> list[Problem]:
     """Problems from dict rows; ids are `<name>/<row index>`."""
     problems = []
     for i, row in enumerate(rows):
-        question = row.get("problem", row.get("question"))
+        question = row.get("problem", row.get("question", row.get("prompt")))
         if not isinstance(question, str):
-            raise ValueError(f"{where} row {i}: no 'problem' (or 'question') text")
+            raise ValueError(f"{where} row {i}: no 'problem' (or 'question', or 'prompt') text")
         meta = {k: v for k, v in row.items() if k in ("subject", "level", "type", "url", "unique_id")}
+        if isinstance(row.get("generated_solution"), str) and row["generated_solution"].strip():
+            meta["sft_completion"] = row["generated_solution"]
         problems.append(Problem(id=f"{name}/{i}", question=question,
                                 answer=_gold(row, f"{where} row {i}"), meta=meta))
     return problems
@@ -98,7 +131,7 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_hub(dataset: str, split: str) -> list[dict]:
+def load_hub(dataset: str, split: str, config: str | None = None) -> list[dict]:
     """Rows of a Hugging Face hub dataset split (needs the optional `datasets` package)."""
     try:
         import datasets
@@ -106,7 +139,7 @@ def load_hub(dataset: str, split: str) -> list[dict]:
         raise ImportError(f"loading {dataset!r} from the Hugging Face hub needs the 'datasets' package "
                           f"(pip install datasets), or set ${DATA_ENV} to a folder with the jsonl "
                           "files") from e
-    return list(datasets.load_dataset(dataset, split=split))
+    return list(datasets.load_dataset(dataset, config, split=split))
 
 
 def load_source(source: str) -> tuple[str, list[Problem]]:
@@ -117,14 +150,54 @@ def load_source(source: str) -> tuple[str, list[Problem]]:
         if local.is_file():
             return source, rows_to_problems(read_jsonl(local), source, str(local))
         return source, rows_to_problems(load_hub(hub, split), source, hub)
+    if source in TRAIN_SETS:
+        dataset, config, split = TRAIN_SETS[source]
+        return source, rows_to_problems(load_hub(dataset, split, config), source, dataset)
+    if source.startswith("jsonl:"):
+        path = Path(source[len("jsonl:"):])
+        if not path.is_file():
+            raise FileNotFoundError(f"task {source!r}: no file {str(path)!r}")
+        return path.stem, rows_to_problems(read_jsonl(path), path.stem, str(path))
     if source.startswith("hub:"):
         dataset, _, split = source[len("hub:"):].partition(":")
         return source, rows_to_problems(load_hub(dataset, split or "test"), source, dataset)
     path = Path(source)
     if path.suffix == ".jsonl" and path.is_file():
         return path.stem, rows_to_problems(read_jsonl(path), path.stem, str(path))
-    raise ValueError(f"source must be one of {sorted(BENCHMARKS)}, a path to an existing .jsonl file, "
-                     f"or 'hub:<owner>/<dataset>[:<split>]'; got {source!r}")
+    raise ValueError(f"source must be one of {sorted(BENCHMARKS) + sorted(TRAIN_SETS)}, a path to an "
+                     f"existing .jsonl file, 'jsonl:<path>' or 'hub:<owner>/<dataset>[:<split>]'; "
+                     f"got {source!r}")
+
+
+def answer_for_grading(completion: str) -> str:
+    """The completion as graded: unchanged when it has a \\boxed{}; else, when it has
+    ``<answer>...</answer>`` tags, their last content boxed; else unchanged."""
+    if "\\boxed" in completion:
+        return completion
+    matches = re.findall(r"<answer>(.*?)</answer>", completion, flags=re.DOTALL)
+    if matches and matches[-1].strip():
+        return "\\boxed{" + matches[-1].strip() + "}"
+    return completion
+
+
+class ChatPromptTask:
+    """`task` with each prompt put through the tokenizer's chat template: an optional system
+    message (`SYSTEM_PROMPTS` name or literal text; "" for none), then the task's prompt as the
+    user message, then the assistant's generation prompt. Everything else is `task`'s."""
+
+    def __init__(self, task, tokenizer, system_prompt: str = "") -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("chat_template: this tokenizer has no chat template")
+        self.task, self.tokenizer = task, tokenizer
+        self.system = SYSTEM_PROMPTS.get(system_prompt, system_prompt)
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def prompt(self, problem: Problem) -> str:
+        messages = [{"role": "system", "content": self.system}] if self.system else []
+        messages.append({"role": "user", "content": self.task.prompt(problem)})
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 @dataclass
@@ -153,8 +226,8 @@ class MathTask:
         return template.replace("{question}", problem.question)
 
     def score(self, completion: str, problem: Problem) -> float:
-        return math_reward(completion, problem.answer)
+        return math_reward(answer_for_grading(completion), problem.answer)
 
     def score_batch(self, completions: list[str], problems: list[Problem]) -> list[float]:
         """`score` of many (completion, problem) pairs, graded in parallel."""
-        return math_rewards(zip(completions, (p.answer for p in problems)))
+        return math_rewards(zip(map(answer_for_grading, completions), (p.answer for p in problems)))
