@@ -64,6 +64,7 @@ class TrainConfig:
     sft_batch_size: int = 32
     sft_lr: float = 3e-3
     sft_target_loss: float = 0.0  # stop the warm start early once its mean token loss is below this (0: off)
+    sft_max_tokens: int = 0  # completions longer than this are cut for the warm start (0: no cut)
 
     # RL
     algorithm: str = "sage-branch"
@@ -303,6 +304,7 @@ def validate(cfg: TrainConfig) -> None:
         require(getattr(cfg, key) > 0, key, "a positive integer")
     for key in (
         "sft_steps",
+        "sft_max_tokens",
         "cpu_threads",
         "train_problems",
         "warmup_steps",

@@ -21,8 +21,15 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
   ratio is 1 and clipping is inert). No value model; the reward is the task verifier's 0/1.
 - The policy's log-probs are those of the temperature-scaled distribution; the sampler's top-p /
   top-k / min-p truncation is ignored in them. The hf engine samples from the training weights
-  themselves, so there is no staleness and no importance-sampling correction.
-- The reference is the policy at the start of RL (after the warm start), frozen.
+  themselves, so there is no staleness; its `sync_weights` only re-points it at the policy.
+- Rollout engines that hold their own weights (``rollout_engine`` vllm, openai) receive the
+  policy's weights after every optimizer step (``rollout/sync_time`` logs the cost). With
+  ``tis_level`` token or sequence, the PG term is reweighted by truncated importance sampling,
+  min(pi_train / pi_rollout, tis_cap), both temperature-scaled log-probs (`rollout_correction`);
+  engines that report log-probs after top-p / min-p truncation (hf) then give weights <= 1 on
+  truncated distributions, so leave those samplers off, or TIS off, with the hf engine.
+- The reference is the policy at the start of RL (after the warm start), frozen. With LoRA
+  (``lora_rank > 0``, `sage_train.lora`) it is that model with the adapter disabled: no copy.
 - The KL term is a per-token loss term, not a reward penalty.
 - The supervised warm start is a plain AdamW phase run identically on every rank (it needs no
   communication); it computes the model's logits, which the RL phase never does.
@@ -641,6 +648,8 @@ def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, 
         return load_pretrained(str(sft_dir))
     model, tokenizer = load_model_and_tokenizer(cfg)
     if cfg.sft_steps:
+        if torch.cuda.is_available():  # warm-start where RL will run, not on the host
+            model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
         if cfg.lora_rank:  # the warm start trains an adapter of its own, merged in afterwards
             model = with_lora(model, cfg)
         steps = sft_warm_start(model, tokenizer, chat_prompted(cfg, task, tokenizer), train_problems, cfg)
@@ -680,6 +689,8 @@ def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> 
         answers = [
             tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, a in chosen
         ]
+        if cfg.sft_max_tokens:
+            answers = [a[: cfg.sft_max_tokens] for a in answers]
         width = max(len(p) + len(a) for p, a in zip(prompts, answers))
         input_ids = torch.full((len(chosen), width), tokenizer.pad_token_id, dtype=torch.long)
         labels = torch.full_like(input_ids, -100)
