@@ -326,9 +326,7 @@ def validate(cfg: TrainConfig) -> None:
     require(
         cfg.lr_schedule in ("constant", "cosine", "linear"), "lr_schedule", "'constant', 'cosine' or 'linear'"
     )
-    require(
-        cfg.rollout_engine in ("hf", "vllm", "openai"), "rollout_engine", "'hf', 'vllm' or 'openai'"
-    )
+    require(cfg.rollout_engine in ("hf", "vllm", "openai"), "rollout_engine", "'hf', 'vllm' or 'openai'")
     require(cfg.lora_rank >= 0, "lora_rank", "an integer >= 0 (0: off)")
     require(cfg.lora_alpha > 0, "lora_alpha", "> 0")
     require(0 <= cfg.lora_dropout < 1, "lora_dropout", "in [0, 1)")

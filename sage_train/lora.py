@@ -13,7 +13,7 @@ is the warm-started model, as it is without LoRA.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import torch
 
 #: the attention and MLP projections of Llama / Qwen2-style models
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -55,29 +55,36 @@ def merge_lora(model):
     return model.merge_and_unload() if is_lora(model) else model
 
 
-def hf_state_dict(model) -> dict:
-    """``{name: tensor}`` of a (possibly peft) model under the plain checkpoint's names, the
-    adapter left out: merge it first (`merge_adapter`) to save or push the merged weights."""
-    state = {}
+def merged_named_weights(model):
+    """``(name, tensor)`` of `model` under the plain checkpoint's names, for saving or for
+    pushing into a rollout engine. For a peft model the adapter is merged out of place,
+    W + delta, so the frozen base weights are never modified: merging into them and
+    unmerging after (peft's `merge_adapter` / `unmerge_adapter`) would add a rounding error
+    to bf16 base weights at every sync. Under ZeRO-3 the caller gathers the parameters first.
+    """
+    if not is_lora(model):
+        for name, param in model.named_parameters():
+            yield name, param.data
+        return
+    layers = {}
+    for name, module in model.named_modules():
+        if (
+            hasattr(module, "base_layer")
+            and hasattr(module, "get_delta_weight")
+            and hasattr(module, "lora_A")
+        ):
+            layers[f"{name}.base_layer.weight"] = module
     for name, param in model.named_parameters():
         if "lora_" in name:
             continue
-        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        state[name] = param.data
-    return state
-
-
-@contextmanager
-def merged(model):
-    """Merge a peft model's adapter for the duration of the block (no-op for a plain model)."""
-    if not is_lora(model):
-        yield model
-        return
-    model.merge_adapter()
-    try:
-        yield model
-    finally:
-        model.unmerge_adapter()
+        tensor = param.data
+        layer = layers.get(name)
+        if layer is not None:
+            with torch.no_grad():
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+        yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor
 
 
 class AdapterDisabled:

@@ -76,7 +76,7 @@ from .advantages import group_advantages
 from .config import ConfigError, TrainConfig, load_yaml, parse_args, save_yaml
 from .evaluate import evaluate_engine, grade, mean_pass_at_k
 from .importance import truncated_is_weights
-from .lora import AdapterDisabled, apply_lora, base_lm, hf_state_dict, is_lora, merge_lora, merged
+from .lora import AdapterDisabled, apply_lora, base_lm, is_lora, merge_lora, merged_named_weights
 from .model import decoder_of, load_model_and_tokenizer, load_pretrained
 from .presets import loss_config
 from .rollout import SamplingParams, make_engine
@@ -1024,8 +1024,7 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
     with gather:
         if rank == 0 and is_lora(lm):  # the adapter, and the merged model beside it
             lm.save_pretrained(path / "adapter")
-            with merged(lm):
-                base_lm(lm).save_pretrained(path, state_dict=hf_state_dict(lm))
+            base_lm(lm).save_pretrained(path, state_dict=dict(merged_named_weights(lm)))
             tokenizer.save_pretrained(path)
         elif rank == 0:
             lm.save_pretrained(path)

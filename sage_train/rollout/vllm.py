@@ -8,8 +8,10 @@ Colocated engine (`VLLMEngine`), one per training process, as in the official SA
   policy's current parameters, and `generate` wakes the KV cache;
 - weights are pushed after every optimizer step in buckets of about `sync_bucket_mb`: one
   ZeRO-3 gather per bucket (`deepspeed.zero.GatheredParameters`), then
-  `model.load_weights` on vLLM's model; a LoRA policy is merged for the push and unmerged
-  after; the prefix cache is reset after a sync; the sync time is kept in `last_sync_s`;
+  `model.load_weights` on vLLM's model; a LoRA policy is pushed merged, W + BA computed out of
+  place (the base weights are never modified; under ZeRO-3 the whole model is gathered once,
+  since a merge needs a weight and its factors together); the prefix cache is reset after a
+  sync; the sync time is kept in `last_sync_s`;
 - log-probs come back for each sampled token from the temperature-scaled distribution
   (``logprobs_mode="processed_logprobs"``), so the truncated importance-sampling correction
   (`sage_train.importance`) compares like with like.
@@ -28,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..lora import is_lora, merged_named_weights
 from .base import Completion, SamplingParams
 
 VLLM_MISSING = "the vllm engine needs vLLM on a CUDA machine: pip install 'sage-rl[vllm]'"
@@ -52,26 +55,21 @@ def _vllm_model(llm):
             return obj
         except AttributeError:
             continue
-    raise RuntimeError("cannot reach vLLM's model in this process; run with VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                       "and distributed_executor_backend='external_launcher'")
+    raise RuntimeError(
+        "cannot reach vLLM's model in this process; run with VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+        "and distributed_executor_backend='external_launcher'"
+    )
 
 
 def policy_weights_for_vllm(model):
-    """(name, parameter) pairs of `model` named as in the Hugging Face checkpoint.
-
-    For a PEFT model the adapter must already be merged: the LoRA factors are skipped and
-    the wrapped base layers are renamed to their plain names.
-    """
-    for name, param in model.named_parameters():
-        if "lora_" in name or ("modules_to_save" in name and "original_module" in name):
-            continue
-        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        name = name.replace(".modules_to_save.default.", ".")
-        yield name, param
+    """(name, tensor) pairs of `model` named as in the Hugging Face checkpoint, a LoRA adapter
+    merged out of place (`sage_train.lora.merged_named_weights`: base weights untouched)."""
+    return merged_named_weights(model)
 
 
 def weight_buckets(named_params, bucket_bytes: int):
-    """Group (name, param) pairs into lists of about `bucket_bytes` each."""
+    """Group (name, tensor) pairs into lists of about `bucket_bytes` each (a ZeRO-3 partitioned
+    parameter counts at its full size, `ds_numel`)."""
     bucket, size = [], 0
     for name, param in named_params:
         nbytes = param.ds_numel * param.element_size() if hasattr(param, "ds_numel") else param.nbytes
@@ -88,15 +86,25 @@ def _gathered(params):
     """A context that gathers ZeRO-3 partitioned params (no-op for ordinary tensors)."""
     if any(hasattr(p, "ds_id") for p in params):
         import deepspeed
+
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
     return torch.no_grad()
 
 
 def to_vllm_sampling(vllm, params: SamplingParams):
+    """vLLM's SamplingParams for ours; top_k -1 is "off" in every supported vLLM version."""
     return vllm.SamplingParams(
-        n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        max_tokens=params.max_new_tokens, stop=list(params.stop) or None, include_stop_str_in_output=True,
-        logprobs=0, seed=params.seed)
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k or -1,
+        min_p=params.min_p,
+        max_tokens=params.max_new_tokens,
+        stop=list(params.stop) or None,
+        include_stop_str_in_output=True,
+        logprobs=0,
+        seed=params.seed,
+    )
 
 
 class VLLMEngine:
@@ -108,9 +116,19 @@ class VLLMEngine:
     so repeated generations within one step (DAPO's dynamic sampling) stay correct.
     """
 
-    def __init__(self, model_name_or_path: str, tokenizer, *, gpu_memory_utilization: float = 0.3,
-                 max_model_len: Optional[int] = None, dtype: str = "bfloat16", seed: int = 0,
-                 enable_sleep_mode: bool = True, sync_bucket_mb: int = 512, tensor_parallel_size: int = 1):
+    def __init__(
+        self,
+        model_name_or_path: str,
+        tokenizer,
+        *,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: Optional[int] = None,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        enable_sleep_mode: bool = True,
+        sync_bucket_mb: int = 512,
+        tensor_parallel_size: int = 1,
+    ):
         vllm = _import_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model in this process
         self.vllm = vllm
@@ -120,10 +138,17 @@ class VLLMEngine:
         self.last_sync_s = 0.0
         self._policy = None
         self.llm = vllm.LLM(
-            model=model_name_or_path, tokenizer=model_name_or_path, dtype=dtype, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode, tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs")
+            model=model_name_or_path,
+            tokenizer=model_name_or_path,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enable_sleep_mode=enable_sleep_mode,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="external_launcher",
+            logprobs_mode="processed_logprobs",
+        )
         self._weights, self._kv_asleep = "loaded", False
         if enable_sleep_mode:
             self.llm.sleep(level=1)
@@ -138,20 +163,32 @@ class VLLMEngine:
         if self._kv_asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_asleep = False
-        requests = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts]
-        outputs = self.llm.generate(requests, sampling_params=to_vllm_sampling(self.vllm, params), use_tqdm=False)
+        requests = [
+            {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts
+        ]
+        outputs = self.llm.generate(
+            requests, sampling_params=to_vllm_sampling(self.vllm, params), use_tqdm=False
+        )
         results = []
         for index, output in enumerate(outputs):
-            results.append([
-                Completion(prompt_index=index, prompt_ids=list(output.prompt_token_ids),
-                           completion_ids=list(sample.token_ids), text=sample.text,
-                           logprobs=[lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)]
-                           if sample.logprobs is not None else None,
-                           finish_reason="length" if sample.finish_reason == "length" else "stop")
-                for sample in output.outputs])
+            results.append(
+                [
+                    Completion(
+                        prompt_index=index,
+                        prompt_ids=list(output.prompt_token_ids),
+                        completion_ids=list(sample.token_ids),
+                        text=sample.text,
+                        logprobs=[lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids)]
+                        if sample.logprobs is not None
+                        else None,
+                        finish_reason="length" if sample.finish_reason == "length" else "stop",
+                    )
+                    for sample in output.outputs
+                ]
+            )
         if self.enable_sleep_mode:
-            # Level 2 drops the weights (training gets the memory back; the next push restores them). Before the
-            # first sync the weights are the checkpoint's, which only level 1 keeps.
+            # Level 2 drops the weights (training gets the memory back; the next push restores
+            # them). Before the first sync the weights are the checkpoint's, which only level 1 keeps.
             synced = self._policy is not None
             self.llm.sleep(level=2 if synced else 1)
             self._weights, self._kv_asleep = ("discarded" if synced else "offloaded"), True
@@ -169,17 +206,19 @@ class VLLMEngine:
         if self._weights != "loaded":
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
-        merged = hasattr(model, "merge_adapter")
-        if merged:
-            model.merge_adapter()
-        try:
-            target = _vllm_model(self.llm)
+        target = _vllm_model(self.llm)
+        params = list(model.parameters())
+        if not any(hasattr(p, "ds_id") for p in params):
             for bucket in weight_buckets(policy_weights_for_vllm(model), self.sync_bucket_bytes):
+                target.load_weights(bucket)
+        elif is_lora(model):  # ZeRO-3 + LoRA: merging needs each base weight and its factors at once
+            with _gathered(params):
+                for bucket in weight_buckets(policy_weights_for_vllm(model), self.sync_bucket_bytes):
+                    target.load_weights(bucket)
+        else:  # ZeRO-3: one gather per bucket
+            for bucket in weight_buckets(model.named_parameters(), self.sync_bucket_bytes):
                 with _gathered([p for _, p in bucket]):
                     target.load_weights([(name, p.data) for name, p in bucket])
-        finally:
-            if merged:
-                model.unmerge_adapter()
         self._weights = "loaded"
 
 
@@ -194,8 +233,15 @@ class OpenAIServerEngine:
     remote server is not offered: train with LoRA, or use the colocated engine.
     """
 
-    def __init__(self, base_url: str, model: str, tokenizer, *, shared_dir: Optional[str] = None,
-                 timeout_s: float = 600.0):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        tokenizer,
+        *,
+        shared_dir: Optional[str] = None,
+        timeout_s: float = 600.0,
+    ):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.served_model = model
@@ -206,8 +252,9 @@ class OpenAIServerEngine:
         self.last_sync_s = 0.0
 
     def _post(self, path: str, body: dict) -> dict:
-        request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
             text = response.read().decode()
         return json.loads(text) if text.strip().startswith("{") else {}
@@ -215,33 +262,55 @@ class OpenAIServerEngine:
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
         results = []
         for index, prompt in enumerate(prompts):
-            body = {"model": self.served_model, "prompt": prompt, "n": params.n, "temperature": params.temperature,
-                    "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p,
-                    "max_tokens": params.max_new_tokens, "stop": list(params.stop) or None,
-                    "include_stop_str_in_output": True, "logprobs": 0, "return_tokens_as_token_ids": True,
-                    "seed": params.seed}
+            body = {
+                "model": self.served_model,
+                "prompt": prompt,
+                "n": params.n,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k,
+                "min_p": params.min_p,
+                "max_tokens": params.max_new_tokens,
+                "stop": list(params.stop) or None,
+                "include_stop_str_in_output": True,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
+                "seed": params.seed,
+            }
             reply = self._post("/v1/completions", body)
             prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             samples = []
             for choice in sorted(reply["choices"], key=lambda c: c["index"]):
                 tokens = choice["logprobs"]["tokens"]
                 ids = [int(t.split(":", 1)[1]) for t in tokens]
-                samples.append(Completion(prompt_index=index, prompt_ids=prompt_ids, completion_ids=ids,
-                                          text=choice["text"], logprobs=list(choice["logprobs"]["token_logprobs"]),
-                                          finish_reason="length" if choice["finish_reason"] == "length" else "stop"))
+                samples.append(
+                    Completion(
+                        prompt_index=index,
+                        prompt_ids=prompt_ids,
+                        completion_ids=ids,
+                        text=choice["text"],
+                        logprobs=list(choice["logprobs"]["token_logprobs"]),
+                        finish_reason="length" if choice["finish_reason"] == "length" else "stop",
+                    )
+                )
             results.append(samples)
         return results
 
     def sync_weights(self, model) -> None:
         if not hasattr(model, "peft_config"):
-            raise ValueError("OpenAIServerEngine syncs LoRA adapters only; set lora_rank > 0 or use engine=vllm")
+            raise ValueError(
+                "OpenAIServerEngine syncs LoRA adapters only; set lora_rank > 0 or use engine=vllm"
+            )
         if not self.shared_dir:
-            raise ValueError("OpenAIServerEngine needs shared_dir, a directory the server can read, to sync adapters")
+            raise ValueError(
+                "OpenAIServerEngine needs shared_dir, a directory the server can read, to sync adapters"
+            )
         start = time.perf_counter()
         self.version += 1
         name = f"policy-{self.version}"
         path = os.path.join(self.shared_dir, name)
-        model.save_pretrained(path)
+        with _gathered([p for n, p in model.named_parameters() if "lora_" in n]):
+            model.save_pretrained(path)
         self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
         if self.version > 1:
             self._post("/v1/unload_lora_adapter", {"lora_name": f"policy-{self.version - 1}"})

@@ -94,7 +94,7 @@ def last_boxed(text: str) -> str | None:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[start + len("\\boxed{"):i]
+                return text[start + len("\\boxed{") : i]
     return None
 
 
@@ -121,8 +121,9 @@ def rows_to_problems(rows, name: str, where: str) -> list[Problem]:
         meta = {k: v for k, v in row.items() if k in ("subject", "level", "type", "url", "unique_id")}
         if isinstance(row.get("generated_solution"), str) and row["generated_solution"].strip():
             meta["sft_completion"] = row["generated_solution"]
-        problems.append(Problem(id=f"{name}/{i}", question=question,
-                                answer=_gold(row, f"{where} row {i}"), meta=meta))
+        problems.append(
+            Problem(id=f"{name}/{i}", question=question, answer=_gold(row, f"{where} row {i}"), meta=meta)
+        )
     return problems
 
 
@@ -136,9 +137,11 @@ def load_hub(dataset: str, split: str, config: str | None = None) -> list[dict]:
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"loading {dataset!r} from the Hugging Face hub needs the 'datasets' package "
-                          f"(pip install datasets), or set ${DATA_ENV} to a folder with the jsonl "
-                          "files") from e
+        raise ImportError(
+            f"loading {dataset!r} from the Hugging Face hub needs the 'datasets' package "
+            f"(pip install datasets), or set ${DATA_ENV} to a folder with the jsonl "
+            "files"
+        ) from e
     return list(datasets.load_dataset(dataset, config, split=split))
 
 
@@ -154,19 +157,21 @@ def load_source(source: str) -> tuple[str, list[Problem]]:
         dataset, config, split = TRAIN_SETS[source]
         return source, rows_to_problems(load_hub(dataset, split, config), source, dataset)
     if source.startswith("jsonl:"):
-        path = Path(source[len("jsonl:"):])
+        path = Path(source[len("jsonl:") :])
         if not path.is_file():
             raise FileNotFoundError(f"task {source!r}: no file {str(path)!r}")
         return path.stem, rows_to_problems(read_jsonl(path), path.stem, str(path))
     if source.startswith("hub:"):
-        dataset, _, split = source[len("hub:"):].partition(":")
+        dataset, _, split = source[len("hub:") :].partition(":")
         return source, rows_to_problems(load_hub(dataset, split or "test"), source, dataset)
     path = Path(source)
     if path.suffix == ".jsonl" and path.is_file():
         return path.stem, rows_to_problems(read_jsonl(path), path.stem, str(path))
-    raise ValueError(f"source must be one of {sorted(BENCHMARKS) + sorted(TRAIN_SETS)}, a path to an "
-                     f"existing .jsonl file, 'jsonl:<path>' or 'hub:<owner>/<dataset>[:<split>]'; "
-                     f"got {source!r}")
+    raise ValueError(
+        f"source must be one of {sorted(BENCHMARKS) + sorted(TRAIN_SETS)}, a path to an "
+        f"existing .jsonl file, 'jsonl:<path>' or 'hub:<owner>/<dataset>[:<split>]'; "
+        f"got {source!r}"
+    )
 
 
 def answer_for_grading(completion: str) -> str:
@@ -211,8 +216,10 @@ class MathTask:
 
     def __post_init__(self):
         if self.template not in TEMPLATES and "{question}" not in self.template:
-            raise ValueError(f"template must be one of {sorted(TEMPLATES)} or contain '{{question}}', "
-                             f"got {self.template!r}")
+            raise ValueError(
+                f"template must be one of {sorted(TEMPLATES)} or contain '{{question}}', "
+                f"got {self.template!r}"
+            )
         self.name, self._problems = load_source(self.source)
 
     def problems(self, split: str = "test", n: int | None = None, seed: int = 0) -> list[Problem]:

@@ -29,7 +29,9 @@ pytest.importorskip("peft")
 
 
 def lora_setup(tiny_config, distributed, **overrides):
-    cfg = tiny_config(lora_rank=4, lora_alpha=8.0, lr=0.05, zero_stage=overrides.pop("zero_stage", 0), **overrides)
+    cfg = tiny_config(
+        lora_rank=4, lora_alpha=8.0, lr=0.05, zero_stage=overrides.pop("zero_stage", 0), **overrides
+    )
     rank, world, device = distributed
     model, tokenizer = load_model_and_tokenizer(cfg)
     base = copy.deepcopy(model).eval()
@@ -131,3 +133,31 @@ def test_lora_loop_end_to_end(tiny_config, distributed):
     merged = AutoModelForCausalLM.from_pretrained(final)
     assert not any("lora" in name for name, _ in merged.named_parameters())
     assert summary["steps_done"] == 2
+
+
+def test_merged_weights_out_of_place(tiny_config):
+    from sage_train.lora import merged_named_weights
+    from sage_train.rollout.vllm import policy_weights_for_vllm, weight_buckets
+
+    cfg = tiny_config(lora_rank=4)
+    model, _ = load_model_and_tokenizer(cfg)
+    plain_before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    plain_names = set(plain_before)
+    model = with_lora(model, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a trained adapter (B starts at zero)
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    weights = dict(merged_named_weights(model))
+    assert set(weights) == plain_names
+    reference = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, reference[name].detach())
+    changed = {n for n in weights if not torch.equal(weights[n], plain_before[n])}
+    assert changed and all(n.endswith("proj.weight") for n in changed)  # the adapted layers only
+    for name, p in model.named_parameters():  # the frozen base weights were not touched
+        if "lora_" not in name:
+            assert torch.equal(p.detach(), base_before[name])
+    buckets = list(weight_buckets(policy_weights_for_vllm(model), 64 << 10))
+    assert len(buckets) > 1 and sum(len(b) for b in buckets) == len(plain_names)

@@ -31,7 +31,9 @@ def test_recipe_parses_with_official_hyperparameters(name):
     assert (cfg.temperature, cfg.min_p, cfg.lora_rank) == (1.0, 0.01, 8)
     assert cfg.rollout_engine == "vllm" and cfg.bf16
     if name.startswith("qwen2.5-math"):
-        assert cfg.model == "Qwen/Qwen2.5-Math-7B" and cfg.sft_steps > 0 and cfg.task == "openmathreasoning-mini"
+        assert (
+            cfg.model == "Qwen/Qwen2.5-Math-7B" and cfg.sft_steps > 0 and cfg.task == "openmathreasoning-mini"
+        )
     else:
         assert cfg.model == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B" and cfg.sft_steps == 0
     for world in (1, 8, 16):
