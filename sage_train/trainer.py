@@ -813,8 +813,9 @@ def build_rollout(cfg: TrainConfig, lm, tokenizer, model_path: str, device, rank
         "openai",
         cfg.openai_base_url,
         tokenizer,
-        model=cfg.openai_model or cfg.model,
+        served_model=cfg.openai_model or cfg.model,
         shared_dir=os.path.join(shared, f"rank{rank}"),
+        adapter_name=f"policy-rank{rank}",
     )
 
 

@@ -13,8 +13,8 @@ def make_engine(name: str, model, tokenizer, **options) -> RolloutEngine:
     "hf": transformers generate on `model`, the live training module (options: device, synced_gpus).
     "vllm": a colocated `vllm.LLM` loading `model`, a hub name or HF-format directory (options:
     gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb, max_model_len, dtype, seed).
-    "openai": an external OpenAI-compatible server at the URL `model` (options: model, the served
-    model's name; shared_dir, where synced adapters are saved for the server to load).
+    "openai": an external OpenAI-compatible server at the URL `model` (options: served_model, the
+    served model's name; shared_dir, where synced adapters are saved for the server to load).
     vllm and openai are imported only when asked for: vLLM is an optional extra.
     """
     if name == "hf":
@@ -28,7 +28,7 @@ def make_engine(name: str, model, tokenizer, **options) -> RolloutEngine:
     if name == "openai":
         from .vllm import OpenAIServerEngine
 
-        served = options.pop("model")
+        served = options.pop("served_model")
         return OpenAIServerEngine(model, served, tokenizer, **options)
     raise ValueError(f"rollout engine must be one of {list(ENGINES)}, got {name!r}")
 

@@ -241,8 +241,10 @@ class OpenAIServerEngine:
         *,
         shared_dir: Optional[str] = None,
         timeout_s: float = 600.0,
+        adapter_name: str = "policy",
     ):
         self.base_url = base_url.rstrip("/")
+        self.adapter_name = adapter_name  # one per training process when several share a server
         self.model = model
         self.served_model = model
         self.tokenizer = tokenizer
@@ -268,7 +270,7 @@ class OpenAIServerEngine:
                 "n": params.n,
                 "temperature": params.temperature,
                 "top_p": params.top_p,
-                "top_k": params.top_k,
+                "top_k": params.top_k or -1,
                 "min_p": params.min_p,
                 "max_tokens": params.max_new_tokens,
                 "stop": list(params.stop) or None,
@@ -307,12 +309,12 @@ class OpenAIServerEngine:
             )
         start = time.perf_counter()
         self.version += 1
-        name = f"policy-{self.version}"
+        name = f"{self.adapter_name}-{self.version}"
         path = os.path.join(self.shared_dir, name)
         with _gathered([p for n, p in model.named_parameters() if "lora_" in n]):
             model.save_pretrained(path)
         self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
         if self.version > 1:
-            self._post("/v1/unload_lora_adapter", {"lora_name": f"policy-{self.version - 1}"})
+            self._post("/v1/unload_lora_adapter", {"lora_name": f"{self.adapter_name}-{self.version - 1}"})
         self.served_model = name
         self.last_sync_s = time.perf_counter() - start
