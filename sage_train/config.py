@@ -65,6 +65,7 @@ class TrainConfig:
     sft_lr: float = 3e-3
     sft_target_loss: float = 0.0  # stop the warm start early once its mean token loss is below this (0: off)
     sft_max_tokens: int = 0  # completions longer than this are cut for the warm start (0: no cut)
+    sft_task: str = ""  # the warm start's dataset ("": `task`), e.g. openmathreasoning-mini
 
     # RL
     algorithm: str = "sage-branch"

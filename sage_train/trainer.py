@@ -508,7 +508,13 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
             f"config key 'train_problems': {len(train_problems)} problems cannot fill "
             f"prompts_per_step={cfg.prompts_per_step}"
         )
-    model, tokenizer = initial_policy(cfg, task, sft_problems, run_dir, rank, resumed=resume_step is not None)
+    sft_task = task
+    if cfg.sft_task and cfg.sft_steps:  # warm-start on another dataset's solutions
+        sft_task = get_task(cfg.sft_task)
+        sft_problems = list(sft_task.problems("train", None, cfg.seed))
+    model, tokenizer = initial_policy(
+        cfg, sft_task, sft_problems, run_dir, rank, resumed=resume_step is not None
+    )
     rollout_init = rollout_model_path(cfg, model, tokenizer, run_dir, rank)
     if cfg.lora_rank:  # the reference is this model with the adapter disabled: no copy
         model, reference_lm = with_lora(model, cfg), None

@@ -59,7 +59,7 @@ SYSTEM_PROMPTS = {
 
 # name -> (hub dataset, hub config or None, hub split); rows in the formats of the module docstring
 TRAIN_SETS = {
-    "dapo-math": ("open-r1/DAPO-Math-17k-Processed", "all", "train"),
+    "dapo-math": ("open-r1/DAPO-Math-17k-Processed", "en", "train"),  # the English subset
     "openmathreasoning-mini": ("unsloth/OpenMathReasoning-mini", None, "cot"),
 }
 

@@ -59,7 +59,7 @@ def test_missing_jsonl_and_bad_rows(tmp_path):
 @pytest.mark.parametrize(
     "name, expected",
     [
-        ("dapo-math", ("open-r1/DAPO-Math-17k-Processed", "train", "all")),
+        ("dapo-math", ("open-r1/DAPO-Math-17k-Processed", "train", "en")),
         ("openmathreasoning-mini", ("unsloth/OpenMathReasoning-mini", "cot", None)),
     ],
 )
@@ -132,3 +132,38 @@ def test_warm_start_then_rl_on_openmathreasoning_jsonl(tiny_config, distributed,
     )
     summary = train(cfg)
     assert summary["steps_done"] == 1 and (cfg.run_dir / "sft" / "config.json").is_file()
+
+
+def test_warm_start_on_another_dataset(tiny_config, distributed, tmp_path):
+    """The Qwen2.5-Math recipe's shape: SFT on OpenMathReasoning solutions, RL on DAPO prompts."""
+    from sage_train.trainer import train
+
+    omr = write_jsonl(tmp_path / "omr.jsonl", OMR_ROWS)
+    dapo = write_jsonl(tmp_path / "dapo.jsonl", DAPO_ROWS)
+    cfg = tiny_config(
+        name="sft-task",
+        task=f"jsonl:{dapo}",  # no solutions: a warm start on it alone would fail
+        task_options={},
+        sft_task=f"jsonl:{omr}",
+        sft_steps=2,
+        sft_batch_size=2,
+        sft_max_tokens=8,
+        steps=1,
+        prompts_per_step=2,
+        group_size=2,
+        micro_batch_size=4,
+        lora_rank=2,
+    )
+    assert train(cfg)["steps_done"] == 1
+    with pytest.raises(Exception, match="sft_completion"):
+        train(
+            tiny_config(
+                name="no-sft",
+                task=f"jsonl:{dapo}",
+                task_options={},
+                sft_steps=2,
+                prompts_per_step=2,
+                group_size=2,
+                micro_batch_size=4,
+            )
+        )

@@ -32,10 +32,13 @@ def test_recipe_parses_with_official_hyperparameters(name):
     assert cfg.rollout_engine == "vllm" and cfg.bf16
     if name.startswith("qwen2.5-math"):
         assert (
-            cfg.model == "Qwen/Qwen2.5-Math-7B" and cfg.sft_steps > 0 and cfg.task == "openmathreasoning-mini"
+            cfg.model == "Qwen/Qwen2.5-Math-7B"
+            and cfg.sft_steps > 0
+            and cfg.sft_task == "openmathreasoning-mini"
         )
     else:
         assert cfg.model == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B" and cfg.sft_steps == 0
+    assert cfg.task == "dapo-math"
     for world in (1, 8, 16):
         assert cfg.prompts_per_step % world == 0
         assert (cfg.prompts_per_step // world * cfg.group_size) % cfg.micro_batch_size == 0
