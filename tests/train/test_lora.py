@@ -161,3 +161,56 @@ def test_merged_weights_out_of_place(tiny_config):
             assert torch.equal(p.detach(), base_before[name])
     buckets = list(weight_buckets(policy_weights_for_vllm(model), 64 << 10))
     assert len(buckets) > 1 and sum(len(b) for b in buckets) == len(plain_names)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_two_processes(tmp_path, tiny_run, stage):
+    """LoRA under ZeRO-2 and ZeRO-3 with two CPU processes (torchrun, gloo): the run finishes
+    and saves the adapter and a loadable merged model."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = {
+        **tiny_run,
+        "name": f"lora-zero{stage}",
+        "output_dir": str(tmp_path),
+        "steps": 2,
+        "sft_steps": 2,
+        "zero_stage": stage,
+        "prompts_per_step": 4,
+        "micro_batch_size": 4,
+        "lora_rank": 4,
+        "tis_level": "token",
+    }
+    if stage == 3:  # partition every parameter, the adapter and the tiny LM head included
+        ds_path = tmp_path / "ds.json"
+        ds_path.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+        config["deepspeed_config"] = str(ds_path)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+    ]
+    command += ["-m", "sage_train", "--config", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run = tmp_path / f"lora-zero{stage}"
+    assert [row["step"] for row in report.read_metrics(run / "metrics.jsonl")] == [1, 2]
+    assert (run / "final" / "adapter" / "adapter_config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert model.lm_head.weight.shape[1] == tiny_run["tiny_hidden_size"]
