@@ -260,10 +260,8 @@ def rl_step(ctx: Context, step: int) -> dict:
     # 5. the loss on hidden states + LM head, micro-batch by micro-batch, then the optimizer step
     totals = policy_update(ctx, batch, advantages, old_logp, ref_logp, log_q, is_weights)
 
-    # 5b. the rollout engine samples the next step from the updated weights
-    sync_start = time.perf_counter()
+    # 5b. the rollout engine samples the next step from the updated weights (hf: the live model already)
     ctx.rollout.sync_weights(ctx.engine.module.lm)
-    sync_time = time.perf_counter() - sync_start
 
     # 6. metrics, still tensors; converted at log intervals
     lengths = batch.completion_mask.new_tensor(
@@ -281,9 +279,10 @@ def rl_step(ctx: Context, step: int) -> dict:
         **totals.metrics(cfg.num_iterations),
         "learning_rate": ctx.engine.get_lr()[0],
         "step_time": time.perf_counter() - start,
-        "rollout/sync_time": sync_time,
         **tis_metrics,
     }
+    if getattr(ctx.rollout, "last_sync_s", None) is not None:  # engines holding their own weights
+        metrics["rollout/sync_time"] = ctx.rollout.last_sync_s
     if cfg.dynamic_sampling:
         metrics["dynamic_sampling/rounds"] = float(rounds)
     if ctx.guide is not None:

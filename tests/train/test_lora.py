@@ -127,7 +127,8 @@ def test_lora_loop_end_to_end(tiny_config, distributed):
     rows = report.read_metrics(cfg.run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        assert abs(row["tis/weight_mean"] - 1) < 1e-3 and row["rollout/sync_time"] >= 0
+        assert abs(row["tis/weight_mean"] - 1) < 1e-3
+        assert "rollout/sync_time" not in row  # the hf engine samples from the live model: no sync
     final = cfg.run_dir / "final"
     assert (final / "adapter" / "adapter_config.json").is_file()
     merged = AutoModelForCausalLM.from_pretrained(final)
