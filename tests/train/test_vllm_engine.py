@@ -74,7 +74,7 @@ def test_real_engine_generation_sync_and_sleep(tmp_path, distributed):
     assert [g[0].completion_ids for g in again] == [g[0].completion_ids for g in after]
 
 
-# ----------------------------------------------------------------------------- what is pushed (no vLLM needed)
+# ------------------------------------------------------------------ what is pushed (no vLLM needed)
 
 
 def test_pushed_weights_carry_checkpoint_names_and_come_in_buckets():
@@ -94,8 +94,8 @@ def test_pushed_weights_carry_checkpoint_names_and_come_in_buckets():
     assert set(merged) == set(plain)  # adapter factors folded in, base names restored
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged[q], plain[q])  # the adapter's delta is in the pushed weight ...
-    assert torch.equal(dict(lora.named_parameters())["base_model.model." + q.replace(".weight", ".base_layer.weight")],
-                       plain[q])  # ... and the base weight is untouched
+    base = dict(lora.named_parameters())["base_model.model." + q.replace(".weight", ".base_layer.weight")]
+    assert torch.equal(base, plain[q])  # ... and the base weight is untouched
     buckets = list(weight_buckets(merged.items(), bucket_bytes=64 * 1024))
     assert [n for b in buckets for n, _ in b] == list(merged)
     assert all(sum(t.nbytes for _, t in b) <= 64 * 1024 or len(b) == 1 for b in buckets)
