@@ -24,9 +24,8 @@ KL(pi_ref || pi) = E_pi[r log r], with the zero-mean control variate r - 1 subtr
     fk3 = r * delta - (r - 1)          (>= 0, unbiased for KL(pi_ref || pi) under pi)
 
 and grpo-forward-kl puts it in the loss where grpo puts k3 (beta 0.05, the same
-convention of differentiating the per-token estimate). It needs the loss option
-``kl="fk3"``; `sage_kernels` offers k1, k2 and k3 today, so until it accepts "fk3" this
-preset stops at config time with an error saying so. (A note for readers comparing
+convention of differentiating the per-token estimate), as the loss option ``kl="fk3"``.
+(A note for readers comparing
 gradients: differentiated as a loss, k3's expected gradient is that of the forward KL and
 k2's that of the reverse KL; the presets follow TRL's value-estimator convention.)
 """
@@ -97,10 +96,7 @@ def apply_preset(cfg: TrainConfig) -> TrainConfig:
     try:
         loss_config(cfg)
     except (ValueError, TypeError) as error:
-        note = ""
-        if cfg.kl == "fk3":
-            note = " (the forward-KL estimator 'fk3' is not available in this sage_kernels yet)"
-        raise ConfigError(f"loss options of algorithm {cfg.algorithm!r}: {error}{note}") from error
+        raise ConfigError(f"loss options of algorithm {cfg.algorithm!r}: {error}") from error
     return cfg
 
 
