@@ -472,7 +472,10 @@ def main(argv: list[str]) -> int:
         print(f"sage-train: {error}")
         return 2
     summary = train(cfg)
-    return 0 if summary is not None else 1
+    if summary is None:
+        return 1
+    # 130: stopped by a signal after its checkpoint was written (a scheduler should not read it as done).
+    return 130 if summary.get("interrupted") else 0
 
 
 def usage() -> str:
