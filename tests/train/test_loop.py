@@ -9,21 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sage_kernels.spec import METRIC_NAMES
 from sage_train import report
 from sage_train.config import load_yaml
 from sage_train.trainer import train
 
-TRL_NAMES = {
+TRL_NAMES = set(METRIC_NAMES) | {
     "reward",
     "reward_std",
-    "kl",
-    "entropy",
-    "sage/q_mean",
-    "sage/q_min",
-    "sage/q_max",
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
     "completions/mean_length",
     "completions/clipped_ratio",
     "frac_reward_zero_std",

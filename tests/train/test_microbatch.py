@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from sage_train.model import build_char_tokenizer, build_tiny_model
+from sage_train.model import build_char_tokenizer
+from tiny_models import tiny_model
 from sage_train.rollout import Completion
 from sage_train.trainer import Context, build_engines, make_batch, policy_update, score
 
@@ -26,26 +27,8 @@ def completions(tokenizer, rows: int, seed: int) -> list:
 
 
 def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        max_positions=64,
-        seed=seed,
-    )
-    reference = build_tiny_model(
-        tokenizer,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        max_positions=64,
-        seed=seed + 1,
-    ).requires_grad_(False)
+    model = tiny_model(tokenizer, seed=seed, max_positions=64)
+    reference = tiny_model(tokenizer, seed=seed + 1, max_positions=64).requires_grad_(False)
     engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
     captured = {}
 
@@ -93,26 +76,8 @@ def test_an_update_moves_log_probs_with_the_advantage(tiny_config, distributed, 
     those with negative advantage less (the loss's sign, through the engine and the normalisers)."""
     tokenizer = build_char_tokenizer()
     cfg = tiny_config(algorithm=algorithm, prompts_per_step=2, group_size=4, micro_batch_size=4, lr=1e-3)
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        max_positions=64,
-        seed=0,
-    )
-    reference = build_tiny_model(
-        tokenizer,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        max_positions=64,
-        seed=0,
-    ).requires_grad_(False)
+    model = tiny_model(tokenizer, seed=0, max_positions=64)
+    reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
     engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
     ctx = Context(
         cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")

@@ -3,22 +3,10 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sage_train.model import build_char_tokenizer, build_tiny_model
+from sage_train.model import build_char_tokenizer
+from tiny_models import tiny_model
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.trainer import PolicyHead, make_batch, score
-
-
-def tiny_model(tokenizer, seed=0):
-    return build_tiny_model(
-        tokenizer,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=64,
-        max_positions=128,
-        seed=seed,
-    )
 
 
 def test_char_tokenizer_round_trips_and_reloads(tmp_path):
