@@ -54,7 +54,8 @@ class LossConfig:
     """Options of the SAGE loss; defaults are the official SAGE code's.
 
     beta: weight of the KL term. kl: estimator of KL(pi || q*pi_ref) per sampled token,
-    "k1", "k2" or "k3" (default, TRL's); or "fk3" for the forward direction KL(q*pi_ref || pi). guide: "branch" (q from the policy's entropy) or
+    "k1", "k2" or "k3" (default, TRL's); or "fk3" for the forward direction KL(q*pi_ref || pi).
+    guide: "branch" (q from the policy's entropy) or
     "none" (q = 1, plain GRPO); an explicit ``log_q`` passed to the loss overrides it.
     gamma, tau, q_min, q_max: branch guide q = clamp(1 + gamma*(H - tau)+, q_min, q_max).
     loss_type: "grpo", "bnpo", "dr_grpo" or "dapo" (TRL's normalisers). eps_low, eps_high:

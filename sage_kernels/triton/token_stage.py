@@ -36,6 +36,20 @@ N_ROW_STATS = 9
 
 
 @triton.jit
+def _log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max,
+               HAS_LOG_Q: tl.constexpr, BRANCH: tl.constexpr):
+    """log q per token: the caller's log_q, the branch guide from the entropy, or 0."""
+    if HAS_LOG_Q:
+        log_q = tl.load(log_q_ptr + at, mask=m, other=0.0)
+    elif BRANCH:
+        guide = 1.0 + gamma * tl.maximum(ent - tau, 0.0)
+        log_q = tl.log(tl.minimum(tl.maximum(guide, q_min), q_max))
+    else:
+        log_q = tl.zeros_like(ent)
+    return log_q
+
+
+@triton.jit
 def _kl_and_slope(delta, KL: tl.constexpr):
     """The KL estimate from delta = log anchor - logp, and its derivative with respect to logp."""
     if KL == 1:
@@ -47,8 +61,8 @@ def _kl_and_slope(delta, KL: tl.constexpr):
     elif KL == 4:
         # fk3 = r*d - (r - 1), r = exp(d): the same cancellation for small d; series sum_m (m-1) d^m / m!.
         r = tl.exp(delta)
-        series = delta * delta * (0.5 + delta * (1.0 / 3.0 + delta * (1.0 / 8.0 + delta * (1.0 / 30.0
-                                                                                      + delta * (1.0 / 144.0)))))
+        series = delta * (1.0 / 30.0 + delta * (1.0 / 144.0))
+        series = delta * delta * (0.5 + delta * (1.0 / 3.0 + delta * (1.0 / 8.0 + series)))
         kl = tl.where(tl.abs(delta) < 0.1, series, r * delta - (r - 1.0))
         slope = -r * delta
     else:
@@ -155,13 +169,7 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
         ent = tl.where(m, tl.load(entropy_ptr + at, mask=in_row, other=0.0), 0.0)
         adv = tl.load(adv_ptr + at, mask=m, other=0.0)
 
-        if HAS_LOG_Q:
-            log_q = tl.load(log_q_ptr + at, mask=m, other=0.0)
-        elif BRANCH:
-            guide = 1.0 + gamma * tl.maximum(ent - tau, 0.0)
-            log_q = tl.log(tl.minimum(tl.maximum(guide, q_min), q_max))
-        else:
-            log_q = tl.zeros([BLOCK_L], dtype=tl.float32)
+        log_q = _log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q, BRANCH)
         log_q = tl.where(m, log_q, 0.0)
         q = tl.exp(log_q)
 
@@ -225,13 +233,7 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
             if HAS_REF:
                 lp = tl.load(logp_ptr + at, mask=m, other=0.0)
                 ent = tl.load(entropy_ptr + at, mask=m, other=0.0)
-                if HAS_LOG_Q:
-                    log_q = tl.load(log_q_ptr + at, mask=m, other=0.0)
-                elif BRANCH:
-                    guide = 1.0 + gamma * tl.maximum(ent - tau, 0.0)
-                    log_q = tl.log(tl.minimum(tl.maximum(guide, q_min), q_max))
-                else:
-                    log_q = tl.zeros([BLOCK_L], dtype=tl.float32)
+                log_q = _log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q, BRANCH)
                 ref = tl.load(ref_ptr + at, mask=m, other=0.0)
                 _, d_kl = _kl_and_slope(ref + log_q - lp, KL)
                 d_kl = tl.where(m & (beta != 0.0), beta * d_kl * scale, 0.0)
