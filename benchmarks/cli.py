@@ -6,7 +6,7 @@ import importlib
 import sys
 
 #: command -> module with a `main(argv) -> int`
-COMMANDS = {"loss": "benchmarks.loss"}
+COMMANDS = {"loss": f"{__package__}.loss"}
 
 
 def main(argv=None) -> int:

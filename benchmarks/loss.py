@@ -53,7 +53,7 @@ def parse_args(argv) -> argparse.Namespace:
                         help="seconds of runs per row before stopping early, at least one run (default 60)")
     parser.add_argument("--time-limit-s", type=float,
                         help="rows not started within this many seconds are reported as skipped")
-    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="output directory")
+    parser.add_argument("--out", default="benchmarks/results", help="output directory (relative to the working directory)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in args.providers:
@@ -96,7 +96,7 @@ def run_worker(points: list[tuple[Point, list[str]]], args, rows_path: Path) -> 
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     before = rows_path.stat().st_size
-    command = [sys.executable, "-m", "benchmarks.worker", json.dumps(spec), str(rows_path)]
+    command = [sys.executable, "-m", f"{__package__}.worker", json.dumps(spec), str(rows_path)]
     proc = subprocess.run(command, env=env)
     with open(rows_path) as f:
         f.seek(before)

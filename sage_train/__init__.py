@@ -1,1 +1,1 @@
-"""sage_train: a thin RLVR trainer around the SAGE loss (see `trainer.py` for the loop)."""
+"""sage_train: a thin RLVR trainer around the SAGE loss (`run.train` is a run, `step.rl_step` one step)."""

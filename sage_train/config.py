@@ -3,8 +3,9 @@
 Sources, later ones winning: the field defaults below, a YAML file (``--config FILE``, or
 the name of a packaged config such as ``tiny-cpu``), then ``--key=value`` overrides.
 Unknown keys and values of the wrong type fail with a message naming the key and the
-expected type. Loss options left as None take the algorithm preset's value
-(`presets.py`); `resolve` fills them in, and the resolved config is what gets saved in
+expected type. The loss options are the fields of `sage_kernels.LossConfig` (`LOSS_KEYS`), so a
+new loss option is a trainer key without a line here. Loss options left as None take the
+algorithm preset's value (`presets.py`); `resolve` fills them in, and the resolved config is what gets saved in
 ``runs/<name>/config.yaml`` and in every checkpoint.
 """
 
@@ -20,6 +21,10 @@ from typing import Optional
 
 import yaml
 
+from sage_kernels import LossConfig
+
+from .presets import LOSS_KEYS, PresetError, apply_preset
+
 DEFAULT_CONFIG = "tiny-cpu"
 
 
@@ -28,7 +33,9 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class TrainConfig:
+class RunOptions:
+    """Every key of a run except the loss options, which `TrainConfig` adds from `LossConfig`."""
+
     # run
     name: str = "tiny-arithmetic-sage"
     output_dir: str = "runs"
@@ -89,7 +96,7 @@ class TrainConfig:
     max_new_tokens: int = 16
     stop: list = field(default_factory=list)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template (with system_prompt)
-    system_prompt: str = ""  # "" : none; "sage": the official reasoning prompt (tasks/math.py)
+    system_prompt: str = ""  # "": none; a name in tasks.chat.SYSTEM_PROMPTS ("sage": this package's), or text
 
     # rollout engines (rollout/): "hf" samples from the live training model; "vllm" a colocated
     # vllm.LLM fed the policy's weights after every optimizer step; "openai" an external server
@@ -106,22 +113,7 @@ class TrainConfig:
     tis_level: str = "off"  # "token", "sequence" or "off"
     tis_cap: float = 2.0
 
-    # loss options; None takes the algorithm preset's value
-    beta: Optional[float] = None
-    kl: Optional[str] = None
-    guide: Optional[str] = None
-    gamma: Optional[float] = None
-    tau: Optional[float] = None
-    q_min: Optional[float] = None
-    q_max: Optional[float] = None
-    loss_type: Optional[str] = None
-    eps_low: Optional[float] = None
-    eps_high: Optional[float] = None
-    delta_clip: Optional[float] = None
-    dual_clip_c: Optional[float] = None
-    importance_sampling: Optional[str] = None
-    top_entropy_quantile: Optional[float] = None
-    entropy_coef: Optional[float] = None
+    # loss options: one key per field of sage_kernels.LossConfig (`LOSS_KEYS`, added below the class)
     loss_backend: str = "auto"
 
     # token / random guides (sage-token, sage-random): strength follows a cosine with restarts
@@ -164,6 +156,21 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _loss_option_fields() -> list:
+    """(name, Optional[type], None) for each key of `LOSS_KEYS`: None takes the preset's value."""
+    hints = typing.get_type_hints(LossConfig)
+    return [(name, Optional[hints[name]], field(default=None)) for name in LOSS_KEYS]
+
+
+#: the run's keys: `RunOptions` and one key per loss option (the loss's own list, not a copy of it)
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig",
+    _loss_option_fields(),
+    bases=(RunOptions,),
+    namespace={"__module__": __name__, "__doc__": "A run's config: `RunOptions` plus the loss options."},
+)
 
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -364,9 +371,10 @@ def validate(cfg: TrainConfig) -> None:
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """Fill the None loss options from the algorithm preset and check the loss options."""
-    from .presets import apply_preset
-
-    return apply_preset(cfg)
+    try:
+        return apply_preset(cfg)
+    except PresetError as error:
+        raise ConfigError(str(error)) from error
 
 
 def save_yaml(cfg: TrainConfig, path) -> None:

@@ -36,22 +36,16 @@ import dataclasses
 
 from sage_kernels import LossConfig
 
-from .config import ConfigError, TrainConfig
+#: LossConfig fields the trainer sets itself: the sampling temperature, dr_grpo's normaliser
+#: (max_new_tokens) and the per-step token count; every other field is a config key.
+TRAINER_SET = ("temperature", "max_completion_length", "num_items_in_batch")
+LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name not in TRAINER_SET)
 
+#: what every preset starts from: the loss's own defaults (the official SAGE values), the guide
+#: off, and the trainer-level keys below
 BASE = {
-    "beta": 0.05,
-    "kl": "k3",
+    **{name: getattr(LossConfig(), name) for name in LOSS_KEYS},
     "guide": "none",
-    "gamma": 0.3,
-    "tau": 1.2,
-    "q_min": 0.6,
-    "q_max": 1.4,
-    "loss_type": "grpo",
-    "eps_low": 0.2,
-    "eps_high": 0.2,
-    "importance_sampling": "token",
-    "top_entropy_quantile": 1.0,
-    "entropy_coef": 0.0,
     "guide_strength": 0.3,
     "guide_strength_end": 0.0,
     "guide_period": 100,
@@ -82,42 +76,31 @@ PRESETS = {
 GUIDES = ("none", "branch", "token", "random")
 
 
-def apply_preset(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with every None preset key filled from ``PRESETS[cfg.algorithm]``, then checked."""
+class PresetError(ValueError):
+    """The algorithm is unknown, or the options it resolves to are not a valid loss."""
+
+
+def apply_preset(cfg):
+    """`cfg` (a TrainConfig) with every None preset key filled from ``PRESETS[cfg.algorithm]``, then
+    checked."""
     if cfg.algorithm not in PRESETS:
-        raise ConfigError(f"config key 'algorithm' must be one of {sorted(PRESETS)}, got {cfg.algorithm!r}")
+        raise PresetError(f"config key 'algorithm' must be one of {sorted(PRESETS)}, got {cfg.algorithm!r}")
     values = {**BASE, **PRESETS[cfg.algorithm]}
     filled = {key: value for key, value in values.items() if getattr(cfg, key) is None}
     cfg = dataclasses.replace(cfg, **filled)
     if cfg.guide not in GUIDES:
-        raise ConfigError(f"config key 'guide' must be one of {list(GUIDES)}, got {cfg.guide!r}")
+        raise PresetError(f"config key 'guide' must be one of {list(GUIDES)}, got {cfg.guide!r}")
     if cfg.guide_period <= 0:
-        raise ConfigError(f"config key 'guide_period' must be a positive integer, got {cfg.guide_period!r}")
+        raise PresetError(f"config key 'guide_period' must be a positive integer, got {cfg.guide_period!r}")
     try:
         loss_config(cfg)
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"loss options of algorithm {cfg.algorithm!r}: {error}") from error
+        raise PresetError(f"loss options of algorithm {cfg.algorithm!r}: {error}") from error
     return cfg
 
 
-def loss_config(cfg: TrainConfig) -> LossConfig:
+def loss_config(cfg) -> LossConfig:
     """The `LossConfig` of a resolved TrainConfig (the normaliser is set per step by the trainer)."""
-    return LossConfig(
-        beta=cfg.beta,
-        kl=cfg.kl,
-        guide="branch" if cfg.guide == "branch" else "none",
-        gamma=cfg.gamma,
-        tau=cfg.tau,
-        q_min=cfg.q_min,
-        q_max=cfg.q_max,
-        loss_type=cfg.loss_type,
-        eps_low=cfg.eps_low,
-        eps_high=cfg.eps_high,
-        delta_clip=cfg.delta_clip,
-        dual_clip_c=cfg.dual_clip_c,
-        importance_sampling=cfg.importance_sampling,
-        top_entropy_quantile=cfg.top_entropy_quantile,
-        entropy_coef=cfg.entropy_coef,
-        temperature=cfg.temperature,
-        max_completion_length=cfg.max_new_tokens,
-    )
+    options = {name: getattr(cfg, name) for name in LOSS_KEYS}
+    options["guide"] = "branch" if cfg.guide == "branch" else "none"  # token / random: log_q from outside
+    return LossConfig(**options, temperature=cfg.temperature, max_completion_length=cfg.max_new_tokens)

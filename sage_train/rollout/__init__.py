@@ -26,7 +26,7 @@ def make_engine(name: str, model, tokenizer, **options) -> RolloutEngine:
 
         return VLLMEngine(model, tokenizer, **options)
     if name == "openai":
-        from .vllm import OpenAIServerEngine
+        from .openai import OpenAIServerEngine
 
         served = options.pop("served_model")
         return OpenAIServerEngine(model, served, tokenizer, **options)

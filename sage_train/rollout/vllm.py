@@ -1,7 +1,5 @@
-"""The `vllm` rollout engines: a colocated `vllm.LLM` in the training process, and a client
-for an external OpenAI-compatible server (`vllm serve`).
-
-Colocated engine (`VLLMEngine`), one per training process, as in the official SAGE code
+"""The `vllm` rollout engine: a colocated `vllm.LLM` in the training process (`VLLMEngine`), one
+per training process, as in the official SAGE code
 (TRL's "colocate" mode):
 - memory is shared with training through sleep mode: after generating, the engine sleeps
   at level 2 (weights and KV cache released); `sync_weights` wakes the weights, loads the
@@ -22,14 +20,13 @@ Coded against vLLM's documented Python API (`vllm.LLM`, `SamplingParams`, `LLM.s
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import urllib.request
 from typing import Optional, Sequence
 
 import torch
 
+from ..distributed import zero3_gathered
 from ..lora import is_lora, merged_named_weights
 from .base import Completion, SamplingParams
 
@@ -80,15 +77,6 @@ def weight_buckets(named_params, bucket_bytes: int):
         size += nbytes
     if bucket:
         yield bucket
-
-
-def _gathered(params):
-    """A context that gathers ZeRO-3 partitioned params (no-op for ordinary tensors)."""
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    return torch.no_grad()
 
 
 def to_vllm_sampling(vllm, params: SamplingParams):
@@ -212,109 +200,11 @@ class VLLMEngine:
             for bucket in weight_buckets(policy_weights_for_vllm(model), self.sync_bucket_bytes):
                 target.load_weights(bucket)
         elif is_lora(model):  # ZeRO-3 + LoRA: merging needs each base weight and its factors at once
-            with _gathered(params):
+            with zero3_gathered(params):
                 for bucket in weight_buckets(policy_weights_for_vllm(model), self.sync_bucket_bytes):
                     target.load_weights(bucket)
         else:  # ZeRO-3: one gather per bucket
             for bucket in weight_buckets(model.named_parameters(), self.sync_bucket_bytes):
-                with _gathered([p for _, p in bucket]):
+                with zero3_gathered([p for _, p in bucket]):
                     target.load_weights([(name, p.data) for name, p in bucket])
         self._weights = "loaded"
-
-
-class OpenAIServerEngine:
-    """Rollouts from an external OpenAI-compatible server (`vllm serve MODEL`), e.g. on other machines.
-
-    Uses the completions endpoint with vLLM's extra sampling fields (top_k, min_p) and
-    `return_tokens_as_token_ids`, so token ids and per-token log-probs come back exactly.
-    Weight sync goes through vLLM's runtime LoRA loading (`/v1/load_lora_adapter`, server
-    started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora): the adapter is
-    saved to `shared_dir`, which the server must be able to read. Full-weight sync to a
-    remote server is not offered: train with LoRA, or use the colocated engine.
-    """
-
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        tokenizer,
-        *,
-        shared_dir: Optional[str] = None,
-        timeout_s: float = 600.0,
-        adapter_name: str = "policy",
-    ):
-        self.base_url = base_url.rstrip("/")
-        self.adapter_name = adapter_name  # one per training process when several share a server
-        self.model = model
-        self.served_model = model
-        self.tokenizer = tokenizer
-        self.shared_dir = shared_dir
-        self.timeout_s = timeout_s
-        self.version = 0
-        self.last_sync_s = 0.0
-
-    def _post(self, path: str, body: dict) -> dict:
-        request = urllib.request.Request(
-            self.base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            text = response.read().decode()
-        return json.loads(text) if text.strip().startswith("{") else {}
-
-    def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
-        results = []
-        for index, prompt in enumerate(prompts):
-            body = {
-                "model": self.served_model,
-                "prompt": prompt,
-                "n": params.n,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k or -1,
-                "min_p": params.min_p,
-                "max_tokens": params.max_new_tokens,
-                "stop": list(params.stop) or None,
-                "include_stop_str_in_output": True,
-                "logprobs": 0,
-                "return_tokens_as_token_ids": True,
-                "seed": params.seed,
-            }
-            reply = self._post("/v1/completions", body)
-            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            samples = []
-            for choice in sorted(reply["choices"], key=lambda c: c["index"]):
-                tokens = choice["logprobs"]["tokens"]
-                ids = [int(t.split(":", 1)[1]) for t in tokens]
-                samples.append(
-                    Completion(
-                        prompt_index=index,
-                        prompt_ids=prompt_ids,
-                        completion_ids=ids,
-                        text=choice["text"],
-                        logprobs=list(choice["logprobs"]["token_logprobs"]),
-                        finish_reason="length" if choice["finish_reason"] == "length" else "stop",
-                    )
-                )
-            results.append(samples)
-        return results
-
-    def sync_weights(self, model) -> None:
-        if not hasattr(model, "peft_config"):
-            raise ValueError(
-                "OpenAIServerEngine syncs LoRA adapters only; set lora_rank > 0 or use engine=vllm"
-            )
-        if not self.shared_dir:
-            raise ValueError(
-                "OpenAIServerEngine needs shared_dir, a directory the server can read, to sync adapters"
-            )
-        start = time.perf_counter()
-        self.version += 1
-        name = f"{self.adapter_name}-{self.version}"
-        path = os.path.join(self.shared_dir, name)
-        with _gathered([p for n, p in model.named_parameters() if "lora_" in n]):
-            model.save_pretrained(path)
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-        if self.version > 1:
-            self._post("/v1/unload_lora_adapter", {"lora_name": f"{self.adapter_name}-{self.version - 1}"})
-        self.served_model = name
-        self.last_sync_s = time.perf_counter() - start

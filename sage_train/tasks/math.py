@@ -2,9 +2,9 @@
 
 `MathTask(source)` reads one of:
   - a benchmark name: math500, aime24, aime25, amc23, minerva. It resolves to
-    `<root>/<file>.jsonl` when that file exists, where root is `$SAGE_MATH_DATA` or, in a source
-    checkout, `../shared/data/math` beside the repository; otherwise to its Hugging Face hub
-    dataset (needs the `datasets` package and a network connection);
+    `<root>/<file>.jsonl`, where root is `$SAGE_MATH_DATA` when set, else the copies shipped
+    with the package (`sage_train/tasks/data/math`); a file missing there is loaded from its
+    Hugging Face hub dataset (needs the `datasets` package and a network connection);
   - a path to a `.jsonl` file;
   - "hub:<owner>/<dataset>[:<split>]" for any hub dataset with the same fields;
   - a training set (`TRAIN_SETS`): "dapo-math" (open-r1/DAPO-Math-17k-Processed) or
@@ -20,9 +20,8 @@ Row formats (detected per row):
     fine-tunes base models on it.
 
 Prompts. ``template`` builds the user message; with the trainer's ``chat_template`` key the
-message goes through the tokenizer's chat template (`ChatPromptTask`), after the system prompt
-``system_prompt`` ("sage": `SYSTEM_PROMPTS["sage"]`, which asks for step-by-step reasoning and
-the final answer in \\boxed{}). Grading (`MathTask.score`) takes the last \\boxed{} of the
+message goes through the tokenizer's chat template (`sage_train.tasks.chat.ChatPromptTask`),
+after the system prompt ``system_prompt``. Grading (`MathTask.score`) takes the last \\boxed{} of the
 completion and, if there is none, the content of its last ``<answer>...</answer>`` tags, so
 either convention the prompt may ask for is accepted. A source is one fixed list: `problems(split, n, seed)`
 returns its first `n` rows in file order whatever the split and seed, so a smaller `n` is a
@@ -50,13 +49,6 @@ TEMPLATES = {
     "plain": "{question}",
 }
 
-SYSTEM_PROMPTS = {
-    "sage": (
-        "You are a helpful assistant that solves math problems. Think through the problem step by "
-        "step before answering, then give the final answer within \\boxed{}, e.g. \\boxed{42}."
-    ),
-}
-
 # name -> (hub dataset, hub config or None, hub split); rows in the formats of the module docstring
 TRAIN_SETS = {
     "dapo-math": ("open-r1/DAPO-Math-17k-Processed", "en", "train"),  # the English subset
@@ -75,11 +67,11 @@ DATA_ENV = "SAGE_MATH_DATA"
 
 
 def data_root() -> Path:
-    """Where the shipped benchmark files are looked for: $SAGE_MATH_DATA or ../shared/data/math."""
+    """Where the benchmark files are read from: $SAGE_MATH_DATA, else the package's own copies."""
     env = os.environ.get(DATA_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "math"
+    return Path(__file__).resolve().parent / "data" / "math"
 
 
 def last_boxed(text: str) -> str | None:
@@ -183,26 +175,6 @@ def answer_for_grading(completion: str) -> str:
     if matches and matches[-1].strip():
         return "\\boxed{" + matches[-1].strip() + "}"
     return completion
-
-
-class ChatPromptTask:
-    """`task` with each prompt put through the tokenizer's chat template: an optional system
-    message (`SYSTEM_PROMPTS` name or literal text; "" for none), then the task's prompt as the
-    user message, then the assistant's generation prompt. Everything else is `task`'s."""
-
-    def __init__(self, task, tokenizer, system_prompt: str = "") -> None:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("chat_template: this tokenizer has no chat template")
-        self.task, self.tokenizer = task, tokenizer
-        self.system = SYSTEM_PROMPTS.get(system_prompt, system_prompt)
-
-    def __getattr__(self, name):
-        return getattr(self.task, name)
-
-    def prompt(self, problem: Problem) -> str:
-        messages = [{"role": "system", "content": self.system}] if self.system else []
-        messages.append({"role": "user", "content": self.task.prompt(problem)})
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 @dataclass

@@ -1,11 +1,14 @@
-"""Fixtures for the trainer tests: a tiny, fast run config and a world of one process."""
+"""Fixtures for the trainer tests: a tiny, fast run config, a world of one process, the math data."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from sage_train.config import build, resolve
+from sage_train.tasks.math import BENCHMARKS, MathTask, data_root
 
 #: a run that takes seconds: a 2-layer, 32-wide model on 1-digit addition
 TINY_RUN = {
@@ -51,7 +54,7 @@ def tiny_config(tmp_path):
 @pytest.fixture(scope="session")
 def distributed():
     """torch.distributed initialised as a world of one (gloo), as `sage-train` does without a launcher."""
-    from sage_train.trainer import init_distributed
+    from sage_train.distributed import init_distributed
 
     return init_distributed()
 
@@ -64,3 +67,21 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def math_data() -> Path:
+    """The math benchmark files the package ships (or $SAGE_MATH_DATA when set)."""
+    root = data_root()
+    if not all((root / file).is_file() for file, _, _ in BENCHMARKS.values()):
+        pytest.skip(f"the math benchmark files are not in {root}")
+    return root
+
+
+@pytest.fixture(scope="session")
+def gold_answers(math_data) -> list[tuple[str, str]]:
+    """(benchmark, gold answer) for every problem of every shipped benchmark file."""
+    golds = []
+    for name, (file, _, _) in BENCHMARKS.items():
+        golds += [(name, p.answer) for p in MathTask(str(math_data / file)).problems()]
+    return golds

@@ -109,7 +109,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_packaged_deepspeed_files_merge_and_must_agree_with_zero_stage(stage):
     import torch
-    from sage_train.trainer import deepspeed_config
+    from sage_train.build import deepspeed_config
 
     cfg = resolve(build({"zero_stage": stage, "deepspeed_config": f"ds-zero{stage}"}))
     merged = deepspeed_config(cfg, world=2, accumulation=4, device=torch.device("cpu"))
@@ -125,7 +125,7 @@ def test_packaged_deepspeed_files_merge_and_must_agree_with_zero_stage(stage):
 
 
 def test_main_reports_config_errors_and_help(capsys):
-    from sage_train.trainer import main
+    from sage_train.cli import train_main as main
 
     assert main(["--stpes=3"]) == 2
     assert "stpes" in capsys.readouterr().out

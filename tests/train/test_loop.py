@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sage_kernels.spec import METRIC_NAMES
 from sage_train import report
 from sage_train.config import load_yaml
-from sage_train.trainer import train
+from sage_train.run import train
 
 TRL_NAMES = set(METRIC_NAMES) | {
     "reward",
@@ -128,7 +128,7 @@ def test_resume_refuses_a_changed_config(tiny_config, distributed):
 def test_warm_start_stops_at_the_target_loss(tiny_config):
     from sage_train.model import load_model_and_tokenizer
     from sage_train.tasks import get_task
-    from sage_train.trainer import SFT_WINDOW, sft_warm_start
+    from sage_train.sft import SFT_WINDOW, sft_warm_start
 
     task = get_task("arithmetic", digits=1)
     problems = task.problems("train", None, 0)

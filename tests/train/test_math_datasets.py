@@ -9,7 +9,8 @@ import pytest
 from sage_train.model import build_char_tokenizer
 from sage_train.tasks import get_task
 from sage_train.tasks import math as math_tasks
-from sage_train.tasks.math import SYSTEM_PROMPTS, ChatPromptTask, answer_for_grading
+from sage_train.tasks.chat import SYSTEM_PROMPTS, ChatPromptTask
+from sage_train.tasks.math import answer_for_grading
 
 DAPO_ROWS = [
     {"prompt": "What is 2 + 3?", "solution": "5"},
@@ -115,7 +116,7 @@ def test_chat_prompt_with_system_prompt(tmp_path):
 
 
 def test_warm_start_then_rl_on_openmathreasoning_jsonl(tiny_config, distributed, tmp_path):
-    from sage_train.trainer import train
+    from sage_train.run import train
 
     path = write_jsonl(tmp_path / "omr.jsonl", OMR_ROWS * 2)
     cfg = tiny_config(
@@ -136,7 +137,7 @@ def test_warm_start_then_rl_on_openmathreasoning_jsonl(tiny_config, distributed,
 
 def test_warm_start_on_another_dataset(tiny_config, distributed, tmp_path):
     """The Qwen2.5-Math recipe's shape: SFT on OpenMathReasoning solutions, RL on DAPO prompts."""
-    from sage_train.trainer import train
+    from sage_train.run import train
 
     omr = write_jsonl(tmp_path / "omr.jsonl", OMR_ROWS)
     dapo = write_jsonl(tmp_path / "dapo.jsonl", DAPO_ROWS)

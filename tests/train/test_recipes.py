@@ -6,7 +6,7 @@ import torch
 import yaml
 
 from sage_train.config import ConfigError, packaged_config_names, packaged_config_path, parse_args
-from sage_train.trainer import deepspeed_config
+from sage_train.build import deepspeed_config
 
 RECIPES = [
     "qwen2.5-math-7b-sft-grpo",

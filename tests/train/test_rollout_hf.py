@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sage_train.model import build_char_tokenizer
 from tiny_models import tiny_model
 from sage_train.rollout import SamplingParams, make_engine
-from sage_train.trainer import PolicyHead, make_batch, score
+from sage_train.policy import PolicyHead, make_batch, score
 
 
 def test_char_tokenizer_round_trips_and_reloads(tmp_path):

@@ -6,23 +6,14 @@ generation correct. Elsewhere this module skips: no stand-in replaces vLLM."""
 import pytest
 import torch
 
-from sage_train.model import build_char_tokenizer, build_tiny_model
+from sage_train.model import build_char_tokenizer
+from tiny_models import tiny_model
 from sage_train.rollout import SamplingParams, make_engine
 
 
 def tiny(hidden=64, heads=4, kv=2, seed=0):
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(
-        tokenizer,
-        hidden_size=hidden,
-        num_layers=2,
-        num_heads=heads,
-        num_kv_heads=kv,
-        intermediate_size=2 * hidden,
-        max_positions=256,
-        seed=seed,
-    )
-    return model, tokenizer
+    return tiny_model(tokenizer, seed=seed, max_positions=256, hidden=hidden, heads=heads, kv_heads=kv), tokenizer
 
 
 
@@ -39,7 +30,7 @@ def _has_vllm() -> bool:
 
 @pytest.mark.skipif(not _has_vllm(), reason="needs vLLM and a CUDA GPU")
 def test_real_engine_generation_sync_and_sleep(tmp_path, distributed):
-    from sage_train.trainer import PolicyHead, make_batch, score
+    from sage_train.policy import PolicyHead, make_batch, score
 
     model, tokenizer = tiny(hidden=256, heads=4, kv=2, seed=0)
     model.save_pretrained(tmp_path / "model")

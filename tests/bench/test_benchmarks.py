@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from benchmarks import loss as bench
-from benchmarks import report
-from benchmarks.chunked_loss import chunked_grpo_loss
-from benchmarks.shapes import Point, make_inputs
+from sage_bench import loss as bench
+from sage_bench import report
+from sage_bench.chunked_loss import chunked_grpo_loss
+from sage_bench.shapes import Point, make_inputs
 from sage_kernels import fused_linear_sage_loss
 
 PROVIDERS = ["naive", "liger-eager", "gemm-floor", "sage-cpu", "sage-triton"]

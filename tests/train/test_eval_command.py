@@ -14,21 +14,22 @@ import pytest
 import torch
 import yaml
 
-from sage_train.evaluate import evaluate_engine, main, pass_at_k
-from sage_train.model import build_char_tokenizer, build_tiny_model, load_pretrained
+from sage_train.eval_command import main
+from sage_train.evaluate import evaluate_engine, pass_at_k
+from sage_train.model import build_char_tokenizer, load_pretrained
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.tasks import get_task
+from tiny_models import tiny_model
 
 TASK_OPTIONS = {"digits": 1}  # "3+4=" -> "7": a tiny model learns the few eval problems quickly
 LIMIT = 4
 
 
-def tiny_model(train_steps: int):
+def fitted_model(train_steps: int):
     """A 1-layer char-level Qwen2, fitted for `train_steps` full-batch steps to answer the first
     LIMIT test problems (so that some, not all, of its samples are right)."""
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64, max_positions=64, seed=0)
+    model = tiny_model(tokenizer, layers=1, max_positions=64)
     task = get_task("arithmetic", **TASK_OPTIONS)
     texts = [task.prompt(p) + p.answer + tokenizer.eos_token for p in task.problems("test", LIMIT, 0)]
     batch = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
@@ -49,7 +50,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     saved = {}
     for label, steps in (("untrained", 0), ("fitted", 40)):
-        model, tokenizer = tiny_model(steps)
+        model, tokenizer = fitted_model(steps)
         model.save_pretrained(root / label)
         tokenizer.save_pretrained(root / label)
         saved[label] = root / label
@@ -148,7 +149,7 @@ def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
     args = ["--model", str(models["fitted"]), "--tasks", "arithmetic",
             "--task-options", json.dumps({"arithmetic": TASK_OPTIONS}), "--n", "8", "--seeds", "0,1,2",
             "--max-new-tokens", "3", "--limit", "16", "--out", str(tmp_path), "--no-progress"]
-    code = f"import sys; from sage_train.evaluate import main; sys.exit(main({args!r}))"
+    code = f"import sys; from sage_train.cli import eval_main; sys.exit(eval_main({args!r}))"
     process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     records = tmp_path / "records.jsonl"
     deadline = time.monotonic() + 120

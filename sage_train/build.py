@@ -1,0 +1,199 @@
+"""What a run is built from: the DeepSpeed engine and optimiser of the policy, the reference
+scorer, the rollout engine, the learning-rate schedule and the guide computed outside the loss."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from sage_kernels.guides import RandomGuide, TokenGuide
+
+from .config import ConfigError, TrainConfig
+from .lora import AdapterDisabled, apply_lora, is_lora
+from .policy import PolicyHead
+from .rollout import make_engine
+
+
+def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: torch.device):
+    """The DeepSpeed engine of the policy and the reference scorer (ZeRO-3-partitioned under stage 3)."""
+    import deepspeed
+
+    local_rows = check_batch_shape(cfg, world)
+    ds_config = deepspeed_config(cfg, world, local_rows // cfg.micro_batch_size, device)
+    policy = PolicyHead(model.to(device), cfg.loss_backend)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # the adapter only under LoRA
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    total = cfg.steps * cfg.num_iterations
+    engine, *_ = deepspeed.initialize(
+        model=policy,
+        optimizer=optimizer,
+        config=ds_config,
+        lr_scheduler=lambda opt: lr_schedule(opt, cfg, total),
+    )
+    reference = None
+    if is_lora(model) and cfg.beta != 0:
+        reference = AdapterDisabled(engine, model)
+    if reference_lm is not None:
+        reference = PolicyHead(reference_lm.to(device), cfg.loss_backend)
+        if cfg.zero_stage == 3:
+            reference_config = {
+                key: ds_config[key]
+                for key in (
+                    "train_micro_batch_size_per_gpu",
+                    "gradient_accumulation_steps",
+                    "train_batch_size",
+                    "zero_optimization",
+                    "bf16",
+                )
+            }
+            reference, *_ = deepspeed.initialize(model=reference, config=reference_config)
+        elif ds_config["bf16"]["enabled"]:
+            reference = reference.to(torch.bfloat16)
+    return engine, reference
+
+
+def with_lora(model, cfg: TrainConfig):
+    return apply_lora(
+        model,
+        rank=cfg.lora_rank,
+        alpha=cfg.lora_alpha,
+        dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules,
+    )
+
+
+def chat_prompted(cfg: TrainConfig, task, tokenizer):
+    """`task` with its prompts in the tokenizer's chat template (``chat_template``), else `task`."""
+    if not cfg.chat_template:
+        return task
+    from .tasks.math import ChatPromptTask
+
+    return ChatPromptTask(task, tokenizer, cfg.system_prompt)
+
+
+def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: int) -> str:
+    """What an engine that loads weights itself (vllm) starts from: `cfg.model`, or, for a model
+    built here ("tiny") or warm-started, a copy saved to ``run_dir/rollout_init`` (HF format).
+    The engine then receives the policy's weights before the first step in any case."""
+    if cfg.rollout_engine != "vllm":
+        return cfg.model
+    if cfg.model != "tiny" and not cfg.sft_steps:
+        return cfg.model
+    path = run_dir / "rollout_init"
+    if rank == 0:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    dist.barrier()
+    return str(path)
+
+
+def build_rollout(cfg: TrainConfig, lm, tokenizer, model_path: str, device, rank: int, world: int):
+    """The rollout engine of ``cfg.rollout_engine``, sampling from `lm` (the policy module)."""
+    if cfg.rollout_engine == "hf":
+        return make_engine("hf", lm, tokenizer, device=device, synced_gpus=cfg.zero_stage == 3 and world > 1)
+    if cfg.rollout_engine == "vllm":
+        return make_engine(
+            "vllm",
+            model_path,
+            tokenizer,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            enable_sleep_mode=cfg.vllm_sleep_mode,
+            sync_bucket_mb=cfg.vllm_sync_bucket_mb,
+            max_model_len=cfg.vllm_max_model_len or None,
+            dtype=cfg.vllm_dtype,
+            seed=cfg.seed + rank,
+        )
+    shared = cfg.openai_shared_dir or str(cfg.run_dir / "adapters")
+    return make_engine(
+        "openai",
+        cfg.openai_base_url,
+        tokenizer,
+        served_model=cfg.openai_model or cfg.model,
+        shared_dir=os.path.join(shared, f"rank{rank}"),
+        adapter_name=f"policy-rank{rank}",
+    )
+
+
+def check_batch_shape(cfg: TrainConfig, world: int) -> int:
+    """Each rank's rows per step (its prompts x group_size); they must split into micro-batches."""
+    local_rows = cfg.prompts_per_step // world * cfg.group_size
+    if cfg.prompts_per_step % world or local_rows % cfg.micro_batch_size:
+        raise ConfigError(
+            f"config key 'prompts_per_step' ({cfg.prompts_per_step}) must split evenly over "
+            f"{world} rank(s), and each rank's prompts x group_size ({local_rows}) into "
+            f"'micro_batch_size' ({cfg.micro_batch_size}) micro-batches"
+        )
+    return local_rows
+
+
+def deepspeed_config(cfg: TrainConfig, world: int, accumulation: int, device: torch.device) -> dict:
+    """The DeepSpeed config implied by `cfg`, with ``cfg.deepspeed_config`` (a file) merged over it."""
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": cfg.micro_batch_size * accumulation * world,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": device.type == "cuda" and cfg.bf16},
+        "steps_per_print": 2**31,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.deepspeed_config:
+        from .config import read_yaml  # JSON is YAML too
+
+        for key, value in read_yaml(cfg.deepspeed_config).items():
+            if isinstance(value, dict) and isinstance(config.get(key), dict):
+                config[key] = {**config[key], **value}
+            else:
+                config[key] = value
+    stage = config["zero_optimization"].get("stage", 0)
+    if stage != cfg.zero_stage:
+        raise ConfigError(
+            f"config key 'deepspeed_config' ({cfg.deepspeed_config}) sets ZeRO stage {stage} but "
+            f"'zero_stage' is {cfg.zero_stage}; make them agree (the trainer reads zero_stage)"
+        )
+    return config
+
+
+def lr_schedule(optimizer, cfg: TrainConfig, total_steps: int):
+    """Linear warmup over ``warmup_steps``, then constant, cosine to 0, or linear to 0."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        if cfg.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if cfg.lr_schedule == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def make_guide(cfg: TrainConfig, rank: int):
+    """The guide computed outside the loss (token, random), or None (branch lives in the loss)."""
+    if cfg.guide == "token":
+        return TokenGuide(
+            gamma=cfg.guide_strength,
+            gamma_end=cfg.guide_strength_end,
+            period=cfg.guide_period,
+            tau=cfg.tau,
+            q_min=cfg.q_min,
+            q_max=cfg.q_max,
+        )
+    if cfg.guide == "random":
+        return RandomGuide(
+            sigma=cfg.guide_strength,
+            sigma_end=cfg.guide_strength_end,
+            period=cfg.guide_period,
+            q_min=cfg.q_min,
+            q_max=cfg.q_max,
+            seed=cfg.seed * 1009 + rank,
+        )
+    return None

@@ -1,0 +1,116 @@
+"""Processes: ranks and devices, seeds, the host sync of each log interval, and stop signals."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def init_distributed():
+    """(rank, world size, device), initialising torch.distributed through DeepSpeed once.
+
+    Launched by torchrun / deepspeed, the environment names the rank; a bare process becomes a
+    world of one on a free local port."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_ranks(flag: bool, device: torch.device) -> bool:
+    """True when `flag` is true on every rank (a host sync: used where the host decides anyway)."""
+    if dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def reduce_rows(pending: list[tuple[int, dict]], device: torch.device) -> list[dict]:
+    """Host rows of the pending steps' metrics, averaged over ranks (q_min / q_max: min / max).
+
+    The one host sync of the log interval: every value goes to one tensor, then `.tolist()`."""
+    names = sorted(pending[0][1])
+    values = torch.stack(
+        [
+            torch.stack(
+                [torch.as_tensor(m[name], dtype=torch.float32, device=device).reshape(()) for name in names]
+            )
+            for _, m in pending
+        ]
+    )
+    if dist.get_world_size() > 1:
+        low, high = names.index("sage/q_min"), names.index("sage/q_max")
+        minimum, maximum = values[:, low].clone(), values[:, high].clone()
+        dist.all_reduce(values)
+        dist.all_reduce(minimum, op=dist.ReduceOp.MIN)
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX)
+        values = values / dist.get_world_size()
+        values[:, low], values[:, high] = minimum, maximum
+    return [{"step": step, **dict(zip(names, row))} for (step, _), row in zip(pending, values.tolist())]
+
+
+class InterruptFlag:
+    """SIGTERM / SIGINT set a flag (handlers installed only in the main thread); the loop checks it
+    at log intervals, agreed over ranks, then checkpoints and stops."""
+
+    def __init__(self) -> None:
+        self.is_set = False
+        self._previous = {}
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.is_set = True
+
+    def agreed(self, device: torch.device) -> bool:
+        if dist.get_world_size() == 1:
+            return self.is_set
+        flag = torch.tensor([1.0 if self.is_set else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.is_set = bool(flag.item())
+        return self.is_set
+
+
+def zero3_gathered(params):
+    """A context that gathers ZeRO-3 partitioned params (no-op for ordinary tensors)."""
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return torch.no_grad()

@@ -1,0 +1,125 @@
+"""The model seen as a loss head: hidden states and the LM head in, log-probs or the fused loss out.
+
+`PolicyHead` runs the decoder and hands its last hidden states, with the LM head's weight, to
+`sage_kernels`: the [tokens x vocab] logits are never formed. `Batch` packs a step's sequences
+(left-padded prompts, right-padded completions) and `score` computes per-token log-probs and
+entropies without gradient, micro-batch by micro-batch.
+
+ZeRO-3. The LM head is partitioned like every other weight. The loss reads
+``lm_head.weight`` inside the forward of `PolicyHead`, the module DeepSpeed wraps; ZeRO-3 then
+gathers it there, registers it as an external parameter of that module, and gathers it again
+for the backward, so the fused loss always sees the full [V, D] weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from sage_kernels import fused_linear_sage_loss, logprobs_and_entropy
+
+from .lora import base_lm
+from .model import decoder_of
+
+
+class PolicyHead(nn.Module):
+    """A causal LM seen through its last hidden states and LM head, never its logits.
+
+    forward(batch) scores the completion tokens: per-token log-probs and entropies from
+    `logprobs_and_entropy`. forward(batch, loss_inputs) returns (loss, the whole
+    `fused_linear_sage_loss` output) instead. Both run inside this module's forward so that
+    ZeRO-3 gathers the LM head.
+    """
+
+    def __init__(self, lm: nn.Module, backend: str = "auto") -> None:
+        super().__init__()
+        self.lm, self.backend = lm, backend
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        completion_ids,
+        prompt_length: int,
+        temperature: float,
+        loss_inputs: Optional[dict] = None,
+    ):
+        lm = base_lm(self.lm)  # under LoRA: the LM whose layers carry the (possibly disabled) adapter
+        hidden = decoder_of(lm)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        # the hidden state at position t predicts token t + 1: the completion starts at prompt_length
+        hidden = hidden[:, prompt_length - 1 : prompt_length - 1 + completion_ids.shape[1]]
+        head = lm.get_output_embeddings()
+        if loss_inputs is None:
+            return logprobs_and_entropy(
+                hidden,
+                head.weight,
+                completion_ids,
+                bias=head.bias,
+                temperature=temperature,
+                backend=self.backend,
+            )
+        output = fused_linear_sage_loss(
+            hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend, **loss_inputs
+        )
+        return output.loss, output  # the loss as a plain tensor output, so ZeRO-3 hooks its backward
+
+
+@dataclass
+class Batch:
+    """A step's sequences: left-padded prompts followed by right-padded completions."""
+
+    input_ids: torch.Tensor  # [B, P + L]
+    attention_mask: torch.Tensor  # [B, P + L]
+    position_ids: torch.Tensor  # [B, P + L], as `generate` numbers left-padded rows
+    completion_ids: torch.Tensor  # [B, L]
+    completion_mask: torch.Tensor  # [B, L] bool: tokens that count in the loss
+    prompt_length: int  # P
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def model_inputs(self, rows: slice, temperature: float) -> dict:
+        return {
+            "input_ids": self.input_ids[rows],
+            "attention_mask": self.attention_mask[rows],
+            "position_ids": self.position_ids[rows],
+            "completion_ids": self.completion_ids[rows],
+            "prompt_length": self.prompt_length,
+            "temperature": temperature,
+        }
+
+
+def make_batch(completions: list, device: torch.device, pad_id: int) -> Batch:
+    """Pack completions (each with its prompt ids) into a `Batch` on `device`."""
+    P = max(len(c.prompt_ids) for c in completions)
+    L = max(1, max(len(c.completion_ids) for c in completions))
+    input_ids = torch.full((len(completions), P + L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, c in enumerate(completions):
+        prompt, completion = torch.tensor(c.prompt_ids), torch.tensor(c.completion_ids, dtype=torch.long)
+        input_ids[row, P - len(prompt) : P] = prompt
+        input_ids[row, P : P + len(completion)] = completion
+        attention_mask[row, P - len(prompt) : P + len(completion)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    batch = Batch(
+        input_ids, attention_mask, position_ids, input_ids[:, P:].clone(), attention_mask[:, P:].bool(), P
+    )
+    return Batch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in dataclasses.astuple(batch)))
+
+
+@torch.no_grad()
+def score(model: nn.Module, batch: Batch, micro_batch_size: int, temperature: float):
+    """Per-token log-probs and entropies [B, L] of the completions under `model` (a PolicyHead)."""
+    parts = [
+        model(**batch.model_inputs(slice(start, start + micro_batch_size), temperature))
+        for start in range(0, batch.rows, micro_batch_size)
+    ]
+    return torch.cat([logp for logp, _ in parts]), torch.cat([entropy for _, entropy in parts])
