@@ -25,8 +25,6 @@ def train_main(argv=None) -> int:
     from .run import train
 
     summary = train(cfg)
-    if summary is None:
-        return 1
     # 130: stopped by a signal after its checkpoint was written (a scheduler should not read it as done).
     return 130 if summary.get("interrupted") else 0
 

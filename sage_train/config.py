@@ -104,7 +104,6 @@ class RunOptions:
     vllm_sleep_mode: bool = True
     vllm_sync_bucket_mb: int = 512
     vllm_max_model_len: int = 0  # 0: prompt + max_new_tokens of the longest eval / RL setting
-    vllm_tensor_parallel_size: int = 1
     vllm_dtype: str = "bfloat16"
     openai_base_url: str = ""  # e.g. http://host:8000 (vllm serve ... --enable-lora)
     openai_model: str = ""  # the served model's name ("": the `model` key)
@@ -346,7 +345,6 @@ def validate(cfg: TrainConfig) -> None:
     require(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "in (0, 1]")
     require(cfg.vllm_sync_bucket_mb > 0, "vllm_sync_bucket_mb", "a positive integer")
     require(cfg.vllm_max_model_len >= 0, "vllm_max_model_len", "an integer >= 0 (0: derived)")
-    require(cfg.vllm_tensor_parallel_size == 1, "vllm_tensor_parallel_size", "1 (one engine per rank)")
     require(
         cfg.rollout_engine != "openai" or cfg.openai_base_url != "",
         "openai_base_url",

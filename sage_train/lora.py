@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import torch
 
-#: the attention and MLP projections of Llama / Qwen2-style models
-DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 def _import_peft():
     try:
