@@ -6,7 +6,9 @@ STAMP  := $(VENV)/.installed
 # hence --no-build-isolation after torch is in.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test demo bench lint clean
+LINTED := sage_kernels sage_train benchmarks tests
+
+.PHONY: setup test demo bench lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,7 +29,11 @@ bench: $(STAMP)
 	$(VENV)/bin/sage-bench loss
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sage_kernels sage_train benchmarks tests
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/ruff check $(LINTED)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format $(LINTED)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -194,3 +194,21 @@ def test_evaluate_engine_batching_and_per_problem_reproducibility(models):
 
     with pytest.raises(ValueError, match=r"every k must be in \[1, n=6\]"):
         evaluate_engine(engine, task, problems, **common | {"ks": [8]})
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--tasks", "arithmetic", "--n", "4", "--k", "1,8"], "every k must be in [1, n=4]"),
+        (["--tasks", "arithmetic", "--seeds", "a,b"], "--seeds must be comma-separated integers"),
+        (["--tasks", "arithmetic", "--task-options", "{oops"], "--task-options is not valid JSON"),
+        (["--tasks", "no-such-task"], "no-such-task"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(models, tmp_path, capsys, argv, named):
+    from sage_train.cli import eval_main
+
+    status = eval_main(["--model", str(models["untrained"]), "--out", str(tmp_path / "eval"), "--no-progress", *argv])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert err.startswith("sage-eval: ") and named in err and "\n" not in err
