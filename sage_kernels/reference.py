@@ -145,7 +145,7 @@ def policy_gradient_term(logp, ratio, token_log_ratio, A, inputs: SageInputs, co
         temperature = _by_sign(A > 0, config.sapo_temperature_pos, config.sapo_temperature_neg, ratio)
         return -torch.sigmoid(temperature * (ratio - 1.0)) * (4.0 / temperature) * A, none, none
     if config.loss_type == "vespo":
-        phi = vespo_weight(token_log_ratio.detach(), A, inputs, config)
+        phi = vespo_weight(token_log_ratio.detach(), A, inputs.mask, inputs.is_weights, config)
         return -phi * A * logp, none, none
     clipped = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
     unclipped = ratio if config.delta_clip is None else ratio.clamp(max=config.delta_clip)
@@ -165,17 +165,19 @@ VESPO_LOG_W_MIN = math.log(1e-8)
 VESPO_LOG_W_MAX = 20.0
 
 
-def vespo_weight(token_log_ratio, A, inputs: SageInputs, config: LossConfig) -> torch.Tensor:
+def vespo_weight(token_log_ratio, A, mask, is_weights, config: LossConfig) -> torch.Tensor:
     """phi = exp(lambda + k log w - lambda w) per token (constant along a row when A is [B]), no gradient.
+
+    token_log_ratio, mask, is_weights: [B, L]; A: [B, L] or [B, 1].
 
     log w = clamp(sum_t m clamp(log r_t, -20, 20) + sum_t m clamp(log is_weight_t, log 1e-8, 20),
     log 1e-8, 20); (k, lambda) by the sign of A (A >= 0: the _pos pair), lambda at least 1e-4.
     A non-finite phi becomes 0.
     """
-    m = inputs.mask.to(token_log_ratio.dtype)
+    m = mask.to(token_log_ratio.dtype)
     log_w = (token_log_ratio.clamp(-VESPO_LOG_W_MAX, VESPO_LOG_W_MAX) * m).sum(-1, keepdim=True)
-    if inputs.is_weights is not None:
-        log_is = inputs.is_weights.to(m.dtype).log().clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    if is_weights is not None:
+        log_is = torch.where(mask, is_weights.to(m.dtype), 1.0).log().clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
         log_w = log_w + (log_is * m).sum(-1, keepdim=True)
     log_w = log_w.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
     nonnegative = A >= 0
