@@ -101,8 +101,8 @@ class FusedLinearSAGELoss(nn.Module):
         `vllm_is_ratio` ([B], [B, 1] or [B, T]) multiplies the PG term."""
         config = self.config
         if config.importance_sampling == "sequence" and config.loss_type in LIGER_TOKEN_ONLY_LOSS_TYPES:
-            raise ValueError(f"importance_sampling_level='sequence' is not supported for loss_type="
-                             f"{config.loss_type!r} (as in Liger); use 'token'")
+            raise ValueError(f"Sequence-level importance sampling is not supported for loss_type="
+                             f"{config.loss_type!r} (as in Liger); use importance_sampling_level='token'")
         if config.loss_type == "dr_grpo" and config.max_completion_length is None:
             raise ValueError("max_completion_length is required for loss_type 'dr_grpo', as in Liger")
         if self.use_ref_model:

@@ -14,7 +14,7 @@ verl's hooks see the SAGE loss in three places, and this module fills each:
   fixed for the update, which equals the fused loss's guide on the first on-policy step.
 - `compute_policy_loss_sage`: registered as ``"sage"`` in verl's policy-loss registry
   (``actor.policy_loss.loss_mode=sage``) when verl imports. verl passes a policy loss only
-  log-probs, so it is the PG term of ``shared/SPEC.md`` (the same per-token stage as the
+  log-probs, so it is the PG term of ``docs/loss.md`` (the same per-token stage as the
   fused loss) with verl's aggregation modes and metric names; the anchor enters through
   the KL loss above.
 
