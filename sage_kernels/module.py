@@ -16,9 +16,8 @@ Where Liger's semantics differ from TRL's (which `LossConfig` follows), `forward
   mask sum is all-reduced, as Liger does. A ``num_items_in_batch`` in the config keeps
   `LossConfig`'s meaning (this process's divisor);
 - Liger's refusals happen where Liger makes them: sequence-level ratios with cispo, sapo or
-  vespo, dr_grpo without ``max_completion_length``, and ``use_ref_model`` without reference
-  inputs raise ValueError at `forward`; both ``ref_per_token_logps`` and ``ref_input`` given
-  warn, and the log-probs are used.
+  vespo and dr_grpo without ``max_completion_length`` raise ValueError at `forward`; both
+  ``ref_per_token_logps`` and ``ref_input`` given warn, and the log-probs are used.
 
 One difference is kept on purpose: for luspo the loss is TRL 1.16's, sum over each sequence's
 unmasked tokens then mean over sequences; Liger 0.8.5 also sums the padded positions whenever
@@ -106,8 +105,6 @@ class FusedLinearSAGELoss(nn.Module):
         if config.loss_type == "dr_grpo" and config.max_completion_length is None:
             raise ValueError("max_completion_length is required for loss_type 'dr_grpo', as in Liger")
         if self.use_ref_model:
-            if ref_per_token_logps is None and ref_input is None:
-                raise ValueError("use_ref_model=True needs ref_per_token_logps or ref_input, as in Liger")
             if ref_per_token_logps is not None and ref_input is not None:
                 warnings.warn("both ref_per_token_logps and ref_input are given; using ref_per_token_logps",
                               UserWarning, stacklevel=2)
