@@ -41,6 +41,11 @@ OPTION_CASES = {
     "entropy-quantile": dict(top_entropy_quantile=0.4, entropy_coef=0.02),
     "temperature-entropy-bonus": dict(temperature=0.6, entropy_coef=0.5, beta=0.2),
     "branch-tight": dict(gamma=1.0, tau=0.5, q_min=0.8, q_max=1.2),
+    "cispo-bias-kl": dict(loss_type="cispo", eps_high=1.1, use_bias_correction_kl=True),
+    "sapo-temperatures": dict(loss_type="sapo", sapo_temperature_pos=1.5, sapo_temperature_neg=0.7),
+    "vespo-parameters": dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=2.0,
+                             vespo_lambda_neg=1.0),
+    "luspo-sequence": dict(loss_type="luspo", importance_sampling="sequence"),
 }
 
 
