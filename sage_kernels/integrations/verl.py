@@ -38,6 +38,7 @@ from ..guides import branch_guide
 from ..reference import policy_gradient_term, reference_logprobs_and_entropy
 from ..spec import LossConfig, SageInputs
 
+_DEFAULTS = LossConfig()
 #: rows per recomputed block in the backward of `linear_cross_entropy` (a [rows, V] float32 workspace).
 BACKWARD_BLOCK_ROWS = 1024
 AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -110,9 +111,10 @@ def patch_verl_fused_kernel() -> None:
 
 
 def sage_anchor_log_prob(ref_log_prob: torch.Tensor, entropy: torch.Tensor, response_mask: torch.Tensor, *,
-                         gamma: float = 0.3, tau: float = 1.2, q_min: float = 0.6,
-                         q_max: float = 1.4) -> torch.Tensor:
-    """log(q * pi_ref) per token with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max).
+                         gamma: float = _DEFAULTS.gamma, tau: float = _DEFAULTS.tau, q_min: float = _DEFAULTS.q_min,
+                         q_max: float = _DEFAULTS.q_max) -> torch.Tensor:
+    """log(q * pi_ref) per token with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max),
+    by default with `LossConfig`'s guide parameters.
 
     Masked positions keep `ref_log_prob` (q = 1). No gradient flows through the result.
     """

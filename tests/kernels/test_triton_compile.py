@@ -83,8 +83,9 @@ def compile_all() -> None:
                      HAS_DUAL=everything and loss_type in CLIPPED_LOSS_TYPES, HAS_OLD=everything, HAS_REF=True,
                      HAS_IS_WEIGHTS=everything, HAS_LOG_Q=everything, HAS_QUANTILE=everything,
                      N_STATS=token_stage.N_ROW_STATS, BLOCK_L=1024)
-        absent = {"inv_norm_ptr": None} if everything else {
-            "old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}
+        absent = {} if everything else {"old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}
+        if loss_type in SEQUENCE_MEAN_LOSS_TYPES + ("luspo",):  # no token-count normaliser: no pointer
+            absent["inv_norm_ptr"] = None
         compile_for_sm90(token_stage._token_stage_kernel, types, dict(flags, **absent), 4, 1)
 
 
