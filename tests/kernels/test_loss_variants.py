@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 import parity
 from sage_kernels import LossConfig
@@ -183,3 +185,31 @@ def test_backends_match_the_reference(backend, name, present):
     native = {"cpu-native": True, "cpu-torch": False}.get(backend)
     parity.check_against_reference(problem, config, backend.split("-")[0], torch.float32, native=native,
                                    seed=len(name))
+
+
+variant_options = st.fixed_dictionaries({
+    "loss_type": st.sampled_from(["cispo", "sapo", "luspo", "vespo"]),
+    "use_bias_correction_kl": st.booleans(),
+    "beta": st.sampled_from([0.0, 0.1]),
+    "kl": st.sampled_from(["k1", "k3", "fk3"]),
+    "guide": st.sampled_from(["none", "branch"]),
+    "eps_high": st.floats(0.5, 3.0),
+    "sapo_temperature_pos": st.floats(0.3, 3.0),
+    "sapo_temperature_neg": st.floats(0.3, 3.0),
+    "vespo_k_pos": st.floats(0.0, 4.0),
+    "vespo_lambda_pos": st.floats(0.0, 4.0),
+    "vespo_k_neg": st.floats(0.0, 4.0),
+    "vespo_lambda_neg": st.floats(0.0, 4.0),
+    "importance_sampling": st.sampled_from(["token", "sequence"]),
+    "top_entropy_quantile": st.sampled_from([1.0, 0.6]),
+    "entropy_coef": st.sampled_from([0.0, 0.02]),
+})
+
+
+# No shrinking: each example costs about a second under the interpreter; the failing one is printed as drawn.
+@settings(max_examples=15, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(opts=variant_options, backend=st.sampled_from(["triton", "cpu"]), is_weights=st.booleans(),
+       old=st.booleans(), seed=st.integers(0, 1000))
+def test_property_new_loss_types_match_the_reference(opts, backend, is_weights, old, seed):
+    problem = far_problem(seed, is_weights=is_weights, old=old)
+    parity.check_against_reference(problem, LossConfig(**opts), backend, torch.float32, seed=seed)
