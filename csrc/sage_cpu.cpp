@@ -1,4 +1,4 @@
-// The vocabulary sweep of the SAGE loss on the CPU (../shared/SPEC.md), one token block at a time.
+// The vocabulary sweep of the SAGE loss on the CPU (docs/loss.md), one token block at a time.
 //
 // Two operators, driven block by block from sage_kernels/cpu.py:
 //   sage_cpu::block_stats  logits = (h W^T + b) / T by one BLAS matmul into a caller-owned

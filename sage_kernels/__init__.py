@@ -1,13 +1,14 @@
 """sage_kernels: the SAGE loss (Shaping Anchors for Guided Exploration), fused over the LM head.
 
 Public API: `fused_linear_sage_loss`, `logprobs_and_entropy`, `FusedLinearSAGELoss`,
-`LossConfig`, `SageLossOutput`, and the guide helpers in `sage_kernels.guides`.
+`fused_linear_grpo` (Liger's functional signature), `LossConfig`, `SageLossOutput`, and the
+guide helpers in `sage_kernels.guides`. The loss contract is docs/loss.md.
 """
 
 from .function import fused_linear_sage_loss, logprobs_and_entropy
-from .module import FusedLinearSAGELoss
+from .module import FusedLinearSAGELoss, fused_linear_grpo
 from .spec import LossConfig, SageLossOutput
 
-__all__ = ["fused_linear_sage_loss", "logprobs_and_entropy", "FusedLinearSAGELoss", "LossConfig",
-           "SageLossOutput"]
+__all__ = ["fused_linear_sage_loss", "logprobs_and_entropy", "FusedLinearSAGELoss", "fused_linear_grpo",
+           "LossConfig", "SageLossOutput"]
 __version__ = "0.1.0"

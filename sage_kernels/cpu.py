@@ -12,21 +12,19 @@ operators (`_TorchBlocks`), after one warning line.
 The per-token stage (guide, KL, ratio, clipping, aggregation) is `reference.token_stage`
 itself, on [B, L] tensors, so every option has the reference's exact semantics;
 autograd through it (O(N) work) gives g = dloss/dlogp and c = dloss/dH. When those are
-local to each token (token-level ratios, no entropy quantile) they are known as soon as
+local to each token (token-level ratios, no entropy quantile, not vespo) they are known as soon as
 a block's logp and H are, so the gradient is formed from the logits still in the
 workspace: three matmuls in all, the minimum. Otherwise (sequence-level ratios, the
-entropy quantile) a first sweep collects logp and H, and a second recomputes each block.
+entropy quantile, vespo's row weight) a first sweep collects logp and H, and a second recomputes each block.
 Either way the gradients are computed inside the forward, like Liger-Kernel's chunked
 losses, and scaled by the upstream gradient in the backward.
 
 Memory: the float32 gradients, O(N) per-token tensors, and the workspace, sized by
 `block_rows` to a quarter of the LM head (the weight gradient plus at most 25%), always
 below N*V/16 elements. Every block re-reads the LM head twice and reads and writes the
-weight gradient once, so taller blocks are faster: at the Qwen2.5-0.5B head (N = 4096,
-216-row blocks) the whole loss costs ~1.1x three whole-batch matmuls on 2 cores; where N/16
-rows cap the block (N = 2048, V = 32000: 121 rows) ~1.2-1.4x, depending on memory traffic.
-Low-precision inputs are upcast to float32 (the valid hidden rows and the weight, once
-per call) and everything accumulates in float32.
+weight gradient once, so taller blocks are faster (benchmarks/ measures by how much).
+Low-precision inputs are upcast to float32 (the valid hidden rows and the weight, once per
+call) and everything accumulates in float32.
 """
 
 from __future__ import annotations
@@ -182,7 +180,8 @@ class _Sweep:
 
 def _per_token_grad_is_local(config: LossConfig) -> bool:
     """True when dloss/dlogp_t and dloss/dH_t depend only on position t's own logp and H."""
-    return config.importance_sampling == "token" and config.top_entropy_quantile == 1.0
+    return (config.importance_sampling == "token" and config.top_entropy_quantile == 1.0
+            and config.loss_type != "vespo")
 
 
 def _stage_with_grads(logp, entropy, inputs, config):
@@ -287,7 +286,7 @@ class SageCpuLoss(torch.autograd.Function):
 
 
 def sage_loss(inputs: SageInputs, config: LossConfig, native: Optional[bool] = None) -> SageLossOutput:
-    """The loss of SPEC.md on the CPU. `native`: True requires the csrc operator, False runs the
+    """The loss of docs/loss.md on the CPU. `native`: True requires the csrc operator, False runs the
     PyTorch block loop, None (the backend interface) uses the operator unless ``SAGE_CPU_NATIVE=0``."""
     side: dict = {}
     ops = _ops_for(native)

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .spec import (FAST_DTYPES, REFERENCE_DTYPES, LossConfig, SageLossOutput, resolve_config,
+from .spec import (FAST_DTYPES, OPTION_NAMES, REFERENCE_DTYPES, LossConfig, SageLossOutput, resolve_config,
                    validate_inputs, validate_scoring_inputs)
 
 BACKENDS = ("reference", "cpu", "triton")
@@ -42,7 +42,7 @@ def fused_linear_sage_loss(hidden: torch.Tensor, weight: torch.Tensor, token_ids
                            ref_logp: Optional[torch.Tensor] = None, is_weights: Optional[torch.Tensor] = None,
                            log_q: Optional[torch.Tensor] = None, config: Optional[LossConfig] = None,
                            backend: str = "auto", **options) -> SageLossOutput:
-    """The SAGE loss (``../shared/SPEC.md``) from hidden states and the LM head.
+    """The SAGE loss (``docs/loss.md``) from hidden states and the LM head.
 
     Args:
         hidden: [B, L, D] or [B*L, D] last hidden states at the positions that predict each
@@ -57,10 +57,7 @@ def fused_linear_sage_loss(hidden: torch.Tensor, weight: torch.Tensor, token_ids
         ref_logp: [B, L] reference log-probs; required when beta != 0.
         is_weights: [B, L] rollout importance-sampling corrections, multiplying the PG term.
         log_q: [B, L] external guide; overrides ``config.guide``.
-        config: a `LossConfig`; keyword `options` override its fields (beta, kl, guide, gamma,
-            tau, q_min, q_max, loss_type, eps_low, eps_high, delta_clip, dual_clip_c,
-            importance_sampling, top_entropy_quantile, entropy_coef, temperature,
-            max_completion_length, num_items_in_batch).
+        config: a `LossConfig`; keyword `options` override its fields ({options}).
         backend: "auto", "reference", "cpu" or "triton".
 
     Returns:
@@ -73,6 +70,9 @@ def fused_linear_sage_loss(hidden: torch.Tensor, weight: torch.Tensor, token_ids
                              ref_logp=ref_logp, is_weights=is_weights, log_q=log_q, config=config,
                              allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES)
     return _backend_module(name).sage_loss(inputs, config)
+
+
+fused_linear_sage_loss.__doc__ = fused_linear_sage_loss.__doc__.replace("{options}", ", ".join(OPTION_NAMES))
 
 
 def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, *,

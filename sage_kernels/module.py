@@ -2,34 +2,43 @@
 
 Code written for ``liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss`` switches in one line:
 ``LigerFusedLinearGRPOLoss(**kw)`` becomes ``FusedLinearSAGELoss.from_liger(**kw)``, which takes
-Liger's constructor arguments and defaults (guide off), and `forward` takes Liger's arguments
-and returns ``(loss, metrics)`` with Liger's metrics tuple: the mean KL when beta != 0, then
-the clipped fraction. Add ``guide="branch"`` to turn the plain KL anchor into SAGE's.
-The tuple also carries every SAGE metric by name in ``metrics.named``.
+every constructor argument of Liger 0.8.5 with Liger's defaults (guide off), and `forward` takes
+Liger's arguments and returns ``(loss, metrics)`` with Liger's metrics tuple: the mean KL when
+beta != 0, then the clipped fraction. `fused_linear_grpo` is the same with the signature of
+Liger's functional ``liger_fused_linear_grpo``. Add ``guide="branch"`` to turn the plain KL
+anchor into SAGE's. The tuple also carries every SAGE metric by name in ``metrics.named``.
 
 Where Liger's semantics differ from TRL's (which `LossConfig` follows), `forward` follows Liger:
-- the clipped fraction is measured on the ratio before the ``delta`` cap (TRL: after);
-- ``num_items_in_batch`` given to `forward` (dapo) is the count over all processes; it is
-  divided by the world size here, and when neither `forward` nor the config gives one, the
+- the clipped fraction is measured on the ratio before the ``delta`` cap (TRL: after); for cispo
+  it counts r > epsilon_high with A > 0, for sapo and vespo it is 0;
+- ``num_items_in_batch`` given to `forward` (dapo, cispo, vespo) is the count over all processes;
+  it is divided by the world size here, and when neither `forward` nor the config gives one, the
   mask sum is all-reduced, as Liger does. A ``num_items_in_batch`` in the config keeps
-  `LossConfig`'s meaning (this process's divisor).
+  `LossConfig`'s meaning (this process's divisor);
+- Liger's refusals happen where Liger makes them: sequence-level ratios with cispo, sapo or
+  vespo and dr_grpo without ``max_completion_length`` raise ValueError at `forward`; both
+  ``ref_per_token_logps`` and ``ref_input`` given warn, and the log-probs are used.
+
+One difference is kept on purpose: for luspo the loss is TRL 1.16's, sum over each sequence's
+unmasked tokens then mean over sequences; Liger 0.8.5 also sums the padded positions whenever
+its per-token loss is [B, T] (token-level ratios, a KL term or per-token vLLM weights).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .function import fused_linear_sage_loss, logprobs_and_entropy
-from .spec import LossConfig
+from .spec import CLIPPED_LOSS_TYPES, LossConfig
 
-#: Liger's constructor names -> `LossConfig` fields.
-LIGER_OPTION_NAMES = {"epsilon_low": "eps_low", "epsilon_high": "eps_high", "delta": "delta_clip",
-                      "importance_sampling_level": "importance_sampling"}
-#: Liger's loss types without a counterpart in `LossConfig`.
-LIGER_ONLY_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
+#: loss types Liger refuses at the sequence level.
+LIGER_TOKEN_ONLY_LOSS_TYPES = ("cispo", "sapo", "vespo")
+#: loss types whose divisor is the completion-token count (Liger's dapo normaliser).
+TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
 
 
 class SageMetrics(tuple):
@@ -54,31 +63,26 @@ class FusedLinearSAGELoss(nn.Module):
         self.use_ref_model = use_ref_model
 
     @classmethod
-    def from_liger(cls, *, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True,
-                   chunk_size: int = 1, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-                   loss_type: str = "dapo", max_completion_length: Optional[int] = None,
-                   importance_sampling_level: str = "token", temperature: float = 1.0,
-                   delta: Optional[float] = None, use_bias_correction_kl: bool = False,
+    def from_liger(cls, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
+                   epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
+                   max_completion_length: Optional[int] = None, importance_sampling_level: str = "token",
+                   sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
+                   delta: Optional[float] = None, use_bias_correction_kl: bool = False, vespo_k_pos: float = 2.0,
+                   vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, *,
                    backend: str = "auto", **options) -> "FusedLinearSAGELoss":
         """A module computing what ``LigerFusedLinearGRPOLoss(...)`` computes with the same arguments.
 
         `compiled` and `chunk_size` are Liger's execution knobs (torch.compile of its loss maths,
-        rows per chunk); the fused kernels tile on their own, so they select nothing here.
-        Liger-only features (the cispo/sapo/luspo/vespo loss types, `use_bias_correction_kl`)
-        raise ValueError. `options` are further `LossConfig` fields (guide, gamma, ...).
+        rows per chunk); the fused kernels tile on their own, so they select nothing here. Liger
+        ignores `delta` outside PPO clipping (cispo, sapo, vespo), and so does this module.
+        `options` are further `LossConfig` fields (guide, gamma, ...).
         """
-        if loss_type in LIGER_ONLY_LOSS_TYPES:
-            raise ValueError(f"loss_type {loss_type!r} is Liger-only; supported: grpo, bnpo, dr_grpo, dapo")
-        if use_bias_correction_kl:
-            raise ValueError("use_bias_correction_kl=True is not supported by the SAGE loss")
-        if loss_type == "dr_grpo" and max_completion_length is None:
-            raise ValueError("max_completion_length is required for loss_type 'dr_grpo', as in Liger")
         del compiled, chunk_size
         options = {"guide": "none", "kl": "k3", **options}
-        return cls(backend=backend, use_ref_model=use_ref_model, beta=beta, eps_low=epsilon_low,
-                   eps_high=epsilon_high, loss_type=loss_type, max_completion_length=max_completion_length,
-                   importance_sampling=importance_sampling_level, temperature=temperature,
-                   delta_clip=delta, **options)
+        return cls(backend=backend, use_ref_model=use_ref_model, **_liger_options(
+            beta, epsilon_low, epsilon_high, loss_type, max_completion_length, importance_sampling_level,
+            sapo_temperature_pos, sapo_temperature_neg, temperature, delta, use_bias_correction_kl, vespo_k_pos,
+            vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg), **options)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, use_ref_model={self.use_ref_model}, config={self.config}"
@@ -95,12 +99,21 @@ class FusedLinearSAGELoss(nn.Module):
         with `ref_weight` / `ref_bias` (the policy's head when `ref_weight` is None).
         `vllm_is_ratio` ([B], [B, 1] or [B, T]) multiplies the PG term."""
         config = self.config
-        if not self.use_ref_model:
+        if config.importance_sampling == "sequence" and config.loss_type in LIGER_TOKEN_ONLY_LOSS_TYPES:
+            raise ValueError(f"Sequence-level importance sampling is not supported for loss_type="
+                             f"{config.loss_type!r} (as in Liger); use importance_sampling_level='token'")
+        if config.loss_type == "dr_grpo" and config.max_completion_length is None:
+            raise ValueError("max_completion_length is required for loss_type 'dr_grpo', as in Liger")
+        if self.use_ref_model:
+            if ref_per_token_logps is not None and ref_input is not None:
+                warnings.warn("both ref_per_token_logps and ref_input are given; using ref_per_token_logps",
+                              UserWarning, stacklevel=2)
+        else:
             # Liger then anchors to the policy itself: the KL is 0 with zero gradient.
             ref_per_token_logps = ref_input = None
             config = config.replace(beta=0.0)
         liger_divisor = num_items_in_batch is not None or config.num_items_in_batch is None
-        if config.loss_type == "dapo" and liger_divisor:
+        if config.loss_type in TOKEN_COUNT_LOSS_TYPES and liger_divisor:
             normaliser = _liger_dapo_normaliser(attention_mask, num_items_in_batch)
             config = config.replace(num_items_in_batch=normaliser)
         if ref_per_token_logps is None and ref_input is not None and config.beta != 0:
@@ -138,6 +151,50 @@ def _liger_clip_fraction(ratio: torch.Tensor, advantages: torch.Tensor, mask: to
     """Fraction of unmasked tokens whose ratio (before the delta cap) is clipped in the advantage's sign."""
     A = advantages.detach()
     A = A[:, None] if A.dim() == 1 else A
-    clipped = ((ratio < 1.0 - config.eps_low) & (A < 0)) | ((ratio > 1.0 + config.eps_high) & (A > 0))
+    if config.loss_type == "cispo":
+        clipped = (ratio > config.eps_high) & (A > 0)
+    elif config.loss_type not in CLIPPED_LOSS_TYPES:
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    else:
+        clipped = ((ratio < 1.0 - config.eps_low) & (A < 0)) | ((ratio > 1.0 + config.eps_high) & (A > 0))
     m = mask.float()
     return (clipped.float() * m).sum() / m.sum().clamp(min=1.0)
+
+
+def _liger_options(beta, epsilon_low, epsilon_high, loss_type, max_completion_length, importance_sampling_level,
+                   sapo_temperature_pos, sapo_temperature_neg, temperature, delta, use_bias_correction_kl,
+                   vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg) -> dict:
+    """Liger's GRPO arguments as `LossConfig` fields. The sapo and vespo parameters (and delta) are
+    kept only for the loss types that read them, as Liger reads them only there."""
+    options = dict(beta=beta, eps_low=epsilon_low, eps_high=epsilon_high, loss_type=loss_type,
+                   max_completion_length=max_completion_length, importance_sampling=importance_sampling_level,
+                   temperature=float(temperature), use_bias_correction_kl=bool(use_bias_correction_kl))
+    if loss_type in CLIPPED_LOSS_TYPES:
+        options["delta_clip"] = delta
+    if loss_type == "sapo":
+        options.update(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+    if loss_type == "vespo":
+        options.update(vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                       vespo_lambda_neg=vespo_lambda_neg)
+    return options
+
+
+def fused_linear_grpo(_input, weight, selected_token_ids, attention_mask, advantages, bias=None,
+                      ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None,
+                      ref_bias=None, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo",
+                      max_completion_length=None, importance_sampling_level="token", sapo_temperature_pos=1.0,
+                      sapo_temperature_neg=1.05, temperature=1.0, compiled=True, use_ref_model=True, chunk_size=1,
+                      vllm_is_ratio=None, delta=None, use_bias_correction_kl=False, vespo_k_pos=2.0,
+                      vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, num_items_in_batch=None, *,
+                      backend: str = "auto", **options):
+    """Liger's functional ``liger_fused_linear_grpo`` (same positional order and defaults), computed by
+    the fused SAGE loss with the guide off: returns ``(loss, metrics)`` like `FusedLinearSAGELoss`.
+    Keyword `options` are further `LossConfig` fields (guide, gamma, ...)."""
+    del compiled, chunk_size
+    options = {"guide": "none", "kl": "k3", **options}
+    module = FusedLinearSAGELoss(backend=backend, use_ref_model=use_ref_model, **_liger_options(
+        beta, epsilon_low, epsilon_high, loss_type, max_completion_length, importance_sampling_level,
+        sapo_temperature_pos, sapo_temperature_neg, temperature, delta, use_bias_correction_kl, vespo_k_pos,
+        vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg), **options)
+    return module(_input, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
+                  old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch)

@@ -1,4 +1,4 @@
-"""The SAGE loss of ``../shared/SPEC.md`` in plain PyTorch: the oracle every backend is tested against.
+"""The SAGE loss of ``docs/loss.md`` in plain PyTorch: the oracle every backend is tested against.
 
 It materialises the [N, V] logits, so it is for tests, benchmarks ("naive") and small
 problems. Gradients come from autograd. Run it in float64 for a ground truth.
@@ -7,7 +7,7 @@ The per-token stage (`token_stage`) is a function of the per-token log-probs and
 entropies only; the chunked CPU path reuses it (it is O(N) work) and differentiates it
 with autograd to get g = dloss/dlogp and c = dloss/dH.
 
-Choices where SPEC.md is silent, following TRL 0.23's GRPOTrainer (the official SAGE code):
+Choices where TRL leaves room (docs/loss.md lists them all), following TRL's GRPOTrainer:
 - old_logp None: ratio = exp(logp - logp.detach()) (1, with gradient).
 - delta_clip caps only the unclipped ratio; the clipped one is clamped from the raw ratio.
 - clip fractions use the (delta-capped) ratio: low = r < 1 - eps_low and A < 0,
@@ -15,10 +15,14 @@ Choices where SPEC.md is silent, following TRL 0.23's GRPOTrainer (the official 
 - the entropy quantile uses torch.quantile's linear interpolation over this call's
   unmasked positions (TRL gathers across processes first).
 - the KL is computed whenever ref_logp is given (for the metric) and enters the loss only
-  when beta != 0.
+  when beta != 0; with use_bias_correction_kl the reported KL is the ratio-weighted one.
+- cispo's clip fraction is TRL's ``cispo_clip_ratio`` (r > eps_high and A > 0), reported as
+  clip_ratio/high_mean and region_mean; sapo and vespo clip nothing (all three are 0).
 """
 
 from __future__ import annotations
+
+import math
 
 from typing import Optional
 
@@ -96,18 +100,17 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
         kl = torch.zeros_like(logp)
 
     old_logp = logp.detach() if inputs.old_logp is None else inputs.old_logp.to(logp.dtype)
-    log_ratio = logp - old_logp
+    token_log_ratio = logp - old_logp
+    log_ratio = token_log_ratio
     if config.importance_sampling == "sequence":
         log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)).expand(B, L)
     ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
-    unclipped = ratio if config.delta_clip is None else ratio.clamp(max=config.delta_clip)
-    pg = -torch.minimum(unclipped * A, clipped * A)
-    if config.dual_clip_c is not None:
-        pg = torch.where(A < 0, torch.minimum(pg, -A * config.dual_clip_c), pg)
+    if config.use_bias_correction_kl:
+        kl = kl * ratio
+    pg, low, high = policy_gradient_term(logp, ratio, token_log_ratio, A, inputs, config)
     if config.top_entropy_quantile < 1.0:
         pg = pg * high_entropy_mask(entropy, mask, config.top_entropy_quantile).to(pg.dtype)
-    if inputs.is_weights is not None:
+    if inputs.is_weights is not None and config.loss_type != "vespo":
         pg = pg * inputs.is_weights.to(pg.dtype)
 
     per_token_loss = pg - config.entropy_coef * entropy
@@ -115,8 +118,6 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
         per_token_loss = per_token_loss + config.beta * kl
     loss = aggregate(per_token_loss, m, config)
 
-    low = (unclipped < 1.0 - config.eps_low) & (A < 0)
-    high = (unclipped > 1.0 + config.eps_high) & (A > 0)
     q = torch.where(mask, log_q.detach().exp(), 1.0)
     any_token = mask.any()
     metrics = {
@@ -134,6 +135,58 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
     return loss, per_token
 
 
+def policy_gradient_term(logp, ratio, token_log_ratio, A, inputs: SageInputs, config: LossConfig):
+    """The per-token PG term of `config.loss_type` and its (low, high) clip indicators."""
+    none = torch.zeros_like(inputs.mask)
+    if config.loss_type == "cispo":
+        pg = -ratio.clamp(max=config.eps_high).detach() * A * logp
+        return pg, none, (ratio > config.eps_high) & (A > 0)
+    if config.loss_type == "sapo":
+        temperature = _by_sign(A > 0, config.sapo_temperature_pos, config.sapo_temperature_neg, ratio)
+        return -torch.sigmoid(temperature * (ratio - 1.0)) * (4.0 / temperature) * A, none, none
+    if config.loss_type == "vespo":
+        phi = vespo_weight(token_log_ratio.detach(), A, inputs.mask, inputs.is_weights, config)
+        return -phi * A * logp, none, none
+    clipped = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
+    unclipped = ratio if config.delta_clip is None else ratio.clamp(max=config.delta_clip)
+    pg = -torch.minimum(unclipped * A, clipped * A)
+    if config.dual_clip_c is not None:
+        pg = torch.where(A < 0, torch.minimum(pg, -A * config.dual_clip_c), pg)
+    return pg, (unclipped < 1.0 - config.eps_low) & (A < 0), (unclipped > 1.0 + config.eps_high) & (A > 0)
+
+
+def _by_sign(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
+    """`if_true` where `condition`, else `if_false`, exactly in `like`'s dtype."""
+    return torch.where(condition, like.new_tensor(if_true), like.new_tensor(if_false))
+
+
+#: VESPO's floor on the sequence weight w, in log space: log(1e-8) (TRL's), and its ceiling.
+VESPO_LOG_W_MIN = math.log(1e-8)
+VESPO_LOG_W_MAX = 20.0
+
+
+def vespo_weight(token_log_ratio, A, mask, is_weights, config: LossConfig) -> torch.Tensor:
+    """phi = exp(lambda + k log w - lambda w) per token (constant along a row when A is [B]), no gradient.
+
+    token_log_ratio, mask, is_weights: [B, L]; A: [B, L] or [B, 1].
+
+    log w = clamp(sum_t m clamp(log r_t, -20, 20) + sum_t m clamp(log is_weight_t, log 1e-8, 20),
+    log 1e-8, 20); (k, lambda) by the sign of A (A >= 0: the _pos pair), lambda at least 1e-4.
+    A non-finite phi becomes 0.
+    """
+    m = mask.to(token_log_ratio.dtype)
+    log_w = (token_log_ratio.clamp(-VESPO_LOG_W_MAX, VESPO_LOG_W_MAX) * m).sum(-1, keepdim=True)
+    if is_weights is not None:
+        log_is = torch.where(mask, is_weights.to(m.dtype), 1.0).log().clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+        log_w = log_w + (log_is * m).sum(-1, keepdim=True)
+    log_w = log_w.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    nonnegative = A >= 0
+    k = _by_sign(nonnegative, config.vespo_k_pos, config.vespo_k_neg, m)
+    lam = _by_sign(nonnegative, config.vespo_lambda_pos, config.vespo_lambda_neg, m).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
     """Positions whose entropy is at or above the (1 - rho) quantile of the unmasked entropies."""
     values = entropy.detach()[mask]
@@ -143,8 +196,12 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> 
     return (entropy.detach() >= threshold) & mask
 
 
+#: loss types averaged per sequence, then over sequences.
+SEQUENCE_MEAN_LOSS_TYPES = ("grpo", "sapo")
+
+
 def loss_normaliser(m: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """The divisor of Σ m·l for the token-sum loss types (bnpo, dr_grpo, dapo)."""
+    """The divisor of Σ m·l for the token-sum loss types (bnpo, dr_grpo; dapo, cispo, vespo)."""
     B, L = m.shape
     if config.loss_type == "bnpo":
         return m.sum().clamp(min=1.0)
@@ -159,8 +216,10 @@ def loss_normaliser(m: torch.Tensor, config: LossConfig) -> torch.Tensor:
 def aggregate(per_token_loss: torch.Tensor, m: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """Reduce [B, L] per-token losses to the scalar loss of `config.loss_type`."""
     masked = per_token_loss * m
-    if config.loss_type == "grpo":
+    if config.loss_type in SEQUENCE_MEAN_LOSS_TYPES:
         return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if config.loss_type == "luspo":
+        return masked.sum(-1).mean()
     return masked.sum() / loss_normaliser(m, config)
 
 

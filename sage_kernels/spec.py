@@ -1,6 +1,6 @@
 """The loss contract as code: `LossConfig`, the validated inputs, the output type.
 
-This is the one place where options and inputs are checked (``../shared/SPEC.md``,
+This is the one place where options and inputs are checked (``docs/loss.md``,
 "Bad input"). Every backend receives a `SageInputs` that has passed `validate_inputs`,
 so backends never re-check shapes, dtypes or devices.
 
@@ -20,7 +20,9 @@ import torch
 
 KL_CODES = {"k1": 1, "k2": 2, "k3": 3, "fk3": 4}
 GUIDE_CODES = {"none": 0, "branch": 1}
-LOSS_TYPE_CODES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3}
+LOSS_TYPE_CODES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3, "cispo": 4, "sapo": 5, "luspo": 6, "vespo": 7}
+#: loss types whose PG term is PPO's clipped surrogate (the others replace it: see docs/loss.md).
+CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 IS_LEVEL_CODES = {"token": 0, "sequence": 1}
 
 #: dtypes the fast backends accept for `hidden`, `weight` and `bias`; the reference also takes float64.
@@ -51,23 +53,30 @@ def _require(condition: bool, name: str, expected: str, value) -> None:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Options of the SAGE loss; defaults are the official SAGE code's.
+    """Options of the SAGE loss; defaults are the official SAGE code's. docs/loss.md gives each formula.
 
     beta: weight of the KL term. kl: estimator of KL(pi || q*pi_ref) per sampled token,
     "k1", "k2" or "k3" (default, TRL's); or "fk3" for the forward direction KL(q*pi_ref || pi).
     guide: "branch" (q from the policy's entropy) or
     "none" (q = 1, plain GRPO); an explicit ``log_q`` passed to the loss overrides it.
     gamma, tau, q_min, q_max: branch guide q = clamp(1 + gamma*(H - tau)+, q_min, q_max).
-    loss_type: "grpo", "bnpo", "dr_grpo" or "dapo" (TRL's normalisers). eps_low, eps_high:
-    PPO clip range [1 - eps_low, 1 + eps_high]. delta_clip: cap on the unclipped ratio
-    (TRL's ``delta``), > 1. dual_clip_c: PPO dual clip (verl's ``clip_ratio_c``), > 1.
+    loss_type: "grpo", "bnpo", "dr_grpo", "dapo", "luspo" (PPO clipping, TRL's normalisers),
+    "cispo" (clipped, detached ratio times logp), "sapo" (sigmoid-gated ratio) or "vespo"
+    (detached gamma weight of the sequence ratio times logp), as in TRL 1.16.
+    eps_low, eps_high: PPO clip range [1 - eps_low, 1 + eps_high]; for cispo eps_high is the cap
+    on the ratio itself (TRL's meaning). delta_clip: cap on the unclipped ratio (TRL's ``delta``),
+    > 1. dual_clip_c: PPO dual clip (verl's ``clip_ratio_c``), > 1. Both only for clipped types.
     importance_sampling: "token" or "sequence" (GSPO) ratios. top_entropy_quantile: keep
     the PG term only on the top rho fraction of tokens by entropy (1.0 keeps all).
     entropy_coef: entropy bonus. temperature: logits are divided by it.
     max_completion_length: dr_grpo's normaliser (defaults to the padded length L).
-    num_items_in_batch: dapo's normaliser, the number of completion tokens the loss is
-    divided by (defaults to this call's count; TRL passes the global count divided by the
+    num_items_in_batch: the dapo/cispo/vespo normaliser, the number of completion tokens the loss
+    is divided by (defaults to this call's count; TRL passes the global count divided by the
     number of processes); a number or a 0-d tensor, so no host sync is needed.
+    sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures for A > 0 and A <= 0.
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO gamma shape and rate
+    for A >= 0 and A < 0. use_bias_correction_kl: multiply the per-token KL by the ratio
+    (TRL's option; off by default here).
     """
 
     beta: float = 0.05
@@ -88,12 +97,21 @@ class LossConfig:
     temperature: float = 1.0
     max_completion_length: Optional[int] = None
     num_items_in_batch: Optional[object] = field(default=None, compare=False)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    use_bias_correction_kl: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("beta", "gamma", "tau", "q_min", "q_max", "eps_low", "eps_high",
-                     "top_entropy_quantile", "entropy_coef", "temperature"):
-            value = getattr(self, name)
-            _require(_is_number(value) and math.isfinite(value), name, "a finite number", value)
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if item.type == "float":
+                _require(_is_number(value) and math.isfinite(value), item.name, "a finite number", value)
+            elif item.type == "bool":
+                _require(isinstance(value, bool), item.name, "True or False", value)
         _require(self.kl in KL_CODES, "kl", f"one of {sorted(KL_CODES)}", self.kl)
         _require(self.guide in GUIDE_CODES, "guide", f"one of {sorted(GUIDE_CODES)}", self.guide)
         _require(self.loss_type in LOSS_TYPE_CODES, "loss_type", f"one of {sorted(LOSS_TYPE_CODES)}",
@@ -107,6 +125,15 @@ class LossConfig:
         _require(self.eps_high >= 0, "eps_high", ">= 0", self.eps_high)
         _require(0 < self.top_entropy_quantile <= 1, "top_entropy_quantile", "in (0, 1]",
                  self.top_entropy_quantile)
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            _require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
+        if self.loss_type == "cispo":
+            _require(self.eps_high > 0, "eps_high", "> 0 for loss_type 'cispo' (the cap on the ratio)", self.eps_high)
+        if self.loss_type not in CLIPPED_LOSS_TYPES:
+            for name in ("delta_clip", "dual_clip_c"):
+                _require(getattr(self, name) is None, name,
+                         f"None for loss_type {self.loss_type!r} (it applies to PPO clipping only)",
+                         getattr(self, name))
         if self.delta_clip is not None:
             _require(_is_number(self.delta_clip) and self.delta_clip > 1, "delta_clip",
                      "None or a number > 1", self.delta_clip)
@@ -217,11 +244,11 @@ def _check_finite(name: str, value: torch.Tensor, where: Optional[torch.Tensor] 
 
 def validate_inputs(hidden, weight, token_ids, mask, advantages, *, bias=None, old_logp=None,
                     ref_logp=None, is_weights=None, log_q=None, config: LossConfig,
-                    allowed_dtypes=FAST_DTYPES, check_values: bool = True) -> SageInputs:
-    """Check everything SPEC.md lists and return canonical `SageInputs`.
+                    allowed_dtypes=FAST_DTYPES) -> SageInputs:
+    """Check everything docs/loss.md lists under "Bad input" and return canonical `SageInputs`.
 
     Raises ValueError / TypeError naming the argument and what was expected, before any
-    computation. `check_values` also scans values (token-id range, non-finite numbers).
+    computation; values are scanned too (token-id range, non-finite numbers).
     """
     _check_tensor("hidden", hidden, ndim=(2, 3), float_=True)
     device = hidden.device
@@ -277,22 +304,19 @@ def validate_inputs(hidden, weight, token_ids, mask, advantages, *, bias=None, o
         _check_tensor(name, value, device=device, float_=True)
         if tuple(value.shape) != (B, L):
             raise ValueError(f"{name} must have shape [B={B}, L={L}], got {tuple(value.shape)}")
-        if check_values:
-            _check_finite(name, value, mask)
+        _check_finite(name, value, mask)
         per_token[name] = torch.where(mask, value.detach().to(cd), neutral)
 
     adv = advantages.detach().to(cd)
     adv = adv[:, None].expand(B, L) if adv.dim() == 1 else adv
-    if check_values:
-        _check_finite("advantages", adv, mask)
-        _check_finite("hidden", hidden)
-        bad = ((token_ids < 0) | (token_ids >= V)) & mask
-        if device.type == "cpu":
-            if bool(bad.any()):
-                raise ValueError(f"token_ids must be in [0, V={V}) at unmasked positions; found "
-                                 f"{int(token_ids[bad][0])}")
-        else:
-            torch._assert_async(~bad.any(), f"token_ids must be in [0, V={V}) at unmasked positions")
+    _check_finite("advantages", adv, mask)
+    _check_finite("hidden", hidden)
+    bad = ((token_ids < 0) | (token_ids >= V)) & mask
+    if device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(f"token_ids must be in [0, V={V}) at unmasked positions; found {int(token_ids[bad][0])}")
+    else:
+        torch._assert_async(~bad.any(), f"token_ids must be in [0, V={V}) at unmasked positions")
 
     return SageInputs(
         hidden=hidden.reshape(B * L, D),

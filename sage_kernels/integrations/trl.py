@@ -6,14 +6,14 @@ Generation, rewards, advantages and the reference/behaviour log-probs stay TRL's
 logits) and computes the whole loss in one fused call: clipped PG term, KL to the SAGE anchor
 q * pi_ref, top-entropy mask and the vLLM importance-sampling correction.
 
-TRL's options are honoured with TRL's meaning: ``loss_type`` (grpo, bnpo, dr_grpo, dapo),
-``beta``, ``epsilon``, ``epsilon_high``, ``delta``, ``importance_sampling_level``,
-``top_entropy_quantile``, ``entropy_coef`` (a static coefficient) and
-``vllm_importance_sampling_correction``; gradient accumulation scales as in TRL. With
-``sage_guide="none"`` the loss and gradients are TRL's. Options TRL has and this trainer does
-not (the cispo/sapo/luspo/vespo loss types, ``off_policy_mask_threshold``,
-``use_bias_correction_kl``, ``use_adaptive_entropy``, MoE auxiliary loss, vision inputs,
-soft-capped or scaled logits) raise ValueError rather than being silently dropped.
+TRL's options are honoured with TRL's meaning: ``loss_type`` (grpo, bnpo, dr_grpo, dapo, cispo,
+sapo, luspo, vespo), ``beta``, ``epsilon``, ``epsilon_high``, ``delta``, ``importance_sampling_level``,
+``top_entropy_quantile``, ``entropy_coef`` (a static coefficient), ``use_bias_correction_kl``, the
+``sapo_temperature_*`` and ``vespo_*`` parameters and ``vllm_importance_sampling_correction``;
+gradient accumulation scales as in TRL. With ``sage_guide="none"`` the loss and gradients are
+TRL's. Options TRL has and this trainer does not (``off_policy_mask_threshold``,
+``use_adaptive_entropy``, MoE auxiliary loss, vision inputs, soft-capped or scaled logits) raise
+ValueError rather than being silently dropped.
 
 Known differences from TRL:
 - with several processes, the top-entropy threshold is the quantile of this process's tokens
@@ -21,8 +21,9 @@ Known differences from TRL:
 - the entropy bonus (TRL's mean entropy over the kept tokens) costs a second fused sweep over
   the vocabulary, since its per-token weight differs from the PG term's.
 
-Metrics: TRL's names (``kl``, ``entropy``, ``clip_ratio/*``, ``policy_loss`` with the entropy
-bonus) with TRL's semantics, plus ``sage/q_mean``, ``sage/q_min``, ``sage/q_max``.
+Metrics: TRL's names (``kl``, ``entropy``, ``clip_ratio/*`` for the clipped loss types,
+``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss`` with the entropy bonus) with TRL's
+semantics, plus ``sage/q_mean``, ``sage/q_min``, ``sage/q_max``.
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from ..function import fused_linear_sage_loss
-from ..spec import LossConfig
+from ..reference import vespo_weight
+from ..spec import CLIPPED_LOSS_TYPES, LOSS_TYPE_CODES, LossConfig
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SUPPORTED_LOSS_TYPES = tuple(LOSS_TYPE_CODES)
+#: loss types TRL divides by the generation batch's token count (already covering accumulation).
+TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
+#: TRL's option names for the `LossConfig` fields they share.
+_SHARED_OPTIONS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                   "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl")
+_DEFAULTS = LossConfig()
 _VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
 _LOGIT_SCALE_KEYS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
                      "logits_scaling")
@@ -58,19 +66,20 @@ class SAGEGRPOConfig(GRPOConfig):
     beta defaults to 0.05 and use_bias_correction_kl to False here (TRL: 0 and True); see the fields.
     """
 
-    sage_guide: str = field(default="branch", metadata={"help": "'branch' or 'none'."})
-    sage_gamma: float = field(default=0.3, metadata={"help": "Branch guide slope per nat above tau."})
-    sage_tau: float = field(default=1.2, metadata={"help": "Branch guide entropy threshold, in nats."})
-    sage_q_min: float = field(default=0.6, metadata={"help": "Lower clamp of q."})
-    sage_q_max: float = field(default=1.4, metadata={"help": "Upper clamp of q."})
-    sage_kl: str = field(default="k3", metadata={"help": "KL estimator: 'k1', 'k2' or 'k3'."})
+    sage_guide: str = field(default=_DEFAULTS.guide, metadata={"help": "'branch' or 'none'."})
+    sage_gamma: float = field(default=_DEFAULTS.gamma, metadata={"help": "Branch guide slope per nat above tau."})
+    sage_tau: float = field(default=_DEFAULTS.tau, metadata={"help": "Branch guide entropy threshold, in nats."})
+    sage_q_min: float = field(default=_DEFAULTS.q_min, metadata={"help": "Lower clamp of q."})
+    sage_q_max: float = field(default=_DEFAULTS.q_max, metadata={"help": "Upper clamp of q."})
+    sage_kl: str = field(default=_DEFAULTS.kl, metadata={"help": "KL estimator: 'k1', 'k2' or 'k3'."})
     sage_dual_clip_c: Optional[float] = field(default=None, metadata={"help": "PPO dual clip (> 1)."})
     sage_backend: str = field(default="auto", metadata={"help": "Fused loss backend."})
-    # TRL >= 1 defaults to True; the SAGE loss has no ratio-weighted KL (TRL 0.23 and the official
-    # SAGE code have none either), so the default here is False and True is rejected when beta != 0.
-    use_bias_correction_kl: bool = field(default=False, metadata={"help": "Not supported when beta != 0."})
+    # TRL >= 1 defaults to True; the official SAGE code has no ratio-weighted KL, so the default
+    # here is the loss's own (False). Set it to True for TRL's default behaviour.
+    use_bias_correction_kl: bool = field(default=_DEFAULTS.use_bias_correction_kl,
+                                         metadata={"help": "Multiply the per-token KL by the ratio (TRL's)."})
     # TRL defaults to beta = 0 (no KL term); the guide acts through the KL term, so SAGE's default is kept.
-    beta: float = field(default=0.05, metadata={"help": "KL coefficient (SAGE's default 0.05; TRL's is 0)."})
+    beta: float = field(default=_DEFAULTS.beta, metadata={"help": "KL coefficient (SAGE's default 0.05; TRL's is 0)."})
 
 
 @dataclass
@@ -124,7 +133,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
             importance_sampling=self.importance_sampling_level,
             top_entropy_quantile=self.top_entropy_quantile,
             temperature=self.temperature, max_completion_length=self.max_completion_length,
-            num_items_in_batch=num_items_in_batch)
+            num_items_in_batch=num_items_in_batch, **{name: getattr(args, name) for name in _SHARED_OPTIONS})
 
     def _compute_loss(self, model, inputs):
         if any(key in inputs for key in _VISION_KEYS):
@@ -151,22 +160,24 @@ class SAGEGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = None
-        if self.loss_type == "dapo":
+        if self.loss_type in TOKEN_COUNT_LOSS_TYPES:
             # TRL's dapo divisor: the generation batch's token count, per process and accumulation window.
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 num_items = num_items * accumulation / self.args.steps_per_generation
         is_weights = None
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            ratio = inputs["importance_sampling_ratio"]
+        ratio = inputs.get("importance_sampling_ratio")
+        # TRL's vespo folds the vLLM ratios (1 at masked positions) into its weight whenever the batch has them.
+        correcting = self.use_vllm and self.vllm_importance_sampling_correction
+        if ratio is not None and (self.loss_type == "vespo" or correcting):
             is_weights = ratio.reshape(B, -1).expand(B, L)
         out = fused_linear_sage_loss(
             hidden, weight, completion_ids, mask, inputs["advantages"], bias=bias,
             old_logp=inputs.get("old_per_token_logps"),
             ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
             is_weights=is_weights, config=self._loss_config(num_items), backend=self.args.sage_backend)
-        # TRL scales every loss type but dapo (whose divisor already covers the window) for accumulation.
-        loss = out.loss if self.loss_type == "dapo" else out.loss / accumulation
+        # TRL scales every loss type but the token-count ones (whose divisor covers the window) for accumulation.
+        loss = out.loss if self.loss_type in TOKEN_COUNT_LOSS_TYPES else out.loss / accumulation
 
         if self.entropy_coef != 0.0:
             kept = mask
@@ -175,7 +186,20 @@ class SAGEGRPOTrainer(GRPOTrainer):
             loss = loss + self._entropy_bonus(hidden, weight, bias, completion_ids, kept, accumulation)
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(out.loss.detach()).nanmean().item())
         self._log_loss_metrics(mode, out, inputs["advantages"], mask)
+        if self.loss_type == "vespo":
+            self._log_vespo_weight(mode, out, inputs, mask, is_weights)
         return loss
+
+    def _log_vespo_weight(self, mode, out, inputs, mask, is_weights) -> None:
+        """TRL's ``vespo/phi_seq_mean``: the mean over sequences of VESPO's weight phi."""
+        old = inputs.get("old_per_token_logps")
+        log_ratio = torch.zeros_like(out.logp) if old is None else torch.where(mask, out.logp - old, 0.0)
+        A = inputs["advantages"]
+        phi = vespo_weight(log_ratio, A[:, None] if A.dim() == 1 else A, mask, is_weights, self._loss_config(None))
+        rows = phi.reshape(phi.shape[0], -1)[:, 0] if A.dim() == 1 else (phi * mask).sum(-1) / mask.sum(-1)
+        totals = self.accelerator.reduce(torch.stack([rows.sum(), torch.tensor(float(rows.numel()))]),
+                                         reduction="sum")
+        self._metrics[mode]["vespo/phi_seq_mean"].append((totals[0] / totals[1].clamp(min=1.0)).item())
 
     def _entropy_bonus(self, hidden, weight, bias, token_ids, kept, accumulation) -> torch.Tensor:
         """-entropy_coef * (mean entropy over the kept tokens) / accumulation, TRL's bonus, differentiable.
@@ -204,8 +228,13 @@ class SAGEGRPOTrainer(GRPOTrainer):
         for name, reduce in (("sage/q_min", nanmin), ("sage/q_max", nanmax)):
             metrics[name].append(reduce(self.accelerator.gather(out.metrics[name].reshape(1))).item())
 
-        ratio = out.ratio if self.args.delta is None else out.ratio.clamp(max=self.args.delta)
         A = advantages[:, None] if advantages.dim() == 1 else advantages
+        if self.loss_type == "cispo":
+            clipped = ((out.ratio > self.epsilon_high) & (A > 0)).float()
+            metrics["cispo_clip_ratio"].append(global_mean((clipped * m).sum(), m.sum()))
+        if self.loss_type not in CLIPPED_LOSS_TYPES:
+            return
+        ratio = out.ratio if self.args.delta is None else out.ratio.clamp(max=self.args.delta)
         if self.importance_sampling_level == "sequence":
             # One ratio per sequence (TRL's [B, 1]); a sequence without tokens has ratio 1.
             count = m.sum(-1, keepdim=True)
@@ -227,7 +256,6 @@ def _check_supported(args: SAGEGRPOConfig) -> None:
     unsupported = {
         "loss_type": args.loss_type not in SUPPORTED_LOSS_TYPES,
         "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
-        "use_bias_correction_kl": args.use_bias_correction_kl and args.beta != 0.0,
         "use_adaptive_entropy": args.use_adaptive_entropy,
     }
     for name, bad in unsupported.items():

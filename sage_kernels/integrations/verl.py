@@ -13,12 +13,16 @@ verl's hooks see the SAGE loss in three places, and this module fills each:
   SAGE anchor. The guide is then computed from the behaviour policy's entropy and held
   fixed for the update, which equals the fused loss's guide on the first on-policy step.
 - `compute_policy_loss_sage`: registered as ``"sage"`` in verl's policy-loss registry
-  (``actor.policy_loss.loss_mode=sage``) when verl imports. verl passes a policy loss only
-  log-probs, so it is the PG term of ``shared/SPEC.md`` (the same per-token stage as the
+  (``actor.policy_loss.loss_mode=sage``) when verl imports; `compute_policy_loss_sage_sapo`
+  likewise as ``"sage_sapo"``, the loss type verl and TRL define alike (verl's ``"sapo"``:
+  ``tau_pos``/``tau_neg`` from the actor config, sequence-mean aggregation). verl's ``cispo``
+  clips the ratio on both sides (TRL's caps it above only) and its ``gspo`` differentiates a
+  per-token combined ratio, so neither maps onto this loss's definitions. verl passes a policy loss only
+  log-probs, so it is the PG term of ``docs/loss.md`` (the same per-token stage as the
   fused loss) with verl's aggregation modes and metric names; the anchor enters through
   the KL loss above.
 
-Differences from verl's "vanilla" loss: the log-ratio is not clamped to [-20, 20] before
+Differences from verl's "vanilla" and "sapo" losses: the log-ratio is not clamped to [-20, 20] before
 exp; dual clip applies only when ``clip_ratio_c`` is set (verl's default 3.0 is used when
 the config has no such key, as in verl).
 """
@@ -31,9 +35,10 @@ import torch
 
 from ..function import logprobs_and_entropy
 from ..guides import branch_guide
-from ..reference import reference_logprobs_and_entropy, token_stage
+from ..reference import policy_gradient_term, reference_logprobs_and_entropy
 from ..spec import LossConfig, SageInputs
 
+_DEFAULTS = LossConfig()
 #: rows per recomputed block in the backward of `linear_cross_entropy` (a [rows, V] float32 workspace).
 BACKWARD_BLOCK_ROWS = 1024
 AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -106,9 +111,10 @@ def patch_verl_fused_kernel() -> None:
 
 
 def sage_anchor_log_prob(ref_log_prob: torch.Tensor, entropy: torch.Tensor, response_mask: torch.Tensor, *,
-                         gamma: float = 0.3, tau: float = 1.2, q_min: float = 0.6,
-                         q_max: float = 1.4) -> torch.Tensor:
-    """log(q * pi_ref) per token with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max).
+                         gamma: float = _DEFAULTS.gamma, tau: float = _DEFAULTS.tau, q_min: float = _DEFAULTS.q_min,
+                         q_max: float = _DEFAULTS.q_max) -> torch.Tensor:
+    """log(q * pi_ref) per token with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max),
+    by default with `LossConfig`'s guide parameters.
 
     Masked positions keep `ref_log_prob` (q = 1). No gradient flows through the result.
     """
@@ -165,26 +171,59 @@ def compute_policy_loss_sage(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     weights = _aggregation_weights(mask, loss_agg_mode, **batch_info)
     if rollout_is_weights is not None:
         weights = weights * rollout_is_weights.float()
-    loss_config = LossConfig(beta=0.0, guide="none", loss_type="dapo", num_items_in_batch=1.0,
-                             eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c)
-    # The aggregation weights ride on the PG term's importance weights: dapo with one item is sum(w * pg).
-    inputs = SageInputs(hidden=None, weight=None, bias=None,
-                        token_ids=torch.zeros_like(mask, dtype=torch.long),
-                        mask=mask, advantages=torch.where(mask, advantages.detach().float(), 0.0),
-                        old_logp=torch.where(mask, old_log_prob.detach().float(), 0.0), ref_logp=None,
-                        is_weights=torch.where(mask, weights, 0.0), log_q=None)
-    logp = log_prob.float()
-    loss, per_token = token_stage(logp, torch.zeros_like(logp), inputs, loss_config)
-
-    ratio, A = per_token["ratio"], inputs.advantages
+    loss_config = LossConfig(beta=0.0, guide="none", loss_type="dapo", eps_low=eps_low, eps_high=eps_high,
+                             dual_clip_c=dual_clip_c)
+    loss, ratio, A = _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, loss_config)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     pg = torch.maximum(-A * ratio, -A * clipped)
     metrics = {
         "actor/pg_clipfrac": _masked_mean((-A * clipped > -A * ratio).float(), mask),
-        "actor/ppo_kl": _masked_mean(inputs.old_logp - logp.detach(), mask),
+        "actor/ppo_kl": _ppo_kl(old_log_prob, log_prob, mask),
         "actor/pg_clipfrac_lower": _masked_mean(((pg > -A * dual_clip_c) & (A < 0)).float(), mask),
     }
     return loss, metrics
+
+
+def compute_policy_loss_sage_sapo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                                  response_mask: torch.Tensor, loss_agg_mode: str = "seq-mean-token-mean",
+                                  config=None, rollout_is_weights: Optional[torch.Tensor] = None):
+    """verl's policy-loss signature: the sapo PG term (docs/loss.md) as verl's ``"sapo"`` aggregates it.
+
+    Reads ``tau_pos``, ``tau_neg`` (verl's names for the gate temperatures, defaults 1.0 and 1.05)
+    and ``global_batch_info`` from `config`. Like verl's sapo, the aggregation is always
+    seq-mean-token-mean (`loss_agg_mode` is taken for the signature only) and the clip fractions are 0.
+    """
+    if config is None:
+        raise ValueError("config (verl's ActorConfig) is required for the gate temperatures")
+    del loss_agg_mode
+    mask = response_mask.bool()
+    batch_info = dict(_config_value(config, "global_batch_info", {}))
+    weights = _aggregation_weights(mask, "seq-mean-token-mean", **batch_info)
+    if rollout_is_weights is not None:
+        weights = weights * rollout_is_weights.float()
+    loss_config = LossConfig(beta=0.0, guide="none", loss_type="sapo",
+                             sapo_temperature_pos=float(_config_value(config, "tau_pos", 1.0)),
+                             sapo_temperature_neg=float(_config_value(config, "tau_neg", 1.05)))
+    loss, _, _ = _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, loss_config)
+    return loss, {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": _ppo_kl(old_log_prob, log_prob, mask),
+                  "actor/pg_clipfrac_lower": 0.0}
+
+
+def _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, config: LossConfig):
+    """(sum of weights * the PG term of `config.loss_type`, the ratio, the masked advantages)."""
+    A = torch.where(mask, advantages.detach().float(), 0.0)
+    inputs = SageInputs(hidden=None, weight=None, bias=None, token_ids=torch.zeros_like(mask, dtype=torch.long),
+                        mask=mask, advantages=A, old_logp=torch.where(mask, old_log_prob.detach().float(), 0.0),
+                        ref_logp=None, is_weights=None, log_q=None)
+    logp = torch.where(mask, log_prob.float(), 0.0)
+    token_log_ratio = logp - inputs.old_logp
+    ratio = torch.exp(token_log_ratio)
+    pg, _, _ = policy_gradient_term(logp, ratio, token_log_ratio, A, inputs, config)
+    return (torch.where(mask, weights, 0.0) * pg).sum(), ratio.detach(), A
+
+
+def _ppo_kl(old_log_prob, log_prob, mask) -> float:
+    return _masked_mean(torch.where(mask, old_log_prob.detach().float() - log_prob.detach().float(), 0.0), mask)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -198,6 +237,7 @@ def _register() -> bool:
     except ImportError:
         return False
     register_policy_loss("sage")(compute_policy_loss_sage)
+    register_policy_loss("sage_sapo")(compute_policy_loss_sage_sapo)
     return True
 
 

@@ -10,12 +10,14 @@ operators are opaque to the compiler; their fake implementations give output sha
 - ``sage_kernels::triton_logprobs_entropy``: the forward-only scoring sweep.
 
 Operators take tensors and flat lists of numbers, so `LossConfig` crosses the boundary as
-(floats, ints, num_items) from `_pack` and is rebuilt (and re-validated) by `_unpack`.
+(floats, ints, num_items) from `_pack` and is rebuilt (and re-validated) by `_unpack`; both walk
+`LossConfig`'s fields by their declared types, so a new option needs no change here.
 Nothing here reads a device value on the host: the loss and metrics stay on the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -29,39 +31,50 @@ from .sweep_fwd import compact_rows, scoring_forward, sweep_forward
 from .tiles import interpreting
 
 MaybeTensor = Optional[Tensor]
-_FLOAT_OPTIONS = ("beta", "gamma", "tau", "q_min", "q_max", "eps_low", "eps_high", "top_entropy_quantile",
-                  "entropy_coef", "temperature")
-_CODE_TABLES = (("kl", KL_CODES), ("guide", GUIDE_CODES), ("loss_type", LOSS_TYPE_CODES),
-                ("importance_sampling", IS_LEVEL_CODES))
+_CODE_TABLES = {"kl": KL_CODES, "guide": GUIDE_CODES, "loss_type": LOSS_TYPE_CODES,
+                "importance_sampling": IS_LEVEL_CODES}
+#: how each declared field type travels: in the float list or in the int list.
+_FLOAT_TYPES = ("float", "Optional[float]", "Optional[object]")
+_INT_TYPES = ("str", "bool", "Optional[int]")
+_FIELDS = dataclasses.fields(LossConfig)
+_FLOAT_FIELDS = tuple(f.name for f in _FIELDS if f.type in _FLOAT_TYPES)
+_INT_FIELDS = tuple(f.name for f in _FIELDS if f.type in _INT_TYPES)
+assert len(_FLOAT_FIELDS) + len(_INT_FIELDS) == len(_FIELDS), "a LossConfig field type _pack cannot carry"
+assert set(_CODE_TABLES) == {f.name for f in _FIELDS if f.type == "str"}, "a string option without codes"
 #: stands for None in the packed optional numbers (every valid value is positive).
 _ABSENT = -1.0
-_TEMPERATURE = _FLOAT_OPTIONS.index("temperature")
-_ENTROPY_COEF = _FLOAT_OPTIONS.index("entropy_coef")
+_TEMPERATURE = _FLOAT_FIELDS.index("temperature")
+_ENTROPY_COEF = _FLOAT_FIELDS.index("entropy_coef")
 #: inputs of the loss operator after hidden, weight and bias: none of them gets a gradient.
 _N_OTHER_INPUTS = 10
 
 
 def _pack(config: LossConfig):
     """(floats, ints, num_items tensor or None) carrying every field of `config`."""
-    optional = [config.delta_clip, config.dual_clip_c]
+    floats = []
+    for name in _FLOAT_FIELDS:
+        value = getattr(config, name)
+        floats.append(_ABSENT if value is None or isinstance(value, torch.Tensor) else float(value))
+    ints = []
+    for name in _INT_FIELDS:
+        value = getattr(config, name)
+        ints.append(_CODE_TABLES[name][value] if name in _CODE_TABLES else int(value or 0))
     n = config.num_items_in_batch
-    number_n = None if isinstance(n, torch.Tensor) else n
-    floats = [float(getattr(config, name)) for name in _FLOAT_OPTIONS]
-    floats += [_ABSENT if x is None else float(x) for x in optional + [number_n]]
-    ints = [table[getattr(config, name)] for name, table in _CODE_TABLES]
-    ints.append(config.max_completion_length or 0)
     return floats, ints, n if isinstance(n, torch.Tensor) else None
 
 
 def _unpack(floats: list[float], ints: list[int], num_items: Optional[Tensor]) -> LossConfig:
     """The `LossConfig` that `_pack` packed."""
-    options = dict(zip(_FLOAT_OPTIONS, floats))
-    delta_clip, dual_clip_c, number_n = (None if x == _ABSENT else x for x in floats[len(_FLOAT_OPTIONS):])
-    for (name, table), code in zip(_CODE_TABLES, ints):
-        options[name] = next(key for key, value in table.items() if value == code)
-    return LossConfig(**options, delta_clip=delta_clip, dual_clip_c=dual_clip_c,
-                      max_completion_length=ints[len(_CODE_TABLES)] or None,
-                      num_items_in_batch=num_items if num_items is not None else number_n)
+    options = {name: None if value == _ABSENT else value for name, value in zip(_FLOAT_FIELDS, floats)}
+    types = {f.name: f.type for f in _FIELDS}
+    for name, code in zip(_INT_FIELDS, ints):
+        if name in _CODE_TABLES:
+            options[name] = next(key for key, value in _CODE_TABLES[name].items() if value == code)
+        else:
+            options[name] = bool(code) if types[name] == "bool" else (code or None)
+    if num_items is not None:
+        options["num_items_in_batch"] = num_items
+    return LossConfig(**options)
 
 
 def _metrics(row_stats: Tensor, mask: Tensor) -> Tensor:

@@ -1,17 +1,18 @@
-"""The per-token stage in Triton: guide, anchor, KL, ratio, clipped PG, loss and its slopes.
+"""The per-token stage in Triton: guide, anchor, KL, ratio, PG term, loss and its slopes.
 
 One program per sequence (row b) walks its L positions in BLOCK_L chunks:
 
 1. row statistics: the token count and, for sequence-level ratios, sum_t m (logp - old_logp);
-2. every per-token quantity of SPEC.md, written for all positions (masked positions get
+   for vespo, the log of the sequence weight w (docs/loss.md);
+2. every per-token quantity of docs/loss.md, written for all positions (masked positions get
    q = ratio = 1, kl = 0, g = c = 0), the row's share of the loss and of each metric;
 3. sequence-level ratios only: the ratio is shared by the row, so g_t needs the row sum
-   G_b = sum_s scale_s dpg_s/dr from step 2: g_t += G_b r m_t / count_b.
+   G_b = sum_s scale_s dl_s/dr from step 2: g_t += G_b r m_t / count_b.
 
 g = dloss/dlogp and c = dloss/dH already include the loss-type normaliser
-(scale_t = m_t / (B max(count_b, 1)) for grpo, m_t / normaliser otherwise). The
-batch-wide inputs (the bnpo/dr_grpo/dapo normaliser and the top-entropy threshold) are
-0-d device tensors computed beforehand by `batch_statistics`, so nothing syncs.
+(scale_t = m_t / (B max(count_b, 1)) for grpo and sapo, m_t / B for luspo, m_t / normaliser
+otherwise). The batch-wide inputs (the token-sum normaliser and the top-entropy threshold)
+are 0-d device tensors computed beforehand by `batch_statistics`, so nothing syncs.
 
 Gradient conventions follow PyTorch autograd of the reference exactly: clamp passes the
 gradient on the closed interval, and `minimum` splits it in half on ties (which is what
@@ -26,13 +27,33 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import loss_normaliser
-from ..spec import KL_CODES, LossConfig
+from ..reference import SEQUENCE_MEAN_LOSS_TYPES, VESPO_LOG_W_MAX, VESPO_LOG_W_MIN, loss_normaliser
+from ..spec import KL_CODES, LOSS_TYPE_CODES, LossConfig
 from .tiles import interpreting, new_buffer
 
 #: columns of the per-row statistics buffer.
 ROW_LOSS, ROW_KL, ROW_ENTROPY, ROW_Q, ROW_Q_MIN, ROW_Q_MAX, ROW_LOW, ROW_HIGH, ROW_REGION = range(9)
 N_ROW_STATS = 9
+
+# The codes of `spec` as kernel constants (k3 is the kernel's default branch).
+KL_K1 = tl.constexpr(KL_CODES["k1"])
+KL_K2 = tl.constexpr(KL_CODES["k2"])
+KL_FK3 = tl.constexpr(KL_CODES["fk3"])
+LOSS_CISPO = tl.constexpr(LOSS_TYPE_CODES["cispo"])
+LOSS_SAPO = tl.constexpr(LOSS_TYPE_CODES["sapo"])
+LOSS_VESPO = tl.constexpr(LOSS_TYPE_CODES["vespo"])
+LOSS_LUSPO = tl.constexpr(LOSS_TYPE_CODES["luspo"])
+_ROW_LOSS = tl.constexpr(ROW_LOSS)
+_ROW_KL = tl.constexpr(ROW_KL)
+_ROW_ENTROPY = tl.constexpr(ROW_ENTROPY)
+_ROW_Q = tl.constexpr(ROW_Q)
+_ROW_Q_MIN = tl.constexpr(ROW_Q_MIN)
+_ROW_Q_MAX = tl.constexpr(ROW_Q_MAX)
+_ROW_LOW = tl.constexpr(ROW_LOW)
+_ROW_HIGH = tl.constexpr(ROW_HIGH)
+_ROW_REGION = tl.constexpr(ROW_REGION)
+_LOG_W_MIN = tl.constexpr(VESPO_LOG_W_MIN)
+_LOG_W_MAX = tl.constexpr(VESPO_LOG_W_MAX)
 
 
 @triton.jit
@@ -52,13 +73,13 @@ def _log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max,
 @triton.jit
 def _kl_and_slope(delta, KL: tl.constexpr):
     """The KL estimate from delta = log anchor - logp, and its derivative with respect to logp."""
-    if KL == 1:
+    if KL == KL_K1:
         kl = -delta
         slope = tl.full(delta.shape, 1.0, tl.float32)
-    elif KL == 2:
+    elif KL == KL_K2:
         kl = 0.5 * delta * delta
         slope = -delta
-    elif KL == 4:
+    elif KL == KL_FK3:
         # fk3 = r*d - (r - 1), r = exp(d): the same cancellation for small d; series sum_m (m-1) d^m / m!.
         r = tl.exp(delta)
         series = delta * (1.0 / 30.0 + delta * (1.0 / 144.0))
@@ -81,9 +102,9 @@ def _tie_weight(a, b):
 
 
 @triton.jit
-def _policy_gradient(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
-                     HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
-    """(pg, dpg/dratio, the delta-capped ratio) of the clipped PPO term."""
+def _clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
+                HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+    """(pg, dpg/dratio, low, high) of PPO's clipped term (low/high: the clip indicators)."""
     low = 1.0 - eps_low
     high = 1.0 + eps_high
     if HAS_DELTA:
@@ -104,7 +125,41 @@ def _policy_gradient(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
         negative = adv < 0
         d_pg = tl.where(negative, d_pg * _tie_weight(pg, bound), d_pg)
         pg = tl.where(negative, tl.minimum(pg, bound), pg)
-    return pg, d_pg, unclipped
+    return pg, d_pg, (unclipped < low) & (adv < 0), (unclipped > high) & (adv > 0)
+
+
+@triton.jit
+def _policy_gradient(ratio, lp, adv, log_w, eps_low, eps_high, delta_clip, dual_clip_c, sapo_t_pos, sapo_t_neg,
+                     vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
+                     LOSS: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+    """(pg, dpg/dratio, dpg/dlogp at a fixed ratio, low, high) of the loss type's PG term."""
+    d_pg_logp = tl.zeros(ratio.shape, dtype=tl.float32)
+    low = d_pg_logp != 0.0
+    high = low
+    if LOSS == LOSS_CISPO:
+        weight = tl.minimum(ratio, eps_high)  # detached: no slope in the ratio
+        pg = -weight * adv * lp
+        d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
+        d_pg_logp = -weight * adv
+        high = (ratio > eps_high) & (adv > 0)
+    elif LOSS == LOSS_SAPO:
+        temperature = tl.where(adv > 0, sapo_t_pos, sapo_t_neg)
+        gate = tl.sigmoid(temperature * (ratio - 1.0))
+        pg = -gate * (4.0 / temperature) * adv
+        d_pg = -4.0 * adv * gate * (1.0 - gate)
+    elif LOSS == LOSS_VESPO:
+        nonnegative = adv >= 0
+        k = tl.where(nonnegative, vespo_k_pos, vespo_k_neg)
+        lam = tl.maximum(tl.where(nonnegative, vespo_lambda_pos, vespo_lambda_neg), 1e-4)
+        phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
+        phi = tl.where((phi == phi) & (tl.abs(phi) < float("inf")), phi, 0.0)  # TRL's nan_to_num(0)
+        pg = -phi * adv * lp
+        d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
+        d_pg_logp = -phi * adv
+    else:
+        pg, d_pg, low, high = _clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
+                                          HAS_DELTA, HAS_DUAL)
+    return pg, d_pg, d_pg_logp, low, high
 
 
 @triton.heuristics({
@@ -119,8 +174,10 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
                         threshold_ptr, inv_norm_ptr,
                         q_ptr, kl_ptr, ratio_ptr, g_ptr, c_ptr, row_stats_ptr,
                         B, L, beta, gamma, tau, q_min, q_max, eps_low, eps_high, delta_clip, dual_clip_c,
-                        entropy_coef,
-                        KL: tl.constexpr, BRANCH: tl.constexpr, SEQUENCE: tl.constexpr, GRPO: tl.constexpr,
+                        entropy_coef, sapo_t_pos, sapo_t_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                        vespo_lambda_neg,
+                        KL: tl.constexpr, BRANCH: tl.constexpr, SEQUENCE: tl.constexpr, LOSS: tl.constexpr,
+                        PER_SEQUENCE_MEAN: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
                         HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr,
                         HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr,
                         HAS_LOG_Q: tl.constexpr, HAS_QUANTILE: tl.constexpr, N_STATS: tl.constexpr,
@@ -132,21 +189,29 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
     # 1. row statistics
     count = tl.zeros([BLOCK_L], dtype=tl.float32)
     log_ratio_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    log_w_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
     for l0 in range(0, L, BLOCK_L):
         in_row = l0 + offs < L
         m = tl.load(mask_ptr + base + l0 + offs, mask=in_row, other=0) != 0
         count += m.to(tl.float32)
-        if SEQUENCE and HAS_OLD:
+        if HAS_OLD and (SEQUENCE or LOSS == LOSS_VESPO):
             lp = tl.load(logp_ptr + base + l0 + offs, mask=in_row, other=0.0)
             old = tl.load(old_ptr + base + l0 + offs, mask=in_row, other=0.0)
             log_ratio_sum += tl.where(m, lp - old, 0.0)
+            log_w_sum += tl.where(m, tl.minimum(tl.maximum(lp - old, -_LOG_W_MAX), _LOG_W_MAX), 0.0)
+        if HAS_IS_WEIGHTS and LOSS == LOSS_VESPO:
+            log_is = tl.log(tl.load(isw_ptr + base + l0 + offs, mask=m, other=1.0))
+            log_w_sum += tl.where(m, tl.minimum(tl.maximum(log_is, _LOG_W_MIN), _LOG_W_MAX), 0.0)
     n_tokens = tl.sum(count, axis=0)
     per_token_share = 1.0 / tl.maximum(n_tokens, 1.0)
-    if GRPO:
+    if PER_SEQUENCE_MEAN:
         scale = per_token_share / B
+    elif LOSS == LOSS_LUSPO:
+        scale = 1.0 / B
     else:
         scale = tl.load(inv_norm_ptr)
     seq_ratio = tl.exp(tl.sum(log_ratio_sum, axis=0) * per_token_share)
+    log_w = tl.minimum(tl.maximum(tl.sum(log_w_sum, axis=0), _LOG_W_MIN), _LOG_W_MAX)
     if HAS_QUANTILE:
         threshold = tl.load(threshold_ptr)
 
@@ -173,31 +238,42 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
         log_q = tl.where(m, log_q, 0.0)
         q = tl.exp(log_q)
 
-        if HAS_REF:
-            ref = tl.load(ref_ptr + at, mask=m, other=0.0)
-            kl, d_kl = _kl_and_slope(ref + log_q - lp, KL)
-            kl = tl.where(m, kl, 0.0)
-            d_kl = tl.where(m & (beta != 0.0), beta * d_kl, 0.0)
-        else:
-            kl = tl.zeros([BLOCK_L], dtype=tl.float32)
-            d_kl = tl.zeros([BLOCK_L], dtype=tl.float32)
-
         if SEQUENCE:
             ratio = tl.zeros([BLOCK_L], dtype=tl.float32) + seq_ratio
         elif HAS_OLD:
             ratio = tl.exp(lp - tl.load(old_ptr + at, mask=m, other=0.0))
         else:
             ratio = tl.full([BLOCK_L], 1.0, tl.float32)
-        pg, d_pg, unclipped = _policy_gradient(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
-                                               HAS_DELTA, HAS_DUAL)
+
+        # the KL term: its value, its slope in logp at a fixed ratio, its slope in the ratio
+        if HAS_REF:
+            ref = tl.load(ref_ptr + at, mask=m, other=0.0)
+            kl, kl_slope = _kl_and_slope(ref + log_q - lp, KL)
+            kl = tl.where(m, kl, 0.0)
+            kl_ratio_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
+            if BIAS_CORRECTION:
+                kl_ratio_slope = tl.where(beta != 0.0, beta * kl, 0.0)
+                kl = kl * ratio
+                kl_slope = kl_slope * ratio
+            kl_slope = tl.where(m & (beta != 0.0), beta * kl_slope, 0.0)
+        else:
+            kl = tl.zeros([BLOCK_L], dtype=tl.float32)
+            kl_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
+            kl_ratio_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
+
+        pg, d_pg, d_pg_logp, low, high = _policy_gradient(
+            ratio, lp, adv, log_w, eps_low, eps_high, delta_clip, dual_clip_c, sapo_t_pos, sapo_t_neg,
+            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, LOSS, HAS_DELTA, HAS_DUAL)
         if HAS_QUANTILE:
             keep = (ent >= threshold).to(tl.float32)
             pg *= keep
             d_pg *= keep
-        if HAS_IS_WEIGHTS:
+            d_pg_logp *= keep
+        if HAS_IS_WEIGHTS and LOSS != LOSS_VESPO:  # vespo folds the weights into w
             weights = tl.load(isw_ptr + at, mask=m, other=1.0)
             pg *= weights
             d_pg *= weights
+            d_pg_logp *= weights
 
         token_scale = tl.where(m, scale, 0.0)
         kl_term = tl.where(beta != 0.0, beta * kl, 0.0)
@@ -207,8 +283,8 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
         q_sum += tl.where(m, q, 0.0)
         q_lo = tl.minimum(q_lo, tl.where(m, q, float("inf")))
         q_hi = tl.maximum(q_hi, tl.where(m, q, float("-inf")))
-        low = m & (unclipped < 1.0 - eps_low) & (adv < 0)
-        high = m & (unclipped > 1.0 + eps_high) & (adv > 0)
+        low = m & low
+        high = m & high
         low_sum += low.to(tl.float32)
         high_sum += high.to(tl.float32)
         region_sum += (low | high).to(tl.float32)
@@ -217,38 +293,34 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
         tl.store(kl_ptr + at, kl, mask=in_row)
         tl.store(ratio_ptr + at, tl.where(m, ratio, 1.0), mask=in_row)
         tl.store(c_ptr + at, -entropy_coef * token_scale, mask=in_row)
+        local = token_scale * (d_pg_logp + kl_slope)
         if SEQUENCE:
-            ratio_slope_sum += tl.where(m, token_scale * d_pg, 0.0)
+            ratio_slope_sum += tl.where(m, token_scale * (d_pg + kl_ratio_slope), 0.0)
+            tl.store(g_ptr + at, local, mask=in_row)
         else:
-            tl.store(g_ptr + at, token_scale * (d_pg * ratio + d_kl), mask=in_row)
+            tl.store(g_ptr + at, local + token_scale * (d_pg + kl_ratio_slope) * ratio, mask=in_row)
 
     # 3. sequence-level ratios: every token's logp moves the shared ratio
     if SEQUENCE:
+        tl.debug_barrier()  # step 2's stores of g are visible to every thread of the program
         d_log_ratio = tl.sum(ratio_slope_sum, axis=0) * seq_ratio * per_token_share
         for l0 in range(0, L, BLOCK_L):
             at = base + l0 + offs
             in_row = l0 + offs < L
             m = tl.load(mask_ptr + at, mask=in_row, other=0) != 0
-            d_kl = tl.zeros([BLOCK_L], dtype=tl.float32)
-            if HAS_REF:
-                lp = tl.load(logp_ptr + at, mask=m, other=0.0)
-                ent = tl.load(entropy_ptr + at, mask=m, other=0.0)
-                log_q = _log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q, BRANCH)
-                ref = tl.load(ref_ptr + at, mask=m, other=0.0)
-                _, d_kl = _kl_and_slope(ref + log_q - lp, KL)
-                d_kl = tl.where(m & (beta != 0.0), beta * d_kl * scale, 0.0)
-            tl.store(g_ptr + at, tl.where(m, d_log_ratio, 0.0) + d_kl, mask=in_row)
+            local = tl.load(g_ptr + at, mask=in_row, other=0.0)
+            tl.store(g_ptr + at, local + tl.where(m, d_log_ratio, 0.0), mask=in_row)
 
     stats = row_stats_ptr + row * N_STATS
-    tl.store(stats + 0, tl.sum(loss_sum, axis=0))
-    tl.store(stats + 1, tl.sum(kl_sum, axis=0))
-    tl.store(stats + 2, tl.sum(entropy_sum, axis=0))
-    tl.store(stats + 3, tl.sum(q_sum, axis=0))
-    tl.store(stats + 4, tl.min(q_lo, axis=0))
-    tl.store(stats + 5, tl.max(q_hi, axis=0))
-    tl.store(stats + 6, tl.sum(low_sum, axis=0))
-    tl.store(stats + 7, tl.sum(high_sum, axis=0))
-    tl.store(stats + 8, tl.sum(region_sum, axis=0))
+    tl.store(stats + _ROW_LOSS, tl.sum(loss_sum, axis=0))
+    tl.store(stats + _ROW_KL, tl.sum(kl_sum, axis=0))
+    tl.store(stats + _ROW_ENTROPY, tl.sum(entropy_sum, axis=0))
+    tl.store(stats + _ROW_Q, tl.sum(q_sum, axis=0))
+    tl.store(stats + _ROW_Q_MIN, tl.min(q_lo, axis=0))
+    tl.store(stats + _ROW_Q_MAX, tl.max(q_hi, axis=0))
+    tl.store(stats + _ROW_LOW, tl.sum(low_sum, axis=0))
+    tl.store(stats + _ROW_HIGH, tl.sum(high_sum, axis=0))
+    tl.store(stats + _ROW_REGION, tl.sum(region_sum, axis=0))
 
 
 def entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
@@ -272,7 +344,7 @@ def batch_statistics(entropy: torch.Tensor, mask: torch.Tensor, config: LossConf
     """(inverse normaliser, entropy threshold): the 0-d inputs of the token stage that need the
     whole batch; either is None when `config` does not use it."""
     inv_norm = None
-    if config.loss_type != "grpo":
+    if config.loss_type not in SEQUENCE_MEAN_LOSS_TYPES + ("luspo",):
         inv_norm = (1.0 / loss_normaliser(mask.to(torch.float32), config)).to(torch.float32).reshape(())
     threshold = None
     if config.top_entropy_quantile < 1.0:
@@ -299,9 +371,13 @@ def token_stage(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights,
         q, kl, ratio, g, c, row_stats,
         B, L, *(float(x) for x in (config.beta, config.gamma, config.tau, config.q_min, config.q_max,
                                    config.eps_low, config.eps_high, config.delta_clip or 0.0,
-                                   config.dual_clip_c or 0.0, config.entropy_coef)),
+                                   config.dual_clip_c or 0.0, config.entropy_coef, config.sapo_temperature_pos,
+                                   config.sapo_temperature_neg, config.vespo_k_pos, config.vespo_lambda_pos,
+                                   config.vespo_k_neg, config.vespo_lambda_neg)),
         KL=KL_CODES[config.kl], BRANCH=config.guide == "branch",
-        SEQUENCE=config.importance_sampling == "sequence", GRPO=config.loss_type == "grpo",
+        SEQUENCE=config.importance_sampling == "sequence", LOSS=LOSS_TYPE_CODES[config.loss_type],
+        PER_SEQUENCE_MEAN=config.loss_type in SEQUENCE_MEAN_LOSS_TYPES,
+        BIAS_CORRECTION=config.use_bias_correction_kl,
         HAS_DELTA=config.delta_clip is not None, HAS_DUAL=config.dual_clip_c is not None,
         N_STATS=N_ROW_STATS, BLOCK_L=block_l, num_warps=4)
     return q, kl, ratio, g, c, row_stats

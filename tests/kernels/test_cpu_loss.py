@@ -17,12 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import parity
 from alloc import AllocationRecorder
-from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
+from sage_kernels import LossConfig, logprobs_and_entropy
 from sage_kernels import cpu
 from sage_kernels.reference import reference_logprobs_and_entropy
-from sage_kernels.spec import METRIC_NAMES, validate_inputs
-from tolerances import assert_close, assert_grad_close
+from sage_kernels.spec import validate_inputs
+from tolerances import assert_close
 
 PATHS = ("native", "torch")
 
@@ -40,6 +41,11 @@ OPTION_CASES = {
     "entropy-quantile": dict(top_entropy_quantile=0.4, entropy_coef=0.02),
     "temperature-entropy-bonus": dict(temperature=0.6, entropy_coef=0.5, beta=0.2),
     "branch-tight": dict(gamma=1.0, tau=0.5, q_min=0.8, q_max=1.2),
+    "cispo-bias-kl": dict(loss_type="cispo", eps_high=1.1, use_bias_correction_kl=True),
+    "sapo-temperatures": dict(loss_type="sapo", sapo_temperature_pos=1.5, sapo_temperature_neg=0.7),
+    "vespo-parameters": dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=2.0,
+                             vespo_lambda_neg=1.0),
+    "luspo-sequence": dict(loss_type="luspo", importance_sampling="sequence"),
 }
 
 
@@ -80,50 +86,13 @@ def make_case(B=3, L=37, D=96, V=1271, *, dtype=torch.float32, bias=True, seed=0
     return case
 
 
-def run(case, config, *, backend, path=None, dtype=None, upstream=1.0, frozen=()):
-    """The loss with leaf copies of hidden/weight/bias in `dtype` (those named in `frozen` need no
-    gradient); backward with `upstream`."""
-    dtype = dtype or case["hidden"].dtype
-    leaves = {k: None if case[k] is None
-              else case[k].detach().to(dtype).clone().requires_grad_(k not in frozen)
-              for k in ("hidden", "weight", "bias")}
-    kwargs = {k: case[k] for k in ("old_logp", "ref_logp", "is_weights", "log_q")}
-    if backend == "cpu":
-        inputs = validate_inputs(leaves["hidden"], leaves["weight"], case["token_ids"], case["mask"],
-                                 case["advantages"], bias=leaves["bias"], config=config, **kwargs)
-        out = cpu.sage_loss(inputs, config, native=path == "native")
-    else:
-        out = fused_linear_sage_loss(leaves["hidden"], leaves["weight"], case["token_ids"], case["mask"],
-                                     case["advantages"], bias=leaves["bias"], config=config,
-                                     backend=backend, **kwargs)
-    (out.loss * upstream).backward()
-    grads = {k: None if v is None else v.grad for k, v in leaves.items()}
-    return out, grads
-
-
 def check_against_reference(case, config, path, *, frozen=(), seed=0):
-    """Every output and gradient of the CPU backend against the float64 reference."""
-    dtype = case["hidden"].dtype
-    upstream = 0.5 + torch.rand((), generator=torch.Generator().manual_seed(seed)).item()
-    out, grads = run(case, config, backend="cpu", path=path, upstream=upstream, frozen=frozen)
-    ref, ref_grads = run(case, config, backend="reference", dtype=torch.float64, upstream=upstream,
-                         frozen=frozen)
-    assert out.loss.dtype == torch.float32 and out.loss.dim() == 0
-    assert_close(out.loss, ref.loss, dtype, "loss", "loss")
-    for name in ("logp", "entropy", "q", "kl", "ratio"):
-        assert_close(getattr(out, name), getattr(ref, name), dtype, "token", name)
-    assert sorted(out.metrics) == sorted(METRIC_NAMES)
-    for name in METRIC_NAMES:
-        assert_close(out.metrics[name], ref.metrics[name], dtype, "token", name)
-    for name in ("hidden", "weight", "bias"):
-        if ref_grads[name] is None:
-            assert grads[name] is None, f"{name} must get no gradient"
-            continue
-        assert grads[name].dtype == dtype and grads[name].shape == ref_grads[name].shape
-        assert_grad_close(grads[name], ref_grads[name], dtype, f"grad {name}")
-    if grads["hidden"] is not None:
-        hidden_grad = grads["hidden"].reshape(case["mask"].shape + (-1,))
-        assert bool((hidden_grad[~case["mask"]] == 0).all()), "masked rows must get exactly zero gradient"
+    """Every output and gradient of the CPU backend's `path` against the float64 reference."""
+    parity.check_against_reference(case, config, "cpu", native=path == "native", frozen=frozen, seed=seed)
+
+
+def run(case, config, *, backend, path=None, upstream=1.0):
+    return parity.run(case, config, backend, native=None if path is None else path == "native", upstream=upstream)
 
 
 @pytest.mark.parametrize("path", PATHS)

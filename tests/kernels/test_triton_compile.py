@@ -51,6 +51,8 @@ def sweep_types(dtype: str, kernel: str) -> dict:
 
 def compile_all() -> None:
     """Compile every kernel family in its main variants; assert the 16-bit sweeps use wgmma + cp.async."""
+    from sage_kernels.reference import SEQUENCE_MEAN_LOSS_TYPES
+    from sage_kernels.spec import CLIPPED_LOSS_TYPES, LOSS_TYPE_CODES
     from sage_kernels.triton import sweep_bwd, sweep_fwd, token_stage
 
     tiles = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, DOT_UPCAST=False)
@@ -71,13 +73,19 @@ def compile_all() -> None:
                                         "ratio_ptr", "g_ptr", "c_ptr", "row_stats_ptr")}
     types.update(mask_ptr="*u8", B="i32", L="i32", **{name: "fp32" for name in (
         "beta", "gamma", "tau", "q_min", "q_max", "eps_low", "eps_high", "delta_clip", "dual_clip_c",
-        "entropy_coef")})
-    for kl, everything in ((1, True), (2, False), (3, True), (3, False)):
-        flags = dict(KL=kl, BRANCH=not everything, SEQUENCE=everything, GRPO=everything, HAS_DELTA=everything,
-                     HAS_DUAL=everything, HAS_OLD=everything, HAS_REF=True, HAS_IS_WEIGHTS=everything,
-                     HAS_LOG_Q=everything, HAS_QUANTILE=everything, N_STATS=9, BLOCK_L=1024)
-        absent = {"inv_norm_ptr": None} if everything else {
-            "old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}
+        "entropy_coef", "sapo_t_pos", "sapo_t_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+        "vespo_lambda_neg")})
+    for kl, everything, loss_type in ((1, True, "grpo"), (2, False, "dapo"), (3, True, "luspo"), (3, False, "cispo"),
+                                      (4, True, "sapo"), (3, True, "vespo")):
+        flags = dict(KL=kl, BRANCH=not everything, SEQUENCE=everything, LOSS=LOSS_TYPE_CODES[loss_type],
+                     PER_SEQUENCE_MEAN=loss_type in SEQUENCE_MEAN_LOSS_TYPES, BIAS_CORRECTION=everything,
+                     HAS_DELTA=everything and loss_type in CLIPPED_LOSS_TYPES,
+                     HAS_DUAL=everything and loss_type in CLIPPED_LOSS_TYPES, HAS_OLD=everything, HAS_REF=True,
+                     HAS_IS_WEIGHTS=everything, HAS_LOG_Q=everything, HAS_QUANTILE=everything,
+                     N_STATS=token_stage.N_ROW_STATS, BLOCK_L=1024)
+        absent = {} if everything else {"old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}
+        if loss_type in SEQUENCE_MEAN_LOSS_TYPES + ("luspo",):  # no token-count normaliser: no pointer
+            absent["inv_norm_ptr"] = None
         compile_for_sm90(token_stage._token_stage_kernel, types, dict(flags, **absent), 4, 1)
 
 

@@ -22,7 +22,9 @@ B, P, L = 4, 3, 6
 # TRL's attributes each case sets on both trainers (module-scoped trainers, so every case sets all).
 DEFAULTS = dict(beta=0.04, loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, delta=None,
                 importance_sampling_level="token", top_entropy_quantile=1.0, entropy_coef=0.0, use_vllm=False,
-                accumulation=1, old_logps=True)
+                accumulation=1, old_logps=True, old_noise=0.25, use_bias_correction_kl=False)
+#: old log-probs this far from the current ones (ratios about e^-2 .. e^2) exercise clipping and gating.
+FAR = dict(old_noise=1.0)
 CASES = {
     "grpo-kl": {},
     "bnpo-beta0-on_policy": dict(loss_type="bnpo", beta=0.0, old_logps=False),
@@ -33,9 +35,23 @@ CASES = {
     "bnpo-top_entropy-entropy_bonus": dict(loss_type="bnpo", top_entropy_quantile=0.4, entropy_coef=0.05),
     "grpo-entropy_bonus": dict(entropy_coef=0.1, accumulation=2),
     "dapo-vllm_is": dict(loss_type="dapo", use_vllm=True),
+    "cispo-far": dict(loss_type="cispo", epsilon_high=1.3, **FAR),
+    "cispo-accum2-bias_kl": dict(loss_type="cispo", epsilon_high=2.0, accumulation=2, use_bias_correction_kl=True,
+                                 **FAR),
+    "sapo-far": dict(loss_type="sapo", **FAR),
+    "sapo-sequence-bias_kl": dict(loss_type="sapo", importance_sampling_level="sequence",
+                                  use_bias_correction_kl=True, **FAR),
+    "luspo-sequence-far": dict(loss_type="luspo", importance_sampling_level="sequence", **FAR),
+    "luspo-token-accum2": dict(loss_type="luspo", accumulation=2, **FAR),
+    "vespo-far": dict(loss_type="vespo", **FAR),
+    "vespo-vllm_is-accum2": dict(loss_type="vespo", use_vllm=True, accumulation=2, **FAR),
+    "grpo-bias_kl-far": dict(use_bias_correction_kl=True, **FAR),
+    "dapo-sequence-bias_kl": dict(loss_type="dapo", importance_sampling_level="sequence", use_bias_correction_kl=True,
+                                  **FAR),
 }
 COMPARED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                    "clip_ratio/low_min", "clip_ratio/high_max", "policy_loss")
+                    "clip_ratio/low_min", "clip_ratio/high_max", "policy_loss", "cispo_clip_ratio",
+                    "vespo/phi_seq_mean")
 
 
 def letter_a_reward(completions, **kwargs):
@@ -87,9 +103,11 @@ def make_batch(model, options, seed=0):
                  completion_mask=completion_mask, advantages=torch.tensor([1.0, -0.5, 0.3, -1.2]),
                  ref_per_token_logps=logp + 0.3 * torch.randn(B, L, generator=g),
                  num_items_in_batch=completion_mask.sum().float() * 2,
-                 importance_sampling_ratio=torch.rand(B, L, generator=g) + 0.5)
+                 # TRL's vLLM ratios are exactly 1 at masked positions
+                 importance_sampling_ratio=torch.where(completion_mask.bool(), torch.rand(B, L, generator=g) + 0.5,
+                                                       1.0))
     if options["old_logps"]:
-        batch["old_per_token_logps"] = logp + 0.25 * torch.randn(B, L, generator=g)
+        batch["old_per_token_logps"] = logp + options["old_noise"] * torch.randn(B, L, generator=g)
     return batch
 
 
@@ -98,6 +116,7 @@ def configure(trainer, options):
                  "top_entropy_quantile", "entropy_coef", "use_vllm"):
         setattr(trainer, name, options[name])
     trainer.args.delta = options["delta"]
+    trainer.args.use_bias_correction_kl = options["use_bias_correction_kl"]
     trainer._entropy_bonus_enabled = options["entropy_coef"] != 0.0
     trainer.vllm_importance_sampling_correction = True
     trainer.current_gradient_accumulation_steps = options["accumulation"]
@@ -151,11 +170,10 @@ def test_training_steps_with_branch_guide(tiny_lm_dir, tmp_path):
     assert any(not torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
 
 
-@pytest.mark.parametrize("overrides", [dict(loss_type="cispo"), dict(use_adaptive_entropy=True),
-                                       dict(off_policy_mask_threshold=0.5), dict(sage_guide="bogus"),
-                                       dict(beta=0.0), dict(use_bias_correction_kl=True)],
-                         ids=["cispo", "adaptive_entropy", "off_policy_mask", "bad_guide", "guide_without_kl",
-                              "bias_correction_kl"])
+@pytest.mark.parametrize("overrides", [dict(use_adaptive_entropy=True), dict(off_policy_mask_threshold=0.5),
+                                       dict(sage_guide="bogus"), dict(beta=0.0), dict(sapo_temperature_neg=0.0)],
+                         ids=["adaptive_entropy", "off_policy_mask", "bad_guide", "guide_without_kl",
+                              "sapo_temperature"])
 def test_unsupported_options_raise(tiny_lm_dir, tmp_path, overrides):
     with pytest.raises(ValueError):
         make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(tmp_path), **overrides)

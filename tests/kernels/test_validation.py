@@ -1,4 +1,4 @@
-"""Every bad input of SPEC.md raises ValueError/TypeError naming the argument, before any computation."""
+"""Every bad input of docs/loss.md raises ValueError/TypeError naming the argument, before any computation."""
 
 import math
 

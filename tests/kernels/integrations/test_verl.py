@@ -142,6 +142,35 @@ def test_policy_loss_matches_verl_formula(case, with_is):
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-5)
 
 
+def verl_sapo(old, logp, A, mask, config, weights=None):
+    """verl's sapo policy loss (gate sigmoid(tau (r - 1)) 4 / tau, tau by the sign of A, sequence mean)."""
+    ratio = torch.exp((logp - old).clamp(-20.0, 20.0))
+    tau = torch.where(A > 0, torch.tensor(config["tau_pos"]), torch.tensor(config["tau_neg"]))
+    pg = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * A
+    if weights is not None:
+        pg = pg * weights
+    return verl_aggregate(pg, mask, "seq-mean-token-mean", **config["global_batch_info"])
+
+
+@pytest.mark.parametrize("batch_info", [{}, dict(global_batch_size=6, dp_size=2)], ids=["local", "global"])
+@pytest.mark.parametrize("with_is", [False, True], ids=["no-is", "rollout-is"])
+def test_sapo_policy_loss_matches_verl_formula(batch_info, with_is):
+    config = Config(tau_pos=1.3, tau_neg=2.0, global_batch_info=batch_info)
+    old, logp, A, mask, is_w = policy_batch(seed=2)
+    old = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(5))  # far ratios: the gate bends
+    weights = is_w if with_is else None
+    results = []
+    for fn in (lambda lp: sage_verl.compute_policy_loss_sage_sapo(old, lp, A, mask, "token-mean", config,
+                                                                  weights)[0],
+               lambda lp: verl_sapo(old, lp, A, mask, config, weights)):
+        lp = logp.clone().requires_grad_(True)
+        loss = fn(lp)
+        loss.backward()
+        results.append((loss.detach(), lp.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-5)
+
+
 def test_policy_loss_metrics():
     old, logp, A, mask, _ = policy_batch()
     config = Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1.05,
@@ -180,6 +209,7 @@ def test_registered_in_verl():
 
     assert sage_verl.VERL_REGISTERED
     assert get_policy_loss_fn("sage") is sage_verl.compute_policy_loss_sage
+    assert get_policy_loss_fn("sage_sapo") is sage_verl.compute_policy_loss_sage_sapo
 
 
 @real_verl

@@ -16,15 +16,13 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from sage_kernels import LossConfig, fused_linear_sage_loss
+import parity
+from sage_kernels import LossConfig
 from sage_kernels.reference import reference_logprobs_and_entropy
-from sage_kernels.spec import METRIC_NAMES
 from sage_kernels.triton import tiles
-from tolerances import assert_close, assert_grad_close
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F64 = torch.float64
-PER_TOKEN = ("logp", "entropy", "q", "kl", "ratio")
 
 
 @pytest.fixture(autouse=True)
@@ -68,44 +66,14 @@ def make_problem(B=3, L=13, V=1271, D=96, *, dtype=torch.float32, seed=0, bias=T
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in problem.items()}
 
 
-def run(problem, config, backend, dtype, *, frozen_weight=False, upstream=1.0):
-    """Loss output and the gradients of hidden, weight and bias after backprop of loss * upstream."""
-    leaves = {}
-    for name in ("hidden", "weight", "bias"):
-        value = problem[name]
-        if value is not None:
-            value = value.to(dtype).detach().requires_grad_(not (name == "weight" and frozen_weight))
-        leaves[name] = value
-    rest = {k: v for k, v in problem.items() if k not in leaves}
-    out = fused_linear_sage_loss(leaves["hidden"], leaves["weight"], config=config, backend=backend,
-                                 bias=leaves["bias"], **rest)
-    (out.loss * upstream).backward()
-    grads = {k: None if v is None else v.grad for k, v in leaves.items()}
-    return out, grads
+def run(problem, config, backend, dtype, *, upstream=1.0):
+    return parity.run(problem, config, backend, dtype, upstream=upstream)
 
 
 def check_against_reference(problem, config, dtype, *, frozen_weight=False, seed=0):
     """Assert the Triton backend matches the float64 reference on everything it returns."""
-    upstream = float(torch.empty(()).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(seed)))
-    out, grads = run(problem, config, "triton", dtype, frozen_weight=frozen_weight, upstream=upstream)
-    ref, ref_grads = run(problem, config, "reference", F64, frozen_weight=frozen_weight, upstream=upstream)
-    assert out.loss.dtype == torch.float32 and out.loss.shape == ()
-    assert_close(out.loss, ref.loss, dtype, "loss", "loss")
-    for name in PER_TOKEN:
-        assert_close(getattr(out, name), getattr(ref, name), dtype, "token", name)
-    assert set(out.metrics) == set(METRIC_NAMES)
-    for name in METRIC_NAMES:
-        assert_close(out.metrics[name], ref.metrics[name], dtype, "token", name)
-    for name, grad in grads.items():
-        if name == "weight" and frozen_weight:
-            assert grad is None
-            continue
-        if ref_grads[name] is None:
-            assert grad is None
-            continue
-        assert grad.dtype == dtype and grad.shape == problem[name].shape
-        assert_grad_close(grad, ref_grads[name], dtype, f"grad {name}")
-    return out
+    return parity.check_against_reference(problem, config, "triton", dtype,
+                                          frozen=("weight",) if frozen_weight else (), seed=seed)
 
 
 # ---------------------------------------------------------------- options, drawn by hypothesis

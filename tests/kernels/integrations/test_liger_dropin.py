@@ -29,6 +29,22 @@ CASES = {
     "dapo-token-vllm_is-delta": (dict(loss_type="dapo", beta=0.02, delta=1.1, epsilon_high=0.28),
                                  {"ref_logps", "vllm_token"}),
     "grpo-temperature": (dict(loss_type="grpo", beta=0.1, temperature=0.7), {"ref_logps", "bias"}),
+    # the new loss types and the bias-corrected KL, with old log-probs far from the current ones
+    "cispo-far": (dict(loss_type="cispo", beta=0.05, epsilon_high=1.3), {"ref_logps", "far"}),
+    "cispo-far-vllm_is-num_items": (dict(loss_type="cispo", beta=0.0, use_ref_model=False, epsilon_high=2.0),
+                                    {"far", "vllm_token", "num_items"}),
+    "sapo-far": (dict(loss_type="sapo", beta=0.05, sapo_temperature_pos=1.3, sapo_temperature_neg=2.0),
+                 {"ref_logps", "far", "bias"}),
+    "sapo-far-delta-ignored": (dict(loss_type="sapo", beta=0.0, use_ref_model=False, delta=1.5), {"far"}),
+    "luspo-sequence-far": (dict(loss_type="luspo", beta=0.0, use_ref_model=False,
+                                importance_sampling_level="sequence"), {"far"}),
+    "vespo-far": (dict(loss_type="vespo", beta=0.05, vespo_k_pos=1.5, vespo_lambda_neg=2.5), {"ref_logps", "far"}),
+    "vespo-far-vllm_is": (dict(loss_type="vespo", beta=0.0, use_ref_model=False), {"far", "vllm_token"}),
+    "grpo-bias_kl-far": (dict(loss_type="grpo", beta=0.1, use_bias_correction_kl=True), {"ref_logps", "far"}),
+    "dapo-sequence-bias_kl-far": (dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=True,
+                                       importance_sampling_level="sequence"), {"ref_input", "far"}),
+    "cispo-bias_kl-far": (dict(loss_type="cispo", beta=0.1, epsilon_high=1.5, use_bias_correction_kl=True),
+                          {"ref_logps", "far"}),
 }
 
 
@@ -45,7 +61,7 @@ def make_inputs(which, seed=0):
         logp = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, ids[..., None]).squeeze(-1)
     inputs = dict(_input=hidden, lin_weight=weight, selected_token_ids=ids, attention_mask=mask,
                   advantages=adv,
-                  old_per_token_logps=logp + 0.3 * torch.randn(B, T, generator=g))
+                  old_per_token_logps=logp + (1.0 if "far" in which else 0.3) * torch.randn(B, T, generator=g))
     if "bias" in which:
         inputs["bias"] = 0.1 * torch.randn(V, generator=g)
     if "ref_logps" in which:
@@ -60,8 +76,8 @@ def make_inputs(which, seed=0):
             inputs["ref_weight"] = weight  # Liger needs it spelled out; we default to the policy's head
     if "vllm_row" in which:
         inputs["vllm_is_ratio"] = torch.rand(B, 1, generator=g) + 0.5
-    if "vllm_token" in which:
-        inputs["vllm_is_ratio"] = torch.rand(B, T, generator=g) + 0.5
+    if "vllm_token" in which:  # 1 at masked positions, as TRL makes them
+        inputs["vllm_is_ratio"] = torch.where(mask.bool(), torch.rand(B, T, generator=g) + 0.5, 1.0)
     if "num_items" in which:
         inputs["num_items_in_batch"] = torch.tensor(23.0)
     return inputs
@@ -125,12 +141,59 @@ def test_sage_metrics_are_kept_by_name():
     assert metrics.named["sage/q_max"].item() > 1.0  # the guide is on: q departs from 1
 
 
-@pytest.mark.parametrize("kwargs", [dict(loss_type="cispo"), dict(use_bias_correction_kl=True),
-                                    dict(loss_type="dr_grpo")],
-                         ids=["cispo", "bias_correction_kl", "dr_grpo-no-L"])
-def test_unsupported_liger_options_raise(kwargs):
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "vespo"])
+def test_sequence_level_refusal_is_at_forward_like_liger(loss_type):
+    kwargs = dict(loss_type=loss_type, importance_sampling_level="sequence", beta=0.0, use_ref_model=False)
+    inputs = make_inputs(set())
+    modules = (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **kwargs),
+               FusedLinearSAGELoss.from_liger(backend=BACKEND, **kwargs))  # building succeeds for both
+    for module in modules:
+        with pytest.raises(ValueError, match="Sequence-level importance sampling is not supported"):
+            module(**inputs)
+
+
+def test_dr_grpo_without_length_raises_at_forward():
+    module = FusedLinearSAGELoss.from_liger(loss_type="dr_grpo", beta=0.0, use_ref_model=False, backend=BACKEND)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        module(**make_inputs(set()))
+
+
+def test_both_reference_inputs_warn_like_liger():
+    inputs = make_inputs({"ref_logps", "ref_input"})
+    for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, beta=0.1),
+                   FusedLinearSAGELoss.from_liger(beta=0.1, backend=BACKEND)):
+        with pytest.warns(UserWarning, match="(?i)both ref_per_token_logps and ref_input"):
+            module(**inputs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(sapo_temperature_pos=0.0), dict(sapo_temperature_neg=-1.0),
+                                    dict(delta=-1.0)], ids=str)
+def test_constructor_refusals_like_liger(kwargs):
     with pytest.raises(ValueError):
-        FusedLinearSAGELoss.from_liger(**kwargs)
+        liger_grpo.LigerFusedLinearGRPOLoss(**kwargs)
+    with pytest.raises(ValueError):
+        FusedLinearSAGELoss.from_liger(loss_type="sapo" if "sapo" in next(iter(kwargs)) else "dapo", **kwargs)
+
+
+def test_functional_has_ligers_signature_and_result():
+    from liger_kernel.chunked_loss.functional import liger_fused_linear_grpo
+
+    from sage_kernels import fused_linear_grpo
+
+    inputs = make_inputs({"ref_logps", "far", "bias"})
+    positional = [inputs[k] for k in ("_input", "lin_weight", "selected_token_ids", "attention_mask", "advantages",
+                                      "bias", "ref_per_token_logps", "old_per_token_logps")]
+    rest = [None, None, None, 0.1, 0.2, 1.4, "cispo", None, "token", 1.0, 1.05, 1.0, False, True, 1]
+    losses = []
+    for fn in (liger_fused_linear_grpo, fused_linear_grpo):
+        hidden = positional[0].clone().requires_grad_(True)
+        loss, metrics = fn(hidden, *positional[1:], *rest)
+        loss.backward()
+        losses.append((loss.detach(), [m.detach() for m in metrics], hidden.grad))
+    torch.testing.assert_close(losses[1][0], losses[0][0], atol=1e-6, rtol=1e-5)
+    for got, want in zip(losses[1][1], losses[0][1]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(losses[1][2], losses[0][2], atol=1e-6, rtol=1e-5)
 
 
 def test_dapo_divisor_from_the_config_is_kept():
