@@ -36,6 +36,7 @@ from ..spec import (GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LOSS_TYPE_CODES, METR
                     SageInputs, SageLossOutput)
 from . import token_stage as stage
 from .gemm import has_fp32_output, on_device
+from .stages import stage as timed
 from .sweep_bwd import sweep_backward
 from .sweep_fwd import compact_rows, host_row_count, scoring_forward, sweep_forward
 from .three_matmul import PATHS_TAKEN, fused_loss, per_token_grad_is_local
@@ -105,8 +106,9 @@ def _unit_stride(t: Tensor) -> Tensor:
 def _row_order(mask: Tensor):
     """(flat mask, rows valid-first, device count, rows to cover, whether rows is the identity)."""
     flat_mask = mask.reshape(-1)
-    rows, count = compact_rows(flat_mask)
-    n, exact = host_row_count(count, flat_mask.numel())
+    with timed("compact rows"):
+        rows, count = compact_rows(flat_mask)
+        n, exact = host_row_count(count, flat_mask.numel())
     return flat_mask, rows, count, n, exact and n == flat_mask.numel()
 
 
@@ -136,15 +138,17 @@ def _two_pass_forward_here(hidden, weight, bias, token_ids, mask, advantages, ol
     PATHS_TAKEN["two-pass"] += 1
     B, L = mask.shape
     flat_mask, rows, count, n, identity = _row_order(mask)
-    lse, logp, entropy = sweep_forward(_unit_stride(hidden), _unit_stride(weight), bias,
-                                       token_ids.reshape(-1), rows, count, config.temperature, n)
+    with timed("forward sweep"):
+        lse, logp, entropy = sweep_forward(_unit_stride(hidden), _unit_stride(weight), bias,
+                                           token_ids.reshape(-1), rows, count, config.temperature, n)
     lse = torch.where(flat_mask, lse, 0.0)
     logp = torch.where(flat_mask, logp, 0.0).view(B, L)
     entropy = torch.where(flat_mask, entropy, 0.0).view(B, L)
     old_logp, ref_logp, is_weights, log_q, advantages = _contiguous(old_logp, ref_logp, is_weights, log_q,
                                                                     advantages)
-    q, kl, ratio, g, c, row_stats = stage.token_stage(logp, entropy, mask, advantages, old_logp, ref_logp,
-                                                      is_weights, log_q, config)
+    with timed("token stage"):
+        q, kl, ratio, g, c, row_stats = stage.token_stage(logp, entropy, mask, advantages, old_logp,
+                                                                ref_logp, is_weights, log_q, config)
     loss = row_stats[:, stage.ROW_LOSS].sum()
     # the host's row count travels to the backward as a CPU tensor (-1: nothing masked); reading
     # the device count there instead would wait for the whole forward

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .gemm import addmm_f32_, on_device
+from .stages import stage
 from .tiles import dot_precision, dot_upcast, new_buffer, tiles_for
 
 #: cap on one chunk of dz, in bytes, above the 4096-column floor.
@@ -146,7 +147,7 @@ def sweep_backward(grad_loss, hidden, weight, bias, token_ids, rows, count, lse,
         cols = min(width, V - v0)
         dz = dz_buffer[:, :cols]
         grid = (max(1, triton.cdiv(n, tiles.block_n)), triton.cdiv(cols, tiles.block_v))
-        with on_device(hidden):
+        with on_device(hidden), stage("backward d(logits)"):
             _dlogits_kernel[grid](
                 hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, dz,
                 n, V, D, v0, cols, hidden.stride(0), weight.stride(0), dz.stride(0), 1.0 / temperature,
@@ -156,11 +157,14 @@ def sweep_backward(grad_loss, hidden, weight, bias, token_ids, rows, count, lse,
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         weight_chunk = weight[v0:v0 + cols]
         if need_hidden:
-            addmm_f32_(acc, dz, weight_chunk)
+            with stage("grad_hidden GEMM"):
+                addmm_f32_(acc, dz, weight_chunk)
         if need_weight:
-            torch.mm(dz.t(), h_valid, out=grad_weight[v0:v0 + cols])
+            with stage("grad_weight GEMM"):
+                torch.mm(dz.t(), h_valid, out=grad_weight[v0:v0 + cols])
         if need_bias:
-            grad_bias[v0:v0 + cols] = dz.sum(0, dtype=torch.float32)
+            with stage("grad_bias"):
+                grad_bias[v0:v0 + cols] = dz.sum(0, dtype=torch.float32)
     grad_hidden = None
     if need_hidden:
         if rows_are_identity:

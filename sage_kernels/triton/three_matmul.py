@@ -46,8 +46,9 @@ import triton
 import triton.language as tl
 
 from ..spec import LossConfig
-from . import token_stage as stage
+from . import token_stage
 from .gemm import mm_f32, on_device
+from .stages import stage
 from .sweep_fwd import _NEG_START
 from .tiles import new_buffer, tiles_for
 
@@ -153,6 +154,13 @@ def _dlogits_in_place_kernel(logits_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr,
             tl.store(dz_row + cols, tl.zeros([BLOCK_V], dtype=DZ), mask=cols < V)
 
 
+def stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config):
+    """`token_stage.token_stage` on the flat [N] logp and entropy seen as [B, L]."""
+    B, L = mask.shape
+    return token_stage.token_stage(logp.view(B, L), entropy.view(B, L), mask, advantages, old_logp, ref_logp,
+                                   is_weights, log_q, config)
+
+
 def chunk_rows(total_rows: int, rows_to_do: int, vocab: int) -> int:
     """Tokens per chunk: the fp32 [T, V] workspace within `WORKSPACE_BYTES` and below N V / 16
     elements (the no-logits bound the memory test checks), evened out over the chunks."""
@@ -184,7 +192,6 @@ def fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_
 
 def _fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, config,
                 rows, count, rows_to_do, rows_are_identity, need_hidden, need_weight, need_bias):
-    B, L = mask.shape
     N, D = hidden.shape
     V = weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
@@ -210,35 +217,45 @@ def _fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref
     weight_t = weight.t()
     for begin in range(0, rows_to_do, step):
         t = min(step, rows_to_do - begin)
-        h = hidden[begin:begin + t] if rows_are_identity else hidden.index_select(0, rows[begin:begin + t])
-        z = workspace[:t]
-        mm_f32(h, weight_t, out=z)
-        _row_stats_kernel[(t,)](z, bias, token_ids, rows, count, lse, logp, entropy, begin, V, z.stride(0),
-                                inv_temperature, BLOCK_V=tiles.row_block_v, num_warps=4)
+        with stage("logits GEMM"):
+            h = hidden[begin:begin + t] if rows_are_identity else hidden.index_select(0, rows[begin:begin + t])
+            z = workspace[:t]
+            mm_f32(h, weight_t, out=z)
+        with stage("row stats"):
+            _row_stats_kernel[(t,)](z, bias, token_ids, rows, count, lse, logp, entropy, begin, V, z.stride(0),
+                                    inv_temperature, BLOCK_V=tiles.row_block_v, num_warps=4)
         if not want_grads:
             continue
-        per_token = stage.token_stage(logp.view(B, L), entropy.view(B, L), mask, advantages, old_logp, ref_logp,
-                                      is_weights, log_q, config)
+        with stage("token stage"):
+            per_token = stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q,
+                                        config)
         _, _, _, g, c, _ = per_token
-        _dlogits_in_place_kernel[(t,)](z, bias, token_ids, rows, count, lse, entropy, g, c, begin, V,
-                                       z.stride(0), inv_temperature, HAS_ENTROPY_GRAD=config.entropy_coef != 0.0,
-                                       DZ=_DZ_DTYPES[dtype], BLOCK_V=tiles.row_block_v, num_warps=4)
+        with stage("d(logits)"):
+            _dlogits_in_place_kernel[(t,)](z, bias, token_ids, rows, count, lse, entropy, g, c, begin, V,
+                                           z.stride(0), inv_temperature,
+                                           HAS_ENTROPY_GRAD=config.entropy_coef != 0.0, DZ=_DZ_DTYPES[dtype],
+                                           BLOCK_V=tiles.row_block_v, num_warps=4)
         dz = z.view(dtype)[:, :V]  # row stride 4V / itemsize elements: the fp32 row's bytes
         if need_hidden:
-            if grad_h_chunk is None:  # fp32, nothing masked: straight into the gradient
-                mm_f32(dz, weight, out=grad_hidden[begin:begin + t])
-            elif rows_are_identity:
-                grad_hidden[begin:begin + t].copy_(mm_f32(dz, weight, out=grad_h_chunk[:t]))
-            else:
-                grad_hidden.index_copy_(0, rows[begin:begin + t], mm_f32(dz, weight, out=grad_h_chunk[:t]).to(dtype))
+            with stage("grad_hidden GEMM"):
+                if grad_h_chunk is None:  # fp32, nothing masked: straight into the gradient
+                    mm_f32(dz, weight, out=grad_hidden[begin:begin + t])
+                elif rows_are_identity:
+                    grad_hidden[begin:begin + t].copy_(mm_f32(dz, weight, out=grad_h_chunk[:t]))
+                else:
+                    block = mm_f32(dz, weight, out=grad_h_chunk[:t])
+                    grad_hidden.index_copy_(0, rows[begin:begin + t], block.to(dtype))
         if need_weight:
-            grad_weight.addmm_(dz.t(), h)
+            with stage("grad_weight GEMM"):
+                grad_weight.addmm_(dz.t(), h)
         if need_bias:
-            grad_bias += dz.sum(0, dtype=torch.float32)
+            with stage("grad_bias"):
+                grad_bias += dz.sum(0, dtype=torch.float32)
     if per_token is None or not want_grads:
         # no chunk ran the stage (no gradient wanted, or no valid token): once, on everything
-        per_token = stage.token_stage(logp.view(B, L), entropy.view(B, L), mask, advantages, old_logp, ref_logp,
-                                      is_weights, log_q, config)
+        with stage("token stage"):
+            per_token = stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q,
+                                        config)
     q, kl, ratio, g, c, row_stats = per_token
     if grad_bias is not None:
         grad_bias = grad_bias.to(dtype)
