@@ -25,15 +25,20 @@ def on_device(t: torch.Tensor):
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``mm``/``addmm`` with ``out_dtype=float32`` run on `device` for `dtype` operands."""
+def _probe(device: torch.device, dtype: torch.dtype, accumulate: bool) -> bool:
+    """Whether ``mm`` (or, with `accumulate`, ``addmm`` into its own fp32 output) with
+    ``out_dtype=float32`` runs on `device` for `dtype` operands and gives the right numbers."""
     try:
         a = torch.ones((2, 2), dtype=dtype, device=device)
-        acc = torch.ones((2, 2), dtype=torch.float32, device=device)
-        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-        out = torch.mm(a, a, out_dtype=torch.float32)
+        if accumulate:
+            out = torch.ones((2, 2), dtype=torch.float32, device=device)
+            torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+            expected = 3.0
+        else:
+            out = torch.mm(a, a, out_dtype=torch.float32)
+            expected = 2.0
         # once per device and dtype, off the hot path: the values say whether beta = 1 was honoured
-        return bool((acc == 3.0).all()) and bool((out == 2.0).all())
+        return out.dtype == torch.float32 and bool((out == expected).all())
     except (TypeError, RuntimeError, NotImplementedError):
         return False
 
@@ -42,14 +47,14 @@ def has_fp32_output(dtype: torch.dtype, device: torch.device) -> bool:
     """True when products of `dtype` operands can be written as float32 on `device` without rounding."""
     if dtype == torch.float32 or device.type != "cuda":
         return True  # fp32 needs nothing; on CPU the fallback upcasts exactly
-    return _probe(torch.device(device), dtype)
+    return _probe(torch.device(device), dtype, False)
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out (float32) = a @ b for operands of one dtype, accumulated and written in fp32."""
     if a.dtype == torch.float32:
         return torch.mm(a, b, out=out)
-    if a.device.type == "cuda" and _probe(a.device, a.dtype):
+    if a.device.type == "cuda" and _probe(a.device, a.dtype, False):
         return torch.mm(a, b, out_dtype=torch.float32, out=out)
     if a.device.type == "cuda":
         return out.copy_(torch.mm(a, b))  # old torch: one rounding to the input dtype
@@ -60,7 +65,7 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     """acc (float32) += a @ b, the sum formed inside the GEMM where torch allows it."""
     if a.dtype == torch.float32:
         return acc.addmm_(a, b)
-    if a.device.type == "cuda" and _probe(a.device, a.dtype):
+    if a.device.type == "cuda" and _probe(a.device, a.dtype, True):
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     if a.device.type == "cuda":
         return acc.add_(a @ b)  # old torch: a 16-bit temporary, rounded once per call

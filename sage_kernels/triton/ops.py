@@ -283,11 +283,16 @@ def _local_loss_fake(hidden, weight, bias, token_ids, mask, advantages, old_logp
 
 def _local_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*output[7:])
+    ctx.used = False
 
 
 def _local_backward(ctx, grad_loss, *_unused_grads):
     # The gradients were formed in the forward for an upstream gradient of 1: scaled in place
     # (a copy would hold a second weight gradient at once), so one backward per forward.
+    if ctx.used:
+        raise RuntimeError("sage_kernels triton backend: backward called twice on one loss (its gradients are "
+                           "formed in the forward and scaled in place once); run the loss again instead")
+    ctx.used = True
     grads = []
     for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3]):
         grads.append(grad.mul_(grad_loss) if needed and grad_loss is not None and grad.numel() else None)

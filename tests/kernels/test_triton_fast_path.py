@@ -231,3 +231,27 @@ def test_launches_follow_the_tensors_device():
     with torch.cuda.device(0):
         for config in (LossConfig(), LossConfig(importance_sampling="sequence")):
             check_against_reference(problem, config, torch.float32)
+
+
+def test_three_matmul_backward_twice_is_refused():
+    # the gradients are scaled in place by the upstream gradient: a second backward would scale twice
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=15)
+    hidden = problem["hidden"].detach().requires_grad_()
+    rest = {k: v for k, v in problem.items() if k != "hidden"}
+    loss = fused_linear_sage_loss(hidden, backend="triton", **rest).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward called twice"):
+        loss.backward()
+
+
+def test_opcheck_local_loss_operator():
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=1)
+    config = LossConfig(entropy_coef=0.01)
+    floats, ints, num_items = ops._pack(config)
+    hidden = problem["hidden"].reshape(-1, 32).detach().requires_grad_()
+    weight = problem["weight"].detach().requires_grad_()
+    args = (hidden, weight, problem["bias"], problem["token_ids"], problem["mask"],
+            problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(), problem["old_logp"],
+            problem["ref_logp"], None, None, num_items, floats, ints, [True, True, False])
+    torch.library.opcheck(torch.ops.sage_kernels.triton_sage_loss_local.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
