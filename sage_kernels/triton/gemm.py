@@ -29,14 +29,15 @@ def _probe(device: torch.device, dtype: torch.dtype, accumulate: bool) -> bool:
     """Whether ``mm`` (or, with `accumulate`, ``addmm`` into its own fp32 output) with
     ``out_dtype=float32`` runs on `device` for `dtype` operands and gives the right numbers."""
     try:
-        a = torch.ones((2, 2), dtype=dtype, device=device)
+        # the calls as the paths make them: a transposed second operand, an `out` tensor
+        a = torch.ones((2, 4), dtype=dtype, device=device)
+        out = torch.ones((2, 2), dtype=torch.float32, device=device)
         if accumulate:
-            out = torch.ones((2, 2), dtype=torch.float32, device=device)
-            torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
-            expected = 3.0
+            torch.addmm(out, a, a.t(), out_dtype=torch.float32, out=out)
+            expected = 5.0
         else:
-            out = torch.mm(a, a, out_dtype=torch.float32)
-            expected = 2.0
+            torch.mm(a, a.t(), out_dtype=torch.float32, out=out)
+            expected = 4.0
         # once per device and dtype, off the hot path: the values say whether beta = 1 was honoured
         return out.dtype == torch.float32 and bool((out == expected).all())
     except (TypeError, RuntimeError, NotImplementedError):
