@@ -21,12 +21,14 @@ The gradients are formed in the forward, as the CPU backend and Liger-Kernel's c
 losses do; the backward scales them by the upstream gradient in place. Masked tokens are
 never computed: the chunks cover only `count` valid rows.
 
-grad_W accumulates over the token chunks in the weight's dtype (like Liger-Kernel and
-PyTorch's own chunked losses): an fp32 [V, D] accumulator would cost 4 V D bytes, more
-than the whole extra-memory budget at a 7B head, so for 16-bit weights the running sum is
-rounded once per chunk (cuBLAS computes each update in fp32). The chunk is as tall as the
-workspace budget allows, so there are few of them (N/T, about 26 at N = 16k with a 152k
-vocabulary).
+grad_W accumulates over the token chunks. An fp32 [V, D] accumulator costs 4 V D bytes,
+more than the whole extra-memory budget at a 7B head and N = 16k (2 GiB against ~0.6), so
+there, for 16-bit weights, the running sum is kept in the weight's dtype (like Liger-Kernel
+and PyTorch's own chunked losses) and rounded once per chunk (cuBLAS computes each update
+in fp32); the chunk is as tall as the workspace allows, so there are few of them (N/T,
+about 26 at N = 16k on a 152k vocabulary). From N = 16 D on (about 57k tokens at D = 3584),
+where the chunks grow many and the accumulator is below N V / 16 elements, it is fp32,
+summed inside the GEMM (`gemm.addmm_f32_`) and rounded once at the end.
 
 In-place d(logits): a token's dz (2 bytes per entry for bf16/fp16) is written over the
 first half of its own fp32 row, so row r of dz starts where row r of z does and the
@@ -47,7 +49,7 @@ import triton.language as tl
 
 from ..spec import LossConfig
 from . import token_stage
-from .gemm import mm_f32, on_device
+from .gemm import addmm_f32_, mm_f32, on_device
 from .stages import stage
 from .sweep_fwd import _NEG_START
 from .tiles import new_buffer, tiles_for
@@ -161,6 +163,12 @@ def stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weig
                                    is_weights, log_q, config)
 
 
+def _weight_accumulator_dtype(dtype: torch.dtype, n_rows: int, hidden_size: int) -> torch.dtype:
+    """float32 when an fp32 [V, D] accumulator stays below N V / 16 elements (D < N/16: many
+    chunks, and a large naive footprint to compare with), else the weight's own dtype."""
+    return torch.float32 if hidden_size < n_rows // 16 else dtype
+
+
 def chunk_rows(total_rows: int, rows_to_do: int, vocab: int) -> int:
     """Tokens per chunk: the fp32 [T, V] workspace within `WORKSPACE_BYTES` and below N V / 16
     elements (the no-logits bound the memory test checks), evened out over the chunks."""
@@ -204,7 +212,7 @@ def _fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref
     if need_hidden:
         grad_hidden = (torch.empty if rows_are_identity else torch.zeros)((N, D), dtype=dtype, device=device)
     if need_weight:
-        grad_weight = torch.zeros_like(weight)
+        grad_weight = torch.zeros((V, D), dtype=_weight_accumulator_dtype(dtype, N, D), device=device)
     if need_bias:
         grad_bias = torch.zeros(V, dtype=torch.float32, device=device)
     step = chunk_rows(N, rows_to_do, V)
@@ -247,7 +255,10 @@ def _fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref
                     grad_hidden.index_copy_(0, rows[begin:begin + t], block.to(dtype))
         if need_weight:
             with stage("grad_weight GEMM"):
-                grad_weight.addmm_(dz.t(), h)
+                if grad_weight.dtype == dtype:
+                    grad_weight.addmm_(dz.t(), h)
+                else:
+                    addmm_f32_(grad_weight, dz.t(), h)
         if need_bias:
             with stage("grad_bias"):
                 grad_bias += dz.sum(0, dtype=torch.float32)
@@ -259,5 +270,7 @@ def _fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref
     q, kl, ratio, g, c, row_stats = per_token
     if grad_bias is not None:
         grad_bias = grad_bias.to(dtype)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(dtype)
     return logp, entropy, q, kl, ratio, g, c, row_stats, grad_hidden, grad_weight, grad_bias
 

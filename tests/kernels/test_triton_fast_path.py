@@ -255,3 +255,12 @@ def test_opcheck_local_loss_operator():
             problem["ref_logp"], None, None, num_items, floats, ints, [True, True, False])
     torch.library.opcheck(torch.ops.sage_kernels.triton_sage_loss_local.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("hidden_size, accumulator", [(16, torch.float32), (48, torch.bfloat16)])
+def test_three_matmul_weight_accumulator(hidden_size, accumulator, small_chunks, monkeypatch):
+    # N = 27 * 27 = 729 tokens: D = 16 < N/16 accumulates grad_W in fp32, D = 48 in bf16
+    assert three_matmul._weight_accumulator_dtype(torch.bfloat16, 729, hidden_size) == accumulator
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_n", 160)
+    problem = make_problem(B=27, L=27, V=130, D=hidden_size, dtype=torch.bfloat16, seed=16, mask="tail")
+    check_against_reference(problem, LossConfig(), torch.bfloat16)
