@@ -59,8 +59,8 @@ PATHS_TAKEN: Counter = Counter()
 #: loss types whose per-token gradient is local (each a per-token mean or a token sum with a
 #: normaliser that depends on the mask alone); new loss types join once shown to be local.
 LOCAL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-#: bytes of the fp32 logits workspace at most (about 0.6% of the naive loss's memory at
-#: N = 16k on a 152k vocabulary).
+#: bytes of the fp32 logits workspace below N = 64 * rows (about 0.6% of the naive loss's
+#: memory at N = 16k on a 152k vocabulary).
 WORKSPACE_BYTES = 384 * 2**20
 #: workspace rows come in multiples of this (GEMM-friendly M).
 ROW_MULTIPLE = 64
@@ -170,12 +170,14 @@ def _weight_accumulator_dtype(dtype: torch.dtype, n_rows: int, hidden_size: int)
 
 
 def chunk_rows(total_rows: int, rows_to_do: int, vocab: int) -> int:
-    """Tokens per chunk: the fp32 [T, V] workspace within `WORKSPACE_BYTES` and below N V / 16
-    elements (the no-logits bound the memory test checks), evened out over the chunks."""
+    """Tokens per chunk: the fp32 [T, V] workspace within `WORKSPACE_BYTES` or N/64 rows, whichever
+    is more (at large N, taller chunks keep the grad_W GEMM's K large and the chunks few, while the
+    workspace stays near 0.1% of the naive loss's memory), always below N V / 16 elements (the
+    no-logits bound the memory test checks), evened out over the chunks."""
     tiles = tiles_for(torch.float32)
     if tiles.chunk_n:
         return tiles.chunk_n
-    cap = min(WORKSPACE_BYTES // (4 * vocab), max(1, (total_rows - 1) // 16))
+    cap = min(max(WORKSPACE_BYTES // (4 * vocab), total_rows // 64), max(1, (total_rows - 1) // 16))
     if cap >= ROW_MULTIPLE:
         cap = cap // ROW_MULTIPLE * ROW_MULTIPLE
     chunks = triton.cdiv(max(rows_to_do, 1), cap)
