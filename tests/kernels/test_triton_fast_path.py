@@ -264,3 +264,14 @@ def test_three_matmul_weight_accumulator(hidden_size, accumulator, small_chunks,
     monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_n", 160)
     problem = make_problem(B=27, L=27, V=130, D=hidden_size, dtype=torch.bfloat16, seed=16, mask="tail")
     check_against_reference(problem, LossConfig(), torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a real vocabulary is too large for the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_three_matmul_in_place_d_logits_on_a_real_vocabulary(dtype):
+    # Hundreds of vocab blocks per row on the GPU: d(logits) overwrites each fp32 row in place while
+    # warps may drift apart, so a missing barrier would show here as wrong gradients.
+    problem = make_problem(B=4, L=64, V=50_257, D=128, dtype=dtype, seed=17, mask="tail", is_weights=True)
+    config = LossConfig(entropy_coef=0.01, temperature=0.9)
+    assert path_of(lambda: check_against_reference(problem, config, dtype)) == THREE
