@@ -205,12 +205,15 @@ def loss_normaliser(m: torch.Tensor, config: LossConfig) -> torch.Tensor:
     B, L = m.shape
     if config.loss_type == "bnpo":
         return m.sum().clamp(min=1.0)
+    # torch.full, not torch.tensor: a fill kernel, not a host-to-device copy (no sync on the hot path)
     if config.loss_type == "dr_grpo":
-        return torch.tensor(float(B * (config.max_completion_length or L)), dtype=m.dtype, device=m.device)
+        return torch.full((), float(B * (config.max_completion_length or L)), dtype=m.dtype, device=m.device)
     n = config.num_items_in_batch
     if n is None:
         return m.sum().clamp(min=1.0)
-    return torch.as_tensor(n, dtype=m.dtype, device=m.device).reshape(())
+    if isinstance(n, torch.Tensor):
+        return n.to(device=m.device, dtype=m.dtype).reshape(())
+    return torch.full((), float(n), dtype=m.dtype, device=m.device)
 
 
 def aggregate(per_token_loss: torch.Tensor, m: torch.Tensor, config: LossConfig) -> torch.Tensor:

@@ -231,9 +231,12 @@ def _check_tensor(name: str, value, *, ndim=None, device=None, float_=False) -> 
 def _check_finite(name: str, value: torch.Tensor, where: Optional[torch.Tensor] = None) -> None:
     """Report non-finite values. On CPU: ValueError now. On CUDA: an asynchronous device
     assertion, so no host-device sync is added to the hot path (it fails at the next sync)."""
-    finite = torch.isfinite(value)
-    if where is not None:
-        finite = finite | ~where
+    if where is None:
+        # one reduction, not a bool tensor the size of `value` ([N, D] for hidden): max |x| is
+        # finite exactly when every entry is (a NaN propagates through the max)
+        finite = torch.isfinite(torch.linalg.vector_norm(value, float("inf")))
+    else:
+        finite = torch.isfinite(value) | ~where
     message = f"{name} has non-finite values (NaN or inf)"
     if value.device.type == "cpu":
         if not bool(finite.all()):

@@ -14,17 +14,18 @@ reduces over V into a [BLOCK_N, D] accumulator and grad_W[v] = sum_t dz h_t into
 either recompute the logits once per D chunk (D / BLOCK_D times the forward's work) or
 accumulate through global memory with atomics (non-deterministic, and the traffic of one
 [BLOCK, D] read-modify-write per tile). Instead the vocabulary is walked in chunks of
-`chunk_v` columns: the kernel writes dz for one chunk ([N, chunk_v], at most N V / 32
-elements and 256 MiB by default), then two GEMMs consume it:
+`chunk_v` columns: the kernel writes dz for one chunk ([n, chunk_v] over the n valid rows,
+in their compacted order; at most N V / 32 elements), then two GEMMs consume it:
 
-    grad_h += dz_chunk @ W_chunk              (fp32 accumulator of [N, D])
-    grad_W[chunk] = dz_chunk^T @ h            (complete per chunk: no accumulation across chunks)
+    grad_h += dz_chunk @ W_chunk              (fp32 accumulator of [n, D], summed inside the GEMM)
+    grad_W[chunk] = dz_chunk^T @ h_valid      (complete per chunk: no accumulation across chunks)
 
 Both are deterministic (no atomics) and run at GEMM speed. dz is stored in the input
-dtype before the GEMMs (as PyTorch's own bf16/fp16 backward does; fp32 stays fp32), and
-for 16-bit inputs each chunk's [N, D] product is rounded once to that dtype before it is
-added to the fp32 accumulator: a relative error of 2^-8 per chunk term, well inside the
-bf16 tolerance and smaller than PyTorch's, whose logits are rounded to bf16.
+dtype before the GEMMs (as PyTorch's own bf16/fp16 backward does; fp32 stays fp32). The
+hidden-state product is accumulated in fp32 by the GEMM itself where torch has ``out_dtype``
+(`gemm.addmm_f32_`): no 16-bit temporary and no rounding per chunk. Chunks are at least
+4096 columns wide (or V/32 on smaller vocabularies) and wider while dz stays within
+`CHUNK_BYTES`, and one dz buffer is reused by every chunk.
 
 fp16 inputs: like PyTorch's own fp16 backward, d(logits) entries below fp16's range
 (~6e-8) flush to zero unless the loss is scaled (torch.amp.GradScaler); bf16 has fp32's
@@ -33,21 +34,30 @@ range and needs no scaling.
 Not implemented: skipping tiles whose d(logits) is negligible (Cut Cross-Entropy's
 gradient filtering); every tile is computed, so the result has no filtering error.
 
-Masked rows are not recomputed: the dz rows of tokens past the valid count are written
-as zeros, so they add nothing to either product. The bias gradient is the column sum of
-dz, in fp32. The weight gradient is skipped when the weight is frozen.
+Masked rows are not computed at all: dz, the gathered hidden rows and the hidden-state
+accumulator cover only the valid rows (their count read on the host by the forward), so
+masked tokens skip both GEMMs; the gradient of a masked row is zero. When the count stayed
+on the device (CUDA-graph capture) every row is covered and rows past the count get
+dz = 0. The bias gradient is the column sum of dz, in fp32. The weight gradient is skipped
+when the weight is frozen, the hidden-state gradient when hidden needs none.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .gemm import addmm_f32_, on_device
+from .stages import stage
 from .tiles import dot_precision, dot_upcast, new_buffer, tiles_for
 
-#: default cap on one chunk of dz, in bytes.
+#: cap on one chunk of dz, in bytes, above the 4096-column floor.
 CHUNK_BYTES = 256 * 2**20
+#: columns per chunk at least (where V/32 allows): wide enough for the GEMMs' K and few chunks.
+MIN_CHUNK_COLUMNS = 4096
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
@@ -68,7 +78,7 @@ def _dlogits_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count_p
     local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     cols = v_begin + local
     col_ok = (local < chunk_width) & (cols < V)
-    out_ptrs = dz_ptr + rows[:, None] * stride_dz + local[None, :]
+    out_ptrs = dz_ptr + idx[:, None] * stride_dz + local[None, :]  # dz rows in compacted order
     out_mask = in_range[:, None] & col_ok[None, :]
     if start < count:
         valid = idx < count
@@ -102,47 +112,63 @@ def _dlogits_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count_p
 
 
 def chunk_width(n_rows: int, vocab: int, element_size: int, block_v: int) -> int:
-    """Columns of dz per chunk: a multiple of `block_v`, at most V/32 and `CHUNK_BYTES`."""
-    cap = min(vocab // 32, CHUNK_BYTES // max(1, n_rows * element_size))
+    """Columns of dz per chunk: a multiple of `block_v`, at most V/32 (dz stays below N V / 32
+    elements), at least `MIN_CHUNK_COLUMNS` below that, and wider while within `CHUNK_BYTES`."""
+    by_memory = CHUNK_BYTES // max(1, n_rows * element_size)
+    cap = min(vocab // 32, max(MIN_CHUNK_COLUMNS, by_memory))
     return max(block_v, cap // block_v * block_v)
 
 
 def sweep_backward(grad_loss, hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c,
-                   temperature: float, entropy_grad: bool, need_weight: bool, need_bias: bool):
-    """(grad_hidden, grad_weight or None, grad_bias or None) in the input dtypes.
+                   temperature: float, entropy_grad: bool, need_weight: bool, need_bias: bool,
+                   need_hidden: bool = True, rows_to_do: Optional[int] = None, rows_are_identity: bool = False):
+    """(grad_hidden or None, grad_weight or None, grad_bias or None) in the input dtypes.
 
     `hidden` [N, D], `weight` [V, D] with unit stride along D; `rows`, `count` as from
     `sweep_fwd.compact_rows`; `lse`, `entropy`, `g`, `c` float32 [N] (zero at masked rows);
-    `grad_loss` the 0-d upstream gradient (a device tensor: no sync).
+    `grad_loss` the 0-d upstream gradient (a device tensor: no sync). `rows_to_do`: the valid
+    count as read on the host (None: N, every row covered); `rows_are_identity` when no row
+    is masked (`rows` is then 0..N-1 and nothing is gathered).
     """
     N, D = hidden.shape
     V = weight.shape[0]
-    device = hidden.device
-    tiles = tiles_for(hidden.dtype)
+    device, dtype = hidden.device, hidden.dtype
+    n = N if rows_to_do is None else rows_to_do
+    tiles = tiles_for(dtype)
     g = g * grad_loss
     c = c * grad_loss
-    width = tiles.chunk_v or chunk_width(N, V, hidden.element_size(), tiles.block_v)
-    grad_hidden = torch.zeros((N, D), dtype=torch.float32, device=device)
     grad_weight = torch.empty_like(weight) if need_weight else None
     grad_bias = torch.empty_like(bias) if need_bias else None
+    acc = torch.zeros((n, D), dtype=torch.float32, device=device) if need_hidden else None
+    h_valid = hidden if rows_are_identity else hidden.index_select(0, rows[:n])
+    width = min(V, tiles.chunk_v or chunk_width(n, V, hidden.element_size(), tiles.block_v))
+    dz_buffer = new_buffer((n, width), dtype, device)
     for v0 in range(0, V, width):
         cols = min(width, V - v0)
-        dz = new_buffer((N, cols), hidden.dtype, device)
-        grid = (triton.cdiv(N, tiles.block_n), triton.cdiv(cols, tiles.block_v))
-        _dlogits_kernel[grid](
-            hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, dz,
-            N, V, D, v0, cols, hidden.stride(0), weight.stride(0), dz.stride(0), 1.0 / temperature,
-            HAS_ENTROPY_GRAD=entropy_grad,
-            DOT_PRECISION=dot_precision(hidden.dtype), DOT_UPCAST=dot_upcast(hidden.dtype),
-            BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        dz = dz_buffer[:, :cols]
+        grid = (max(1, triton.cdiv(n, tiles.block_n)), triton.cdiv(cols, tiles.block_v))
+        with on_device(hidden), stage("backward d(logits)"):
+            _dlogits_kernel[grid](
+                hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, dz,
+                n, V, D, v0, cols, hidden.stride(0), weight.stride(0), dz.stride(0), 1.0 / temperature,
+                HAS_ENTROPY_GRAD=entropy_grad,
+                DOT_PRECISION=dot_precision(dtype), DOT_UPCAST=dot_upcast(dtype),
+                BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
         weight_chunk = weight[v0:v0 + cols]
-        if dz.dtype == torch.float32:
-            grad_hidden.addmm_(dz, weight_chunk)
-        else:
-            grad_hidden += dz @ weight_chunk
+        if need_hidden:
+            with stage("grad_hidden GEMM"):
+                addmm_f32_(acc, dz, weight_chunk)
         if need_weight:
-            torch.mm(dz.t(), hidden, out=grad_weight[v0:v0 + cols])
+            with stage("grad_weight GEMM"):
+                torch.mm(dz.t(), h_valid, out=grad_weight[v0:v0 + cols])
         if need_bias:
-            grad_bias[v0:v0 + cols] = dz.sum(0, dtype=torch.float32)
-    return grad_hidden.to(hidden.dtype), grad_weight, grad_bias
+            with stage("grad_bias"):
+                grad_bias[v0:v0 + cols] = dz.sum(0, dtype=torch.float32)
+    grad_hidden = None
+    if need_hidden:
+        if rows_are_identity:
+            grad_hidden = acc.to(dtype)
+        else:
+            grad_hidden = torch.zeros((N, D), dtype=dtype, device=device).index_copy_(0, rows[:n], acc.to(dtype))
+    return grad_hidden, grad_weight, grad_bias

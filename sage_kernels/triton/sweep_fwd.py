@@ -21,10 +21,13 @@ grid axis to fill the GPU when there are few token blocks; each split writes its
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
+from .gemm import on_device
 from .tiles import dot_precision, dot_upcast, interpreting, new_buffer, tiles_for
 
 #: running-max start value: finite, so the first rescale computes 0 * finite, never 0 * inf
@@ -93,6 +96,25 @@ def compact_rows(mask_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, mask_flat.sum()
 
 
+#: tests set it to False to run as under CUDA-graph capture, where the valid count stays on the device.
+READ_VALID_COUNT = True
+
+
+def host_row_count(count: torch.Tensor, n_rows: int) -> tuple[int, bool]:
+    """(rows the launches and GEMMs cover, whether that is the exact valid count).
+
+    The one host read of a loss call: the valid count sizes the grids and the GEMMs, so masked
+    tokens (often 30-60% of an RL batch) cost nothing. It is read right after the mask is
+    reduced, so on a GPU the host waits for the work already queued (the model's forward),
+    not for any of the loss's kernels, and the device idles only for the next launch. Under
+    CUDA-graph capture nothing may be read: every row is covered, and kernels skip those past
+    the device-side count (masked rows then go through the GEMMs as zeros).
+    """
+    if not READ_VALID_COUNT or (count.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return n_rows, False
+    return int(count), True
+
+
 def _num_splits(n_rows: int, n_tiles: int, block_n: int, device: torch.device) -> int:
     """Vocab splits so that about two programs per SM run when token blocks alone are too few."""
     if interpreting() or device.type != "cuda":
@@ -103,28 +125,31 @@ def _num_splits(n_rows: int, n_tiles: int, block_n: int, device: torch.device) -
 
 
 def sweep_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, token_ids: torch.Tensor,
-                  rows: torch.Tensor, count: torch.Tensor, temperature: float):
+                  rows: torch.Tensor, count: torch.Tensor, temperature: float, rows_to_do: Optional[int] = None):
     """lse, logp and entropy [N] in float32 for the valid rows (`rows[:count]`).
 
     Entries of other rows are unspecified (the caller masks them). `hidden` [N, D] and
-    `weight` [V, D] have unit stride along D; `token_ids` [N] int64.
+    `weight` [V, D] have unit stride along D; `token_ids` [N] int64. `rows_to_do`: the valid
+    count when the host knows it (the grid and the vocab splits are sized from it), else N.
     """
     N, D = hidden.shape
     V = weight.shape[0]
     device = hidden.device
+    rows_to_do = N if rows_to_do is None else rows_to_do
     tiles = tiles_for(hidden.dtype)
     n_tiles = triton.cdiv(V, tiles.block_v)
-    splits = tiles.splits or _num_splits(N, n_tiles, tiles.block_n, device)
+    splits = tiles.splits or _num_splits(rows_to_do, n_tiles, tiles.block_n, device)
     tiles_per_split = triton.cdiv(n_tiles, splits)
     splits = triton.cdiv(n_tiles, tiles_per_split)  # every split owns at least one tile
     partials = [new_buffer((splits, N), torch.float32, device) for _ in range(4)]
-    grid = (triton.cdiv(N, tiles.block_n), splits)
-    _sweep_fwd_kernel[grid](
-        hidden, weight, bias, token_ids, rows, count, *partials,
-        N, V, D, hidden.stride(0), weight.stride(0), 1.0 / temperature, tiles_per_split,
-        DOT_PRECISION=dot_precision(hidden.dtype), DOT_UPCAST=dot_upcast(hidden.dtype),
-        BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    grid = (max(1, triton.cdiv(rows_to_do, tiles.block_n)), splits)
+    with on_device(hidden):
+        _sweep_fwd_kernel[grid](
+            hidden, weight, bias, token_ids, rows, count, *partials,
+            N, V, D, hidden.stride(0), weight.stride(0), 1.0 / temperature, tiles_per_split,
+            DOT_PRECISION=dot_precision(hidden.dtype), DOT_UPCAST=dot_upcast(hidden.dtype),
+            BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return _combine_splits(*partials)
 
 

@@ -43,12 +43,16 @@ class SweepTiles:
     #: forward vocab splits (0: chosen from the grid size) and backward vocab chunk (0: from V).
     splits: int = 0
     chunk_v: int = 0
+    #: three-matmul path: tokens per logits chunk (0: from the workspace budget) and the row
+    #: pass's vocab block (one program walks one token's row).
+    chunk_n: int = 0
+    row_block_v: int = 1024
 
 
 def sweep_tiles(dtype: torch.dtype) -> SweepTiles:
     """The tile shape for inputs of `dtype` on the current platform."""
     if interpreting():
-        return SweepTiles(block_n=32, block_v=128, block_d=64, num_warps=1, num_stages=1)
+        return SweepTiles(block_n=32, block_v=128, block_d=64, num_warps=1, num_stages=1, row_block_v=128)
     # fp32 tiles are twice the bytes: one pipeline stage fewer keeps them within shared memory.
     stages = 2 if dtype == torch.float32 else 3
     return SweepTiles(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=stages)

@@ -5,21 +5,26 @@ shape below the hardware minimum, mismatched loop-carried types), so on CPU-only
 this test runs Triton's real compiler down to a cubin with `ptxas` for the GPU tile
 shapes, in a subprocess without TRITON_INTERPRET. It also checks that the 16-bit sweeps
 use Hopper's warpgroup MMA with a pipelined (cp.async) operand stream, as they must to
-run near GEMM speed. Pointers and D/V/strides get the divisibility-by-16 hint that the
-JIT gives them for real model shapes. On a CUDA machine the other kernel tests compile
-and run the kernels for real, so this one is not needed there.
+run near GEMM speed, and that the bf16 sweeps stay spill-free (ptxas -v, at Hopper's
+255-register limit they sit at). Pointers and the integers the JIT specialises (D, the row
+strides) get the divisibility-by-16 hint it gives them for real model shapes; integers in a
+kernel's ``do_not_specialize`` (token counts, V, offsets) never get one at run time, so
+they get none here either: the variant compiled is the one that runs. On a CUDA machine
+the other kernel tests compile and run the kernels for real, so this one is not needed there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
-
-HINTED_INTS = ("N", "V", "D", "L", "stride_h", "stride_w", "stride_dz")
 
 
 def compile_for_sm90(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -31,11 +36,30 @@ def compile_for_sm90(kernel, types: dict, constexprs: dict, num_warps: int, num_
     while not isinstance(kernel, triton.JITFunction):
         kernel = kernel.fn
     signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
+    unspecialised = {param.name for param in kernel.params if param.do_not_specialize}
     hint = [["tt.divisibility", 16]]
     attrs = {(i,): hint for i, name in enumerate(kernel.arg_names)
-             if name not in constexprs and (types[name].startswith("*") or name in HINTED_INTS)}
+             if name not in constexprs and name not in unspecialised
+             and (types[name].startswith("*") or types[name] == "i32")}
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def compile_with_ptxas_log(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """`compile_for_sm90`, and the bytes of register spill stores Triton's own ptxas run reported
+    (its flags, its ptxas); needs `compile_all`'s fresh cache, or ptxas does not run."""
+    import triton
+
+    log = io.StringIO()
+    triton.knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = compile_for_sm90(kernel, types, constexprs, num_warps, num_stages)
+    finally:
+        triton.knobs.nvidia.dump_ptxas_log = False
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log.getvalue())]
+    assert spills, f"no ptxas report for {compiled.name}: {log.getvalue()[-2000:]}"
+    return compiled, max(spills)
 
 
 def sweep_types(dtype: str, kernel: str) -> dict:
@@ -49,24 +73,46 @@ def sweep_types(dtype: str, kernel: str) -> dict:
                 dz_ptr=f"*{dtype}", v_begin="i32", chunk_width="i32", stride_dz="i32")
 
 
+def row_pass_types(dtype: str, kernel: str) -> dict:
+    common = dict(logits_ptr="*fp32", bias_ptr=f"*{dtype}", ids_ptr="*i64", rows_ptr="*i64", count_ptr="*i64",
+                  lse_ptr="*fp32", entropy_ptr="*fp32", row_begin="i32", V="i32", stride_z="i32",
+                  inv_temperature="fp32")
+    if kernel == "stats":
+        return dict(common, logp_ptr="*fp32")
+    return dict(common, g_ptr="*fp32", c_ptr="*fp32")
+
+
 def compile_all() -> None:
-    """Compile every kernel family in its main variants; assert the 16-bit sweeps use wgmma + cp.async."""
+    """Compile every kernel family in its main variants; assert the 16-bit sweeps use wgmma + cp.async
+    and the bf16 sweeps do not spill."""
+    import triton.language as tl
+
     from sage_kernels.reference import SEQUENCE_MEAN_LOSS_TYPES
     from sage_kernels.spec import CLIPPED_LOSS_TYPES, LOSS_TYPE_CODES
-    from sage_kernels.triton import sweep_bwd, sweep_fwd, token_stage
+    from sage_kernels.triton import sweep_bwd, sweep_fwd, three_matmul, token_stage
+
+    dz_types = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 
     tiles = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, DOT_UPCAST=False)
     for dtype, precision, bias in (("bf16", "tf32", True), ("fp16", "tf32", False), ("fp32", "ieee", True)):
         stages = 2 if dtype == "fp32" else 3
         no_bias = {} if bias else {"bias_ptr": None}
-        fwd = compile_for_sm90(sweep_fwd._sweep_fwd_kernel, sweep_types(dtype, "fwd"),
-                               dict(tiles, HAS_BIAS=bias, DOT_PRECISION=precision, **no_bias), 8, stages)
-        bwd = compile_for_sm90(sweep_bwd._dlogits_kernel, sweep_types(dtype, "bwd"),
-                               dict(tiles, HAS_BIAS=bias, HAS_ENTROPY_GRAD=True, DOT_PRECISION=precision,
-                                    **no_bias), 8, stages)
+        fwd, fwd_spills = compile_with_ptxas_log(sweep_fwd._sweep_fwd_kernel, sweep_types(dtype, "fwd"),
+                                                 dict(tiles, HAS_BIAS=bias, DOT_PRECISION=precision, **no_bias),
+                                                 8, stages)
+        bwd, bwd_spills = compile_with_ptxas_log(sweep_bwd._dlogits_kernel, sweep_types(dtype, "bwd"),
+                                                 dict(tiles, HAS_BIAS=bias, HAS_ENTROPY_GRAD=True,
+                                                      DOT_PRECISION=precision, **no_bias), 8, stages)
         if dtype != "fp32":
             for compiled in (fwd, bwd):
                 assert "wgmma" in compiled.asm["ptx"] and "cp.async" in compiled.asm["ptx"], compiled.name
+        if dtype == "bf16":  # at the 255-register limit: a spill would stall every tile
+            assert fwd_spills == 0 and bwd_spills == 0, f"bf16 sweeps spill: fwd {fwd_spills}, bwd {bwd_spills} bytes"
+        # the three-matmul path's row passes (one program per token, 4 warps, BLOCK_V 1024)
+        row = dict(HAS_BIAS=bias, BLOCK_V=1024, **no_bias)
+        compile_for_sm90(three_matmul._row_stats_kernel, row_pass_types(dtype, "stats"), row, 4, 3)
+        compile_for_sm90(three_matmul._dlogits_in_place_kernel, row_pass_types(dtype, "dz"),
+                         dict(row, HAS_ENTROPY_GRAD=True, DZ=dz_types[dtype]), 4, 3)
 
     types = {name: "*fp32" for name in ("logp_ptr", "entropy_ptr", "adv_ptr", "old_ptr", "ref_ptr", "isw_ptr",
                                         "log_q_ptr", "threshold_ptr", "inv_norm_ptr", "q_ptr", "kl_ptr",
@@ -93,7 +139,9 @@ def compile_all() -> None:
 def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    with tempfile.TemporaryDirectory() as cache:
+        env["TRITON_CACHE_DIR"] = cache  # a fresh cache: ptxas runs, and reports spills
+        result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 

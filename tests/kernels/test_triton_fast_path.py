@@ -1,0 +1,277 @@
+"""The Triton backend's two paths against the float64 reference, and which path runs when.
+
+The token-local three-matmul path (`three_matmul.py`) serves the configurations whose
+per-token gradient is local, the default among them; the two-pass path (forward sweep,
+backward sweep) serves sequence-level ratios and the entropy quantile. Both run here under
+TRITON_INTERPRET=1 on small shapes with several chunks forced, every kernel output buffer
+poisoned with NaN, against `backend="reference"` in float64 with the tolerances of
+`tolerances.py`; the memory recorder checks that neither builds an [N, V] tensor.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+
+from alloc import AllocationRecorder  # noqa: E402
+from test_triton_loss import DEVICE, check_against_reference, make_problem, run  # noqa: E402
+from tolerances import TOLERANCES  # noqa: E402
+
+from sage_kernels import LossConfig, fused_linear_sage_loss  # noqa: E402
+from sage_kernels.spec import validate_inputs  # noqa: E402
+from sage_kernels.triton import gemm, ops, sweep_fwd, three_matmul, tiles  # noqa: E402
+from sage_kernels.triton.tiles import interpreting  # noqa: E402
+
+THREE, TWO = "three-matmul", "two-pass"
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """Every buffer a kernel writes starts as NaN."""
+    monkeypatch.setattr(tiles, "POISON_BUFFERS", True)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Several three-matmul token chunks (the last one short) and several two-pass vocab chunks."""
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_n", 7)
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_v", 2 * tiles.tiles_for(torch.float32).block_v)
+
+
+def path_of(call) -> str:
+    """The one path `call()` took."""
+    before = three_matmul.PATHS_TAKEN.copy()
+    call()
+    taken = three_matmul.PATHS_TAKEN - before
+    assert sum(taken.values()) == 1, taken
+    return next(iter(taken))
+
+
+# ---------------------------------------------------------------- which path runs
+
+@pytest.mark.parametrize("options, expected", [
+    ({}, THREE),
+    ({"loss_type": "bnpo", "kl": "k2", "guide": "none"}, THREE),
+    ({"loss_type": "dr_grpo", "delta_clip": 2.0, "dual_clip_c": 3.0, "entropy_coef": 0.01}, THREE),
+    ({"loss_type": "dapo", "num_items_in_batch": 11}, THREE),
+    ({"importance_sampling": "sequence"}, TWO),
+    ({"top_entropy_quantile": 0.5}, TWO),
+], ids=["default", "bnpo", "dr_grpo", "dapo", "sequence", "quantile"])
+def test_the_default_configuration_takes_the_three_matmul_path(options, expected):
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=1)
+    config = LossConfig(**options)
+    assert path_of(lambda: run(problem, config, "triton", torch.float32)) == expected
+    assert three_matmul.per_token_grad_is_local(LossConfig())
+
+
+def test_scoring_and_no_grad_calls_take_a_path_too():
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=2)
+    with torch.no_grad():
+        assert path_of(lambda: fused_linear_sage_loss(backend="triton", **problem)) == THREE
+
+
+# ---------------------------------------------------------------- the three-matmul path against the reference
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mask", ["random", "tail", "all"])
+def test_three_matmul_dtypes_and_masks(dtype, mask, small_chunks):
+    # N = 39 over 7-row chunks; V = 1271 and D = 40 leave tails in every block.
+    problem = make_problem(B=3, L=13, V=1271, D=40, dtype=dtype, seed=5, mask=mask, is_weights=True)
+    config = LossConfig(entropy_coef=0.01, temperature=0.7, dual_clip_c=3.0)
+    assert path_of(lambda: check_against_reference(problem, config, dtype)) == THREE
+
+
+@pytest.mark.parametrize("options", [
+    {"kl": "k1", "beta": 0.2, "guide": "none"},
+    {"kl": "k2", "beta": 0.2, "loss_type": "bnpo"},
+    {"kl": "fk3", "beta": 0.3, "loss_type": "dr_grpo", "max_completion_length": 20, "delta_clip": 1.5},
+    {"kl": "k3", "beta": 0.0, "loss_type": "dapo", "num_items_in_batch": 17, "entropy_coef": 0.05},
+    {"tau": 5.0, "gamma": 2.0, "eps_low": 0.1, "eps_high": 0.3, "temperature": 1.3},
+], ids=["k1-none", "k2-bnpo", "fk3-dr_grpo-delta", "dapo-n-entropy", "branch-clamped"])
+@pytest.mark.parametrize("present", [
+    {"bias": True, "old": True, "log_q": False, "adv_per_token": False},
+    {"bias": False, "old": False, "log_q": True, "adv_per_token": True},
+], ids=["bias-old", "logq-onpolicy"])
+def test_three_matmul_options(options, present, small_chunks):
+    problem = make_problem(B=3, L=9, V=300, D=40, seed=len(options), **present)
+    config = LossConfig(**options)
+    assert path_of(lambda: check_against_reference(problem, config, torch.float32)) == THREE
+
+
+def test_three_matmul_num_items_as_a_device_tensor(small_chunks):
+    problem = make_problem(B=3, L=11, V=200, D=32, seed=6)
+    n = torch.tensor(23.0, device=DEVICE)
+    check_against_reference(problem, LossConfig(loss_type="dapo", num_items_in_batch=n), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_three_matmul_frozen_weight_and_count_left_on_the_device(dtype, small_chunks, monkeypatch):
+    # As under CUDA-graph capture: every row is covered and the kernels skip those past the count.
+    monkeypatch.setattr(sweep_fwd, "READ_VALID_COUNT", False)
+    problem = make_problem(B=3, L=9, V=300, D=40, dtype=dtype, seed=8, mask="tail")
+    check_against_reference(problem, LossConfig(entropy_coef=0.01), dtype, frozen_weight=True)
+
+
+def test_three_matmul_hidden_without_gradient(small_chunks):
+    # need_hidden honoured: only the weight (and bias) gradients are formed
+    problem = make_problem(B=2, L=9, V=300, D=40, seed=9)
+    weight = problem["weight"].detach().requires_grad_()
+    bias = problem["bias"].detach().requires_grad_()
+    rest = {k: v for k, v in problem.items() if k not in ("weight", "bias")}
+    out = fused_linear_sage_loss(weight=weight, bias=bias, backend="triton", **rest)
+    out.loss.backward()
+    ref_w = problem["weight"].double().requires_grad_()
+    ref_b = problem["bias"].double().requires_grad_()
+    rest64 = dict(rest, hidden=rest["hidden"].double())
+    fused_linear_sage_loss(weight=ref_w, bias=ref_b, backend="reference", **rest64).loss.backward()
+    for got, want in ((weight.grad, ref_w.grad), (bias.grad, ref_b.grad)):
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err <= TOLERANCES[torch.float32]["grad"]
+
+
+def test_three_matmul_gradients_are_deterministic(small_chunks):
+    problem = make_problem(B=3, L=9, V=600, D=48, seed=12, is_weights=True)
+    first, first_grads = run(problem, LossConfig(entropy_coef=0.01), "triton", torch.bfloat16, upstream=0.7)
+    second, second_grads = run(problem, LossConfig(entropy_coef=0.01), "triton", torch.bfloat16, upstream=0.7)
+    assert torch.equal(first.loss, second.loss)
+    for name, grad in first_grads.items():
+        assert torch.equal(grad, second_grads[name]), name
+
+
+def test_three_matmul_everything_masked(small_chunks):
+    problem = make_problem(B=2, L=6, V=300, D=32, mask="none")
+    out, grads = run(problem, LossConfig(entropy_coef=0.1), "triton", torch.float32, upstream=1.3)
+    assert out.loss.item() == 0.0
+    for name, grad in grads.items():
+        assert torch.equal(grad, torch.zeros_like(grad)), name
+
+
+# ---------------------------------------------------------------- the two-pass path, compacted
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("read_count", [True, False], ids=["count-read", "count-on-device"])
+def test_two_pass_compacted_backward(dtype, read_count, small_chunks, monkeypatch):
+    monkeypatch.setattr(sweep_fwd, "READ_VALID_COUNT", read_count)
+    problem = make_problem(B=4, L=9, V=1271, D=40, dtype=dtype, seed=3, mask="tail", is_weights=True)
+    config = LossConfig(entropy_coef=0.02, importance_sampling="sequence")
+    assert path_of(lambda: check_against_reference(problem, config, dtype)) == TWO
+
+
+def test_two_pass_nothing_masked_and_hidden_without_gradient(small_chunks):
+    problem = make_problem(B=2, L=9, V=300, D=40, seed=4, mask="all")
+    config = LossConfig(top_entropy_quantile=0.5, entropy_coef=0.01)
+    check_against_reference(problem, config, torch.float32)
+    hidden = problem["hidden"]  # no gradient wanted: the backward skips its GEMM
+    weight = problem["weight"].detach().requires_grad_()
+    rest = {k: v for k, v in problem.items() if k not in ("hidden", "weight")}
+    fused_linear_sage_loss(hidden, weight, config=config, backend="triton", **rest).loss.backward()
+    assert hidden.grad is None and torch.isfinite(weight.grad).all()
+
+
+# ---------------------------------------------------------------- memory and helpers
+
+_STAGING = (torch.ops.aten.set_.source_Storage, torch.ops.aten.copy_.default)
+
+
+class KernelMemoryRecorder(AllocationRecorder):
+    """Skips the interpreter's byte-level staging of kernel arguments (see test_triton_memory.py) and
+    views: the bf16 view of the fp32 logits workspace (d(logits) in place) has twice its elements
+    in the same bytes, and allocates nothing."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (interpreting() and func in _STAGING and args[0].dtype == torch.uint8) or func.is_view:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_three_matmul_stays_under_the_logits_limit(dtype):
+    B, L, V, D = 4, 64, 1024, 12  # D < N/16 and V/16 keeps the gradients themselves under the limit
+    problem = make_problem(B=B, L=L, V=V, D=D, dtype=dtype, mask="tail", is_weights=True)
+    config = LossConfig(entropy_coef=0.01)
+    inputs = validate_inputs(problem["hidden"], problem["weight"], problem["token_ids"], problem["mask"],
+                             problem["advantages"], bias=problem["bias"], old_logp=problem["old_logp"],
+                             ref_logp=problem["ref_logp"], is_weights=problem["is_weights"], config=config)
+    with KernelMemoryRecorder(B * L * V // 16) as recorder:
+        out = ops.local_forward(inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids, inputs.mask,
+                                inputs.advantages, inputs.old_logp, inputs.ref_logp, inputs.is_weights,
+                                inputs.log_q, config, True, True, True)
+    recorder.check()
+    assert recorder.largest > 0
+    assert all(torch.isfinite(t).all() for t in out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fp32_output_products(dtype):
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((9, 70), (70, 5)))
+    a16, b16 = a.to(dtype), b.to(dtype)
+    exact = a16.double() @ b16.double()
+    out = torch.full((9, 5), float("nan"))
+    gemm.mm_f32(a16, b16, out)
+    acc = torch.ones(9, 5)
+    gemm.addmm_f32_(acc, a16, b16)
+    for got, want in ((out, exact), (acc, exact + 1.0)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert gemm.has_fp32_output(dtype, torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_launches_follow_the_tensors_device():
+    # Tensors on the second GPU while the first is current: every launch must follow the tensors.
+    problem = make_problem(B=2, L=64, V=1000, D=64, seed=14, mask="tail")
+    problem = {k: v.to("cuda:1") if isinstance(v, torch.Tensor) else v for k, v in problem.items()}
+    with torch.cuda.device(0):
+        for config in (LossConfig(), LossConfig(importance_sampling="sequence")):
+            check_against_reference(problem, config, torch.float32)
+
+
+def test_three_matmul_backward_twice_is_refused():
+    # the gradients are scaled in place by the upstream gradient: a second backward would scale twice
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=15)
+    hidden = problem["hidden"].detach().requires_grad_()
+    rest = {k: v for k, v in problem.items() if k != "hidden"}
+    loss = fused_linear_sage_loss(hidden, backend="triton", **rest).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward called twice"):
+        loss.backward()
+
+
+def test_opcheck_local_loss_operator():
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=1)
+    config = LossConfig(entropy_coef=0.01)
+    floats, ints, num_items = ops._pack(config)
+    hidden = problem["hidden"].reshape(-1, 32).detach().requires_grad_()
+    weight = problem["weight"].detach().requires_grad_()
+    args = (hidden, weight, problem["bias"], problem["token_ids"], problem["mask"],
+            problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(), problem["old_logp"],
+            problem["ref_logp"], None, None, num_items, floats, ints, [True, True, False])
+    torch.library.opcheck(torch.ops.sage_kernels.triton_sage_loss_local.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("hidden_size, accumulator", [(16, torch.float32), (48, torch.bfloat16)])
+def test_three_matmul_weight_accumulator(hidden_size, accumulator, small_chunks, monkeypatch):
+    # N = 27 * 27 = 729 tokens: D = 16 < N/16 accumulates grad_W in fp32, D = 48 in bf16
+    assert three_matmul._weight_accumulator_dtype(torch.bfloat16, 729, hidden_size) == accumulator
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_n", 160)
+    problem = make_problem(B=27, L=27, V=130, D=hidden_size, dtype=torch.bfloat16, seed=16, mask="tail")
+    check_against_reference(problem, LossConfig(), torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a real vocabulary is too large for the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_three_matmul_in_place_d_logits_on_a_real_vocabulary(dtype):
+    # Hundreds of vocab blocks per row on the GPU: d(logits) overwrites each fp32 row in place while
+    # warps may drift apart, so a missing barrier would show here as wrong gradients.
+    problem = make_problem(B=4, L=64, V=50_257, D=128, dtype=dtype, seed=17, mask="tail", is_weights=True)
+    config = LossConfig(entropy_coef=0.01, temperature=0.9)
+    assert path_of(lambda: check_against_reference(problem, config, dtype)) == THREE
