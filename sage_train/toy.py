@@ -9,7 +9,8 @@ sage-token: a fixed token-dependent guide passed as log_q), three ways to train:
     with every sequence weighted by its probability;
 (c) sampled: G completions per prompt, `group_advantages`, one on-policy step per batch.
 
-`python -m sage_train.toy --out DIR` writes DIR/toy.json and plots (docs/results/toy.md).
+`python -m sage_train.toy --out DIR` writes DIR/toy.json, DIR/curves.json (TV to the target along
+training) and plots (docs/results/toy.md).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class Toy:
     def seq_logp(self, theta: torch.Tensor) -> torch.Tensor:
         return E.task_logprobs(self.task, self.logits(theta))
 
-    def log_q_rows(self, algorithm: str, token_q: torch.Tensor):
+    def log_q_rows(self, algorithm: str, token_q: torch.Tensor):  # only sage-token passes an explicit guide
         return token_q if algorithm == "sage-token" else None
 
 
@@ -247,16 +248,15 @@ def run(opts: Options, log=print) -> dict:
     for a in ALGORITHMS:
         runs, sampled_end[a] = [], []
         for seed in range(opts.seeds):
-            generator = torch.Generator().manual_seed(1000 + seed)
-            theta, curve, settled = train(toy, lambda th, a=a, g=generator: sampled_step(toy, th, a, g), ref_theta,
-                                          opts.sampled_steps, opts.sampled_lr, toy.optimum[a], cosine=False)
-            seq = toy.seq_logp(theta)
-            sampled_end[a].append((seq, settled))
+            generator = torch.Generator().manual_seed(1000 + seed)  # the same seeds for every algorithm
+            theta, curves["sampled", a, seed], settled = train(
+                toy, lambda th, a=a, g=generator: sampled_step(toy, th, a, g), ref_theta, opts.sampled_steps,
+                opts.sampled_lr, toy.optimum[a], cosine=False)
+            sampled_end[a].append((seq := toy.seq_logp(theta), settled))
             runs.append(dict(summary(toy, seq, a), tv_to_expected=float(E.tv(seq, expected_end[a]).mean()),
                              settled_tv_to_optimum=float(E.tv(settled, toy.optimum[a]).mean()),
                              settled_tv_to_expected=float(E.tv(settled, expected_end[a]).mean()),
                              settled_pass_at_k=E.pass_at_k(task, settled, KS).mean(0).tolist()))
-            curves["sampled", a, seed] = curve
         result["sampled"][a] = {"per_seed": runs, **{key: mean([r[key] for r in runs]) for key in runs[0]}}
         log(f"(sampled) {a:12s} tv to pi* {result['sampled'][a]['tv_to_optimum']:.4f}  "
             f"tv to (b) {result['sampled'][a]['tv_to_expected']:.4f}  settled: to pi* "
@@ -296,9 +296,6 @@ def compare(result: dict, expected_end: dict, sampled_end: dict) -> dict:
                                                                    for a in ("sage-branch", "grpo")))]
     out["sampled"]["pass_at_1_paired_gaps"] = gaps
     return out
-
-
-# ----------------------------------------------------------------------------- report
 
 
 def plot(result: dict, out: Path) -> list[str]:
@@ -384,7 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = run(opts)
     result["command"] = "python -m sage_train.toy " + " ".join(sys.argv[1:] if argv is None else argv)
-    result["plots"] = plot(result, out)
+    result["files"] = ["toy.json", "curves.json"] + plot(result, out)
+    # The curves are most of the numbers: one compact line each, apart from the readable report.
+    lines = ",\n".join(f"{json.dumps(key)}: {json.dumps(curve)}" for key, curve in result.pop("curves").items())
+    (out / "curves.json").write_text("{\n" + lines + "\n}\n")
     (out / "toy.json").write_text(json.dumps(result, indent=1) + "\n")
     cmp = {way: f"{c['max_abs_pass_at_k_difference']:.2e}" for way, c in result["branch_vs_grpo"].items()}
     print(f"tv_exact_objective {result['tv_exact_objective']:.2e}  tv_kl_only_surrogate "

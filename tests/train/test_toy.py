@@ -168,7 +168,9 @@ def test_main_writes_the_report(tmp_path):
             assert 0 <= report[way][algorithm]["tv_to_optimum"] <= 1
             assert len(report[way][algorithm]["pass_at_k"]) == len(T.KS)
     assert len(report["sampled"]["grpo"]["per_seed"]) == 2
-    assert (tmp_path / "tv_curves.png").stat().st_size > 0 and (tmp_path / "pass_at_k.png").stat().st_size > 0
+    assert all((tmp_path / name).stat().st_size > 0 for name in report["files"])
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    assert curves["exact grpo"][0] == [0, pytest.approx(report["optimum"]["grpo"]["tv_to_reference"])]
 
 
 @pytest.mark.parametrize("argv", [["--steps", "5"], ["--out", "x", "--steps", "0"], ["--out", "x", "--vocab", "1"],
