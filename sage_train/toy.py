@@ -21,16 +21,18 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
-from sage_train.advantages import STD_EPS, group_advantages
+from sage_train.advantages import group_advantages
 from sage_train.tasks import enumerable as E
 
 ALGORITHMS = ("grpo", "sage-branch", "sage-token")
+BACKEND = "reference"  # float64 and materialised logits: exact, and the tables are tiny
 KS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -65,23 +67,28 @@ class Toy:
         P, S = task.prompts, task.sequences
         self.dim = P * task.num_nodes
         self.ref_table = torch.log_softmax(task.ref_logits, dim=-1)
-        self.token_log_q = E.token_log_q(task.ref_logits, gamma=opts.token_gamma, tau=opts.token_tau,
-                                         q_min=opts.q_min, q_max=opts.q_max)
+        clamp = {"q_min": opts.q_min, "q_max": opts.q_max}
+        self.token_log_q = E.token_log_q(task.ref_logits, gamma=opts.token_gamma, tau=opts.token_tau, **clamp)
         # The anchors held fixed for J: the branch guide as the first step computes it (at pi_ref).
-        self.fixed_log_q = {"grpo": None, "sage-token": self.token_log_q,
-                            "sage-branch": E.branch_log_q(task.ref_logits, gamma=opts.gamma, tau=opts.tau,
-                                                          q_min=opts.q_min, q_max=opts.q_max)}
+        branch = E.branch_log_q(task.ref_logits, gamma=opts.gamma, tau=opts.tau, **clamp)
+        self.fixed_log_q = {"grpo": None, "sage-branch": branch, "sage-token": self.token_log_q}
         self.optimum = {a: E.optimum(task, self.fixed_log_q[a], opts.beta) for a in ALGORITHMS}
         self.anchor = {a: E.task_logprobs(task, task.ref_logits, self.fixed_log_q[a]) for a in ALGORITHMS}
         self.ref_seq = self.anchor["grpo"]
         self.full_prompts = torch.arange(P).repeat_interleave(S)
         self.full_seqs = torch.arange(S).repeat(P)
-        self.full_mask = torch.ones(P * S, task.length, dtype=torch.bool)
 
-    def config(self, algorithm: str, beta: float) -> LossConfig:
+    def loss(self, algorithm: str, beta: float, hidden, weight, tokens, advantages, token_q=None, **inputs):
+        """`fused_linear_sage_loss` in float64 with `algorithm`'s options (TRL's k3 and `grpo` loss type,
+        the defaults); sage-token passes its guide as log_q, sage-branch lets the loss compute q."""
         o = self.opts
-        return LossConfig(beta=beta, kl="k3", guide="branch" if algorithm == "sage-branch" else "none",
-                          gamma=o.gamma, tau=o.tau, q_min=o.q_min, q_max=o.q_max, loss_type="grpo")
+        guide = "branch" if algorithm == "sage-branch" else "none"
+        config = LossConfig(beta=beta, guide=guide, gamma=o.gamma, tau=o.tau, q_min=o.q_min, q_max=o.q_max)
+        inputs["log_q"] = token_q if algorithm == "sage-token" else None
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+        return fused_linear_sage_loss(
+            hidden, weight, tokens, mask, advantages, config=config, backend=BACKEND, **inputs
+        )
 
     def rows(self, prompt_ids: torch.Tensor, seq_ids: torch.Tensor, extra: int = 0):
         """One-hot prefix features [B, L, P*N + extra], tokens, table columns, pi_ref and token-guide log-probs."""
@@ -99,8 +106,9 @@ class Toy:
     def seq_logp(self, theta: torch.Tensor) -> torch.Tensor:
         return E.task_logprobs(self.task, self.logits(theta))
 
-    def log_q_rows(self, algorithm: str, token_q: torch.Tensor):  # only sage-token passes an explicit guide
-        return token_q if algorithm == "sage-token" else None
+    def report(self, seq: torch.Tensor, algorithm: str) -> dict:
+        targets = {"optimum": self.optimum[algorithm], "grpo_optimum": self.optimum["grpo"]}
+        return E.policy_report(self.task, seq, **targets, log_q=self.fixed_log_q[algorithm], beta=self.opts.beta, ks=KS)
 
 
 # ----------------------------------------------------------------------------- the three ways
@@ -111,20 +119,10 @@ def exact_step(toy: Toy, theta: torch.Tensor, algorithm: str, full) -> None:
     hidden, tokens, _, _, _ = full
     seq = toy.seq_logp(theta)
     value = toy.task.reward - toy.opts.beta * (seq - toy.anchor[algorithm])
-    advantage = value - (seq.exp() * value).sum(-1, keepdim=True)
+    advantage = (value - (seq.exp() * value).sum(-1, keepdim=True)).reshape(-1)
     # The loss averages rows and positions (1 / (P S L)); weights S L pi(x) make it E_pi per prompt.
     weights = (toy.task.sequences * toy.task.length * seq.exp()).reshape(-1, 1).expand_as(tokens)
-    out = fused_linear_sage_loss(hidden, theta, tokens, toy.full_mask, advantage.reshape(-1), is_weights=weights,
-                                 config=toy.config("grpo", 0.0), backend="reference")
-    out.loss.backward()
-
-
-def population_advantages(reward: torch.Tensor, seq_logp: torch.Tensor) -> torch.Tensor:
-    """(r - mean) / (std + 1e-4) under pi per prompt: `group_advantages` as the group grows."""
-    prob = seq_logp.exp()
-    mean = (prob * reward).sum(-1, keepdim=True)
-    std = (prob * (reward - mean) ** 2).sum(-1, keepdim=True).sqrt()
-    return (reward - mean) / (std + STD_EPS)
+    toy.loss("grpo", 0.0, hidden, theta, tokens, advantage, is_weights=weights).loss.backward()
 
 
 def expected_step(toy: Toy, theta: torch.Tensor, algorithm: str, full, zero_advantages: bool = False) -> float:
@@ -133,16 +131,14 @@ def expected_step(toy: Toy, theta: torch.Tensor, algorithm: str, full, zero_adva
     hidden, tokens, cols, ref_logp, token_q = full
     task, V = toy.task, toy.task.vocab
     seq = toy.seq_logp(theta)
-    advantage = torch.zeros_like(seq) if zero_advantages else population_advantages(task.reward, seq)
+    advantage = torch.zeros_like(seq) if zero_advantages else E.population_advantages(task, seq)
     hidden = hidden.clone().requires_grad_(True)
     weight = torch.cat([theta.detach(), torch.eye(V, dtype=E.DTYPE)], dim=1)
-    out = fused_linear_sage_loss(hidden, weight, tokens, toy.full_mask, advantage.reshape(-1), ref_logp=ref_logp,
-                                 log_q=toy.log_q_rows(algorithm, token_q), config=toy.config(algorithm, toy.opts.beta),
-                                 backend="reference")
+    out = toy.loss(algorithm, toy.opts.beta, hidden, weight, tokens, advantage.reshape(-1), token_q, ref_logp=ref_logp)
     (grad_hidden,) = torch.autograd.grad(out.loss, hidden)
     # Each row's logit gradient carries 1 / (P S L); S pi(x) turns the row mean into E_pi per prompt.
     row_weight = (task.sequences * seq.exp()).reshape(-1, 1, 1)
-    per_row = (grad_hidden[..., toy.dim:] * row_weight).reshape(-1, V)
+    per_row = (grad_hidden[..., toy.dim :] * row_weight).reshape(-1, V)
     theta.grad = torch.zeros(toy.dim, V, dtype=E.DTYPE).index_add_(0, cols.reshape(-1), per_row).t()
     prob = seq.exp().reshape(-1, 1)
     return float((prob * (out.q != 1.0)).sum() / (prob.sum() * task.length))
@@ -154,23 +150,23 @@ def sampled_step(toy: Toy, theta: torch.Tensor, algorithm: str, generator: torch
     draws = torch.multinomial(toy.seq_logp(theta).exp(), G, replacement=True, generator=generator)
     advantage = group_advantages(task.reward.gather(1, draws)).reshape(-1)
     hidden, tokens, _, ref_logp, token_q = toy.rows(torch.arange(task.prompts).repeat_interleave(G), draws.reshape(-1))
-    out = fused_linear_sage_loss(hidden, theta, tokens, torch.ones_like(tokens, dtype=torch.bool), advantage,
-                                 ref_logp=ref_logp, log_q=toy.log_q_rows(algorithm, token_q),
-                                 config=toy.config(algorithm, toy.opts.beta), backend="reference")
+    out = toy.loss(algorithm, toy.opts.beta, hidden, theta, tokens, advantage, token_q, ref_logp=ref_logp)
     out.loss.backward()
 
 
-def train(toy: Toy, step, theta0: torch.Tensor, steps: int, lr: float, target: torch.Tensor, *, cosine: bool):
-    """Adam on the table, its rate constant (as the trainer's default) or on a cosine to 0 (so a
-    deterministic way lands on its fixed point instead of hovering at Adam's step size).
+def train(toy: Toy, step, theta0: torch.Tensor, target: torch.Tensor, *, sampled: bool = False):
+    """Adam on the table: for (c) at a constant rate (the trainer's default), otherwise on a cosine to 0,
+    so a deterministic way lands on its fixed point instead of hovering at Adam's step size.
 
     Returns the final table, the TV to `target` every eval_every steps, and the sequence
     distribution averaged over the evaluations of the second half: where a noisy run settles.
     """
+    o = toy.opts
+    steps, lr = (o.sampled_steps, o.sampled_lr) if sampled else (o.steps, o.lr)
     theta = theta0.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([theta], lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)) if cosine else 1.0)
+    rate = (lambda i: 1.0) if sampled else (lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     seq = toy.seq_logp(theta)
     curve, tail = [[0, float(E.tv(seq, target).mean())]], []
     for i in range(1, steps + 1):
@@ -178,7 +174,7 @@ def train(toy: Toy, step, theta0: torch.Tensor, steps: int, lr: float, target: t
         step(theta)
         optimizer.step()
         schedule.step()
-        if i % toy.opts.eval_every == 0 or i == steps:
+        if i % o.eval_every == 0 or i == steps:
             seq = toy.seq_logp(theta)
             curve.append([i, float(E.tv(seq, target).mean())])
             if 2 * i > steps:
@@ -186,24 +182,9 @@ def train(toy: Toy, step, theta0: torch.Tensor, steps: int, lr: float, target: t
     return theta.detach(), curve, torch.stack(tail).mean(0).log()
 
 
-def summary(toy: Toy, seq: torch.Tensor, algorithm: str) -> dict:
-    """Exact quantities of a policy given by its sequence log-probs, against `algorithm`'s optimum."""
-    beta, log_q = toy.opts.beta, toy.fixed_log_q[algorithm]
-    return {"tv_to_optimum": float(E.tv(seq, toy.optimum[algorithm]).mean()),
-            "tv_to_grpo_optimum": float(E.tv(seq, toy.optimum["grpo"]).mean()),
-            "tv_to_reference": float(E.tv(seq, toy.ref_seq).mean()),
-            "objective": float(E.objective(toy.task, seq, log_q, beta).mean()),
-            "kl_to_reference": float(E.kl(seq, toy.ref_seq).mean()),
-            "p_correct": (seq.exp() * toy.task.reward).sum(-1).tolist(),
-            "pass_at_k": E.pass_at_k(toy.task, seq, KS).mean(0).tolist()}
-
-
 def table_of(logits: torch.Tensor) -> torch.Tensor:
     """The loss's weight [V, P*N] for node logits [P, N, V]."""
     return logits.reshape(-1, logits.shape[-1]).t().contiguous()
-
-
-# ----------------------------------------------------------------------------- the run
 
 
 def run(opts: Options, log=print) -> dict:
@@ -211,61 +192,62 @@ def run(opts: Options, log=print) -> dict:
     task, ref_theta = toy.task, table_of(toy.task.ref_logits)
     full = toy.rows(toy.full_prompts, toy.full_seqs)
     full_aug = toy.rows(toy.full_prompts, toy.full_seqs, extra=task.vocab)
-    result = {"options": asdict(opts), "task": E.describe(task), "ks": list(KS),
-              "guide_activity_at_reference": {a: E.guide_activity(task, toy.fixed_log_q[a], task.ref_logits)
-                                              for a in ("sage-branch", "sage-token")},
-              "reference": summary(toy, toy.ref_seq, "grpo"),
-              "optimum": {a: summary(toy, toy.optimum[a], a) for a in ALGORITHMS}}
-    curves, expected_end = {}, {}
-    for way in ("exact", "expected"):
-        result[way] = {}
-        for a in ALGORITHMS:
-            guided = []  # (b): the probability-weighted fraction of positions with q != 1, per step
-            step = (lambda th, a=a: exact_step(toy, th, a, full)) if way == "exact" else (
-                lambda th, a=a: guided.append(expected_step(toy, th, a, full_aug)))
-            theta, curves[way, a], _ = train(toy, step, ref_theta, opts.steps, opts.lr, toy.optimum[a], cosine=True)
-            result[way][a] = summary(toy, toy.seq_logp(theta), a)
-            if way == "expected":
-                result[way][a]["guided_fraction_first_last"] = [guided[0], guided[-1]]
-                expected_end[a] = toy.seq_logp(theta)
-            log(f"({way}) {a:12s} tv to pi* {result[way][a]['tv_to_optimum']:.4f}  "
-                f"pass@1 {result[way][a]['pass_at_k'][0]:.3f}  [{time.perf_counter() - start:.0f}s]")
+    activity = {a: E.guide_activity(task, toy.fixed_log_q[a], task.ref_logits) for a in ("sage-branch", "sage-token")}
+    result = {
+        "options": asdict(opts),
+        "task": E.describe(task),
+        "ks": list(KS),
+        "guide_activity_at_reference": activity,
+    }
+    result["reference"] = toy.report(toy.ref_seq, "grpo")
+    result["optimum"] = {a: toy.report(toy.optimum[a], a) for a in ALGORITHMS}
+
+    def done(way: str, a: str, text: str) -> None:
+        log(f"({way}) {a:12s} {text}  [{time.perf_counter() - start:.0f}s]")
+
+    curves, ends = {}, {}
+    for a in ALGORITHMS:
+        step = partial(exact_step, toy, algorithm=a, full=full)
+        theta, curves["exact", a], _ = train(toy, step, ref_theta, toy.optimum[a])
+        result.setdefault("exact", {})[a] = toy.report(toy.seq_logp(theta), a)
+        done("exact", a, f"tv to pi* {result['exact'][a]['tv_to_optimum']:.2e}")
+    for a in ALGORITHMS:
+        active = []  # the probability-weighted fraction of positions with q != 1, per step
+
+        def step(theta, a=a):
+            active.append(expected_step(toy, theta, a, full_aug))
+
+        theta, curves["expected", a], _ = train(toy, step, ref_theta, toy.optimum[a])
+        ends[a] = toy.seq_logp(theta)
+        result.setdefault("expected", {})[a] = toy.report(ends[a], a)
+        result["expected"][a]["guided_fraction_first_last"] = [active[0], active[-1]]
+        done("expected", a, f"tv to pi* {result['expected'][a]['tv_to_optimum']:.4f}")
 
     # (b) with zero advantages: only the k3 term, pulling toward q pi_ref / Z_t per node. The branch and
     # no-guide fixed point is pi_ref itself, so those start from a perturbed table to have somewhere to go.
-    result["kl_only"] = {}
     noise = torch.randn(ref_theta.shape, generator=torch.Generator().manual_seed(1), dtype=E.DTYPE)
     for a in ALGORITHMS:
-        start_theta = ref_theta if a == "sage-token" else ref_theta + noise
-        fixed = E.task_logprobs(task, E.surrogate_fixed_point(task, toy.log_q_rows(a, toy.token_log_q)))
-        theta, curves["kl_only", a], _ = train(toy, lambda th, a=a: expected_step(toy, th, a, full_aug, True),
-                                               start_theta, opts.steps, opts.lr, fixed, cosine=True)
-        result["kl_only"][a] = {"tv_to_fixed_point": float(E.tv(toy.seq_logp(theta), fixed).mean()),
-                                "fixed_point_tv_to_reference": float(E.tv(fixed, toy.ref_seq).mean())}
-        log(f"(kl only) {a:12s} tv to q pi_ref / Z_t {result['kl_only'][a]['tv_to_fixed_point']:.4f}")
+        fixed = E.task_logprobs(task, E.surrogate_fixed_point(task, toy.fixed_log_q[a] if a == "sage-token" else None))
+        step = partial(expected_step, toy, algorithm=a, full=full_aug, zero_advantages=True)
+        theta, curves["kl_only", a], _ = train(toy, step, ref_theta + (0 if a == "sage-token" else noise), fixed)
+        tv_fixed, tv_ref = float(E.tv(toy.seq_logp(theta), fixed).mean()), float(E.tv(fixed, toy.ref_seq).mean())
+        result.setdefault("kl_only", {})[a] = {"tv_to_fixed_point": tv_fixed, "fixed_point_tv_to_reference": tv_ref}
+        done("kl only", a, f"tv to q pi_ref / Z_t {tv_fixed:.2e}")
 
-    result["sampled"], sampled_end = {}, {}
+    sampled_end = {a: [] for a in ALGORITHMS}
     for a in ALGORITHMS:
-        runs, sampled_end[a] = [], []
         for seed in range(opts.seeds):
             generator = torch.Generator().manual_seed(1000 + seed)  # the same seeds for every algorithm
-            theta, curves["sampled", a, seed], settled = train(
-                toy, lambda th, a=a, g=generator: sampled_step(toy, th, a, g), ref_theta, opts.sampled_steps,
-                opts.sampled_lr, toy.optimum[a], cosine=False)
-            sampled_end[a].append((seq := toy.seq_logp(theta), settled))
-            runs.append(dict(summary(toy, seq, a), tv_to_expected=float(E.tv(seq, expected_end[a]).mean()),
-                             settled_tv_to_optimum=float(E.tv(settled, toy.optimum[a]).mean()),
-                             settled_tv_to_expected=float(E.tv(settled, expected_end[a]).mean()),
-                             settled_pass_at_k=E.pass_at_k(task, settled, KS).mean(0).tolist()))
-        result["sampled"][a] = {"per_seed": runs, **{key: mean([r[key] for r in runs]) for key in runs[0]}}
-        log(f"(sampled) {a:12s} tv to pi* {result['sampled'][a]['tv_to_optimum']:.4f}  "
-            f"tv to (b) {result['sampled'][a]['tv_to_expected']:.4f}  settled: to pi* "
-            f"{result['sampled'][a]['settled_tv_to_optimum']:.4f}, to (b) "
-            f"{result['sampled'][a]['settled_tv_to_expected']:.4f}  [{time.perf_counter() - start:.0f}s]")
+            step = partial(sampled_step, toy, algorithm=a, generator=generator)
+            theta, curves["sampled", a, seed], settled = train(toy, step, ref_theta, toy.optimum[a], sampled=True)
+            sampled_end[a].append((toy.seq_logp(theta), settled))
+        result.setdefault("sampled", {})[a] = sampled_report(toy, a, sampled_end[a], ends[a])
+        text = "tv to pi* {tv_to_optimum:.4f}, to (b) {tv_to_expected:.4f}, 2nd half {settled_tv_to_expected:.4f}"
+        done("sampled", a, text.format(**result["sampled"][a]))
 
     result["tv_exact_objective"] = max(result["exact"][a]["tv_to_optimum"] for a in ALGORITHMS)
     result["tv_kl_only_surrogate"] = max(result["kl_only"][a]["tv_to_fixed_point"] for a in ALGORITHMS)
-    result["branch_vs_grpo"] = compare(result, expected_end, sampled_end)
+    result["branch_vs_grpo"] = compare(result, ends, sampled_end)
     result["curves"] = {" ".join(map(str, key)): curve for key, curve in curves.items()}
     result["wall_seconds"] = time.perf_counter() - start
     return result
@@ -274,6 +256,18 @@ def run(opts: Options, log=print) -> dict:
 def mean(values):
     """Mean over seeds of numbers, or elementwise of equal-length lists."""
     return [sum(c) / len(c) for c in zip(*values)] if isinstance(values[0], list) else sum(values) / len(values)
+
+
+def sampled_report(toy: Toy, algorithm: str, ends: list, expected_end: torch.Tensor) -> dict:
+    """(c) per seed and averaged over seeds: the final table and the second-half average (`settled`)."""
+    optimum, runs = toy.optimum[algorithm], []
+    for seq, settled in ends:
+        runs.append(toy.report(seq, algorithm))
+        runs[-1]["tv_to_expected"] = float(E.tv(seq, expected_end).mean())
+        runs[-1]["settled_tv_to_optimum"] = float(E.tv(settled, optimum).mean())
+        runs[-1]["settled_tv_to_expected"] = float(E.tv(settled, expected_end).mean())
+        runs[-1]["settled_pass_at_k"] = E.pass_at_k(toy.task, settled, KS).mean(0).tolist()
+    return {"per_seed": runs, **{key: mean([r[key] for r in runs]) for key in runs[0]}}
 
 
 def compare(result: dict, expected_end: dict, sampled_end: dict) -> dict:
@@ -286,15 +280,13 @@ def compare(result: dict, expected_end: dict, sampled_end: dict) -> dict:
         out[way] = {"pass_at_k_difference": diff, "max_abs_pass_at_k_difference": max(abs(d) for d in diff)}
     out["expected"]["tv_between"] = float(E.tv(expected_end["sage-branch"], expected_end["grpo"]).mean())
     seeds = range(len(sampled_end["grpo"]))
+    pairs = [(j, k) for j in seeds for k in seeds if j != k]
     for i, name in enumerate(("final", "settled")):
-        pairs = [(j, k) for j in seeds for k in seeds if j != k]
-        tv = {a: mean([float(E.tv(sampled_end[a][j][i], sampled_end["grpo"][k][i]).mean()) for j, k in pairs])
-              for a in ("sage-branch", "grpo")} if pairs else {}
-        out["sampled"][f"tv_{name}_branch_to_grpo_seeds"] = tv.get("sage-branch")
-        out["sampled"][f"tv_{name}_grpo_to_grpo_seeds"] = tv.get("grpo")
-    gaps = [b["pass_at_k"][0] - g["pass_at_k"][0] for b, g in zip(*(result["sampled"][a]["per_seed"]
-                                                                   for a in ("sage-branch", "grpo")))]
-    out["sampled"]["pass_at_1_paired_gaps"] = gaps
+        for a, label in (("sage-branch", "branch"), ("grpo", "grpo")):
+            tvs = [float(E.tv(sampled_end[a][j][i], sampled_end["grpo"][k][i]).mean()) for j, k in pairs]
+            out["sampled"][f"tv_{name}_{label}_to_grpo_seeds"] = mean(tvs) if tvs else None
+    per_seed = [result["sampled"][a]["per_seed"] for a in ("sage-branch", "grpo")]
+    out["sampled"]["pass_at_1_paired_gaps"] = [b["pass_at_k"][0] - g["pass_at_k"][0] for b, g in zip(*per_seed)]
     return out
 
 
@@ -306,15 +298,15 @@ def plot(result: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     colours = {"grpo": "tab:blue", "sage-branch": "tab:red", "sage-token": "tab:green"}
-    titles = {"exact": "(a) exact gradient of J", "expected": "(b) the loss in expectation",
-              "kl_only": "(b) zero advantages, to q pi_ref / Z_t", "sampled": "(c) sampled, G per prompt"}
+    titles = {"exact": "(a) exact gradient of J", "expected": "(b) the loss in expectation"}
+    titles.update(kl_only="(b) zero advantages, to q pi_ref / Z_t", sampled="(c) sampled, G per prompt")
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6), sharey=True)
     for ax, way in zip(axes, titles):
         for key, curve in result["curves"].items():
             parts = key.split(" ")
+            label = parts[1] if len(parts) == 2 or parts[2] == "0" else None
             if parts[0] == way:
-                ax.plot(*zip(*curve), color=colours[parts[1]], alpha=0.5 if way == "sampled" else 1.0,
-                        label=parts[1] if len(parts) == 2 or parts[2] == "0" else None)
+                ax.plot(*zip(*curve), color=colours[parts[1]], alpha=0.5 if way == "sampled" else 1.0, label=label)
         ax.set_yscale("symlog", linthresh=1e-3)  # TV spans 1 down to the 1e-6 of a converged way
         ax.set(title=titles[way], xlabel="step")
     axes[0].set_ylabel("TV to target (mean over prompts)")
@@ -327,8 +319,8 @@ def plot(result: dict, out: Path) -> list[str]:
     ax.plot(result["ks"], result["reference"]["pass_at_k"], color="black", marker=".", label="pi_ref")
     for way, style in (("optimum", "-"), ("expected", "--"), ("sampled", ":")):
         for a in ALGORITHMS:
-            ax.plot(result["ks"], result[way][a]["pass_at_k"], color=colours[a], linestyle=style, marker=".",
-                    label=f"{way} {a}")
+            pass_at_k = result[way][a]["pass_at_k"]
+            ax.plot(result["ks"], pass_at_k, color=colours[a], linestyle=style, marker=".", label=f"{way} {a}")
     ax.set(xscale="log", xlabel="k", ylabel="exact pass@k (mean over prompts)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -344,10 +336,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 #: the options' admissible ranges, checked before anything runs
-RULES = (("> 0", lambda v: v > 0, ("prompts", "length", "steps", "sampled_steps", "seeds", "eval_every", "beta",
-                                    "lr", "sampled_lr", "q_min")),
-         (">= 2", lambda v: v >= 2, ("vocab", "group_size")), (">= 0", lambda v: v >= 0, ("gamma", "token_gamma")),
-         (">= 1", lambda v: v >= 1, ("q_max",)), ("<= 1", lambda v: v <= 1, ("q_min",)))
+RULES = (
+    (
+        "> 0",
+        lambda v: v > 0,
+        ("prompts", "length", "steps", "sampled_steps", "seeds", "eval_every", "beta", "lr", "sampled_lr", "q_min"),
+    ),
+    (">= 2", lambda v: v >= 2, ("vocab", "group_size")),
+    (">= 0", lambda v: v >= 0, ("gamma", "token_gamma")),
+    (">= 1", lambda v: v >= 1, ("q_max",)),
+    ("<= 1", lambda v: v <= 1, ("q_min",)),
+)
 
 
 def parse(argv: list[str]) -> tuple[Path, Options]:
@@ -387,9 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "curves.json").write_text("{\n" + lines + "\n}\n")
     (out / "toy.json").write_text(json.dumps(result, indent=1) + "\n")
     cmp = {way: f"{c['max_abs_pass_at_k_difference']:.2e}" for way, c in result["branch_vs_grpo"].items()}
-    print(f"tv_exact_objective {result['tv_exact_objective']:.2e}  tv_kl_only_surrogate "
-          f"{result['tv_kl_only_surrogate']:.2e}\nsage-branch vs grpo, max |pass@k difference| {cmp}\n"
-          f"wrote {out / 'toy.json'} in {result['wall_seconds']:.0f}s")
+    print(
+        f"tv_exact_objective {result['tv_exact_objective']:.2e}  tv_kl_only_surrogate "
+        f"{result['tv_kl_only_surrogate']:.2e}\nsage-branch vs grpo, max |pass@k difference| {cmp}\n"
+        f"wrote {out / 'toy.json'} in {result['wall_seconds']:.0f}s"
+    )
     return 0
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sage_kernels.guides import TokenGuide, branch_guide
+from sage_train.advantages import STD_EPS
 
 DTYPE = torch.float64
 
@@ -71,8 +72,18 @@ def prefix_tree(vocab: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, nodes
 
 
-def make_task(prompts: int = 3, vocab: int = 4, length: int = 4, *, seed: int = 0, flat_fraction: float = 0.4,
-              common: int = 1, rare: int = 2, rare_prob: float = 1e-3, hard: int = 1) -> EnumerableTask:
+def make_task(
+    prompts: int = 3,
+    vocab: int = 4,
+    length: int = 4,
+    *,
+    seed: int = 0,
+    flat_fraction: float = 0.4,
+    common: int = 1,
+    rare: int = 2,
+    rare_prob: float = 1e-3,
+    hard: int = 1,
+) -> EnumerableTask:
     """A random instance: per node, logits N(0, s^2) with s = 0.3 (flat, high entropy) for about
     `flat_fraction` of the nodes and s = 2.5 (peaked) otherwise, so the branch guide sees both.
 
@@ -94,15 +105,16 @@ def make_task(prompts: int = 3, vocab: int = 4, length: int = 4, *, seed: int = 
     decile = max(1, tokens.shape[0] // 10)
     for p in range(prompts):
         order = ref_seq[p].argsort(descending=True)
-        top = order[torch.randperm(decile, generator=generator)[:common if p < prompts - hard else 0]]
+        top = order[torch.randperm(decile, generator=generator)[: common if p < prompts - hard else 0]]
         near = (ref_seq[p] - math.log(rare_prob)).abs().argsort()[:decile]
         reward[p, top] = 1.0
         reward[p, near[torch.randperm(decile, generator=generator)[:rare]]] = 1.0
     return EnumerableTask(ref_logits=ref_logits, reward=reward, tokens=tokens, nodes=nodes)
 
 
-def sequence_logprobs(logits: torch.Tensor, tokens: torch.Tensor, nodes: torch.Tensor,
-                      log_q: torch.Tensor | None = None) -> torch.Tensor:
+def sequence_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, nodes: torch.Tensor, log_q: torch.Tensor | None = None
+) -> torch.Tensor:
     """log pi(x) [P, S] of every sequence under the node table `logits` [P, N, V]; with `log_q`
     [P, N, V] also add sum_t log q(s_t, y_t), the guide's sequence-level factor."""
     table = torch.log_softmax(logits, dim=-1)
@@ -186,15 +198,51 @@ def guide_activity(task: EnumerableTask, log_q: torch.Tensor, logits: torch.Tens
     weight = visitation(task, task_logprobs(task, logits))[..., None] * torch.softmax(logits, dim=-1)
     weighted = (weight * active).sum() / weight.sum()
     q = log_q.exp()
-    return {"fraction_active": float(active.to(DTYPE).mean()), "fraction_active_visited": float(weighted),
-            "q_mean": float(q.mean()), "q_max": float(q.max()), "q_min": float(q.min())}
+    return {
+        "fraction_active": float(active.to(DTYPE).mean()),
+        "fraction_active_visited": float(weighted),
+        "q_mean": float(q.mean()),
+        "q_max": float(q.max()),
+        "q_min": float(q.min()),
+    }
 
 
 def describe(task: EnumerableTask) -> dict:
     """Sizes and pi_ref's success probabilities, for the report."""
     ref = task_logprobs(task, task.ref_logits)
     hit = ref.exp() * task.reward
-    return {"prompts": task.prompts, "vocab": task.vocab, "length": task.length, "sequences": task.sequences,
-            "nodes": task.num_nodes, "correct_per_prompt": task.reward.sum(-1).tolist(),
-            "ref_p_correct": hit.sum(-1).tolist(),
-            "ref_rarest_correct": torch.where(task.reward > 0, ref, math.inf).min(-1).values.exp().tolist()}
+    return {
+        "prompts": task.prompts,
+        "vocab": task.vocab,
+        "length": task.length,
+        "sequences": task.sequences,
+        "nodes": task.num_nodes,
+        "correct_per_prompt": task.reward.sum(-1).tolist(),
+        "ref_p_correct": hit.sum(-1).tolist(),
+        "ref_rarest_correct": torch.where(task.reward > 0, ref, math.inf).min(-1).values.exp().tolist(),
+    }
+
+
+def population_advantages(task: EnumerableTask, seq_logp: torch.Tensor) -> torch.Tensor:
+    """(r - mean) / (std + 1e-4) under pi per prompt [P, S]: the trainer's `group_advantages` as the
+    group grows (its unbiased std tends to this one)."""
+    prob = seq_logp.exp()
+    mean = (prob * task.reward).sum(-1, keepdim=True)
+    std = (prob * (task.reward - mean) ** 2).sum(-1, keepdim=True).sqrt()
+    return (task.reward - mean) / (std + STD_EPS)
+
+
+def policy_report(task: EnumerableTask, seq_logp: torch.Tensor, *, optimum, grpo_optimum, log_q, beta, ks) -> dict:
+    """Exact quantities of a policy (its sequence log-probs), means over prompts except p_correct:
+    TV to `optimum`, to `grpo_optimum` and to pi_ref, J under the anchor of `log_q`, KL to pi_ref,
+    P(correct) per prompt and pass@k for each k in `ks`."""
+    reference = task_logprobs(task, task.ref_logits)
+    return {
+        "tv_to_optimum": float(tv(seq_logp, optimum).mean()),
+        "tv_to_grpo_optimum": float(tv(seq_logp, grpo_optimum).mean()),
+        "tv_to_reference": float(tv(seq_logp, reference).mean()),
+        "objective": float(objective(task, seq_logp, log_q, beta).mean()),
+        "kl_to_reference": float(kl(seq_logp, reference).mean()),
+        "p_correct": (seq_logp.exp() * task.reward).sum(-1).tolist(),
+        "pass_at_k": pass_at_k(task, seq_logp, ks).mean(0).tolist(),
+    }
