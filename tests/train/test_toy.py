@@ -212,3 +212,8 @@ def test_main_writes_the_report(tmp_path):
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     assert T.main(argv) == 2
     assert len(capsys.readouterr().out.strip().splitlines()) == 1
+
+
+def test_help_exits_0_and_names_the_options(capsys):
+    assert T.main(["--help"]) == 0
+    assert "--sampled-steps" in capsys.readouterr().out
