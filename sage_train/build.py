@@ -177,23 +177,25 @@ def lr_schedule(optimizer, cfg: TrainConfig, total_steps: int):
 
 
 def make_guide(cfg: TrainConfig, rank: int):
-    """The guide computed outside the loss (token, random), or None (branch lives in the loss)."""
+    """The guide computed outside the loss (token, random), or None (branch lives in the loss).
+    Its schedule runs over the run's optimizer steps; its noise is seeded per rank."""
+    schedule = {
+        "max_steps": cfg.steps,
+        "sigma_max": cfg.guide_sigma_max,
+        "sigma_min": cfg.guide_sigma_min,
+        "num_cycles": cfg.guide_num_cycles,
+        "decay_rate": cfg.guide_decay_rate,
+        "q_min": cfg.q_min,
+        "q_max": cfg.q_max,
+        "seed": cfg.seed * 1009 + rank,
+    }
     if cfg.guide == "token":
         return TokenGuide(
-            gamma=cfg.guide_strength,
-            gamma_end=cfg.guide_strength_end,
-            period=cfg.guide_period,
-            tau=cfg.tau,
-            q_min=cfg.q_min,
-            q_max=cfg.q_max,
+            alpha_max=cfg.guide_alpha_max,
+            alpha_min=cfg.guide_alpha_min,
+            normalization=cfg.guide_normalization,
+            **schedule,
         )
     if cfg.guide == "random":
-        return RandomGuide(
-            sigma=cfg.guide_strength,
-            sigma_end=cfg.guide_strength_end,
-            period=cfg.guide_period,
-            q_min=cfg.q_min,
-            q_max=cfg.q_max,
-            seed=cfg.seed * 1009 + rank,
-        )
+        return RandomGuide(eps_max=cfg.guide_eps_max, eps_min=cfg.guide_eps_min, **schedule)
     return None

@@ -81,6 +81,9 @@ class RunOptions:
     group_size: int = 8
     micro_batch_size: int = 16
     num_iterations: int = 1
+    # optimizer steps fed by one generation of prompts_per_step x steps_per_generation prompts (its
+    # rows shuffled, log-probs fixed at generation, so later steps are off-policy: TRL's option)
+    steps_per_generation: int = 1
     lr: float = 1e-3
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -95,8 +98,12 @@ class RunOptions:
     min_p: float = 0.0
     max_new_tokens: int = 16
     stop: list = field(default_factory=list)
-    chat_template: bool = False  # wrap prompts in the tokenizer's chat template (with system_prompt)
-    system_prompt: str = ""  # "": none; a name in tasks.chat.SYSTEM_PROMPTS ("sage": this package's), or text
+    max_prompt_length: int = 0  # prompts longer than this many tokens lose their start (0: no limit)
+    # prompts through a chat template (tasks/chat.py), for SFT, RL and evaluation alike: "" none,
+    # "tokenizer" the tokenizer's own, "official" the official SAGE template for base models (saved
+    # with the tokenizer); system_prompt: "" none, a name in tasks.chat.SYSTEM_PROMPTS, or the text
+    chat_template: str = ""
+    system_prompt: str = ""
 
     # rollout engines (rollout/): "hf" samples from the live training model; "vllm" a colocated
     # vllm.LLM fed the policy's weights after every optimizer step; "openai" an external server
@@ -116,10 +123,19 @@ class RunOptions:
     # loss options: one key per field of sage_kernels.LossConfig (`LOSS_KEYS`, added below the class)
     loss_backend: str = "auto"
 
-    # token / random guides (sage-token, sage-random): strength follows a cosine with restarts
-    guide_strength: Optional[float] = None
-    guide_strength_end: Optional[float] = None
-    guide_period: Optional[int] = None
+    # token / random guides (sage-token, sage-random; sage_kernels.guides): (alpha, sigma) of the
+    # token guide and (eps, sigma) of the random one anneal from *_max to *_min within each of
+    # guide_num_cycles cycles over `steps` optimizer steps, the *_max bounds times guide_decay_rate
+    # per cycle; None takes the official value (presets.py)
+    guide_alpha_max: Optional[float] = None
+    guide_alpha_min: Optional[float] = None
+    guide_sigma_max: Optional[float] = None
+    guide_sigma_min: Optional[float] = None
+    guide_eps_max: Optional[float] = None
+    guide_eps_min: Optional[float] = None
+    guide_num_cycles: Optional[int] = None
+    guide_decay_rate: Optional[float] = None
+    guide_normalization: Optional[str] = None  # the token guide's: "minmax", "rank" or "zscore"
 
     # DAPO's batch shaping
     dynamic_sampling: Optional[bool] = None
@@ -297,6 +313,7 @@ def validate(cfg: TrainConfig) -> None:
         "prompts_per_step",
         "micro_batch_size",
         "num_iterations",
+        "steps_per_generation",
         "max_new_tokens",
         "eval_samples",
         "log_every",
@@ -318,6 +335,7 @@ def validate(cfg: TrainConfig) -> None:
         "warmup_steps",
         "eval_problems",
         "eval_max_new_tokens",
+        "max_prompt_length",
         "keep_checkpoints",
     ):
         require(getattr(cfg, key) >= 0, key, "an integer >= 0")
