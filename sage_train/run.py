@@ -202,6 +202,7 @@ def pass_at_k_over_ranks(ctx: Context, task, problems: list) -> dict:
         min_p=cfg.min_p,
         max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
         stop=tuple(cfg.stop),
+        max_prompt_tokens=cfg.max_prompt_length,
     )
     result = evaluate_engine(
         ctx.rollout,

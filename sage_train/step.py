@@ -242,6 +242,7 @@ def collect_groups(ctx: Context, step: int):
             max_new_tokens=cfg.max_new_tokens,
             stop=tuple(cfg.stop),
             seed=rollout_seed(cfg.seed, step, rounds, ctx.rank),
+            max_prompt_tokens=cfg.max_prompt_length,
         )
         outputs = ctx.rollout.generate([ctx.task.prompt(p) for p in problems], params)
         for problem, completions in zip(problems, outputs):
