@@ -3,6 +3,7 @@ scorer, the rollout engine, the learning-rate schedule and the guide computed ou
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from sage_kernels.guides import RandomGuide, TokenGuide
 
 from .config import ConfigError, TrainConfig
-from .lora import AdapterDisabled, apply_lora, is_lora
+from .lora import AdapterDisabled, apply_lora, base_lm, is_lora, merged_named_weights
 from .policy import PolicyHead
 from .rollout import make_engine
 
@@ -66,6 +67,15 @@ def with_lora(model, cfg: TrainConfig):
     )
 
 
+def policy_and_reference(cfg: TrainConfig, model):
+    """(the policy, the reference LM or None) at the start of RL. With LoRA the policy carries an
+    adapter (the warm start's, or a fresh one) and the reference is the policy with it disabled
+    (None here: `build_engines` makes it); otherwise a frozen copy of `model` when ``beta != 0``."""
+    if cfg.lora_rank:
+        return (model if is_lora(model) else with_lora(model, cfg)), None
+    return model, (copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None)
+
+
 def chat_prompted(cfg: TrainConfig, task, tokenizer):
     """`task` with its prompts in the tokenizer's chat template (``chat_template``), else `task`."""
     if not cfg.chat_template:
@@ -81,11 +91,14 @@ def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: 
     The engine then receives the policy's weights before the first step in any case."""
     if cfg.rollout_engine != "vllm":
         return cfg.model
-    if cfg.model != "tiny" and not cfg.sft_steps:
+    if cfg.model != "tiny" and (not cfg.sft_steps or is_lora(model)):  # an adapter: the base loads
         return cfg.model
     path = run_dir / "rollout_init"
     if rank == 0:
-        model.save_pretrained(path)
+        if is_lora(model):  # the warm start's adapter, merged out of place
+            base_lm(model).save_pretrained(path, state_dict=dict(merged_named_weights(model)))
+        else:
+            model.save_pretrained(path)
         tokenizer.save_pretrained(path)
     dist.barrier()
     return str(path)

@@ -73,6 +73,9 @@ class RunOptions:
     sft_target_loss: float = 0.0  # stop the warm start early once its mean token loss is below this (0: off)
     sft_max_tokens: int = 0  # completions longer than this are cut for the warm start (0: no cut)
     sft_task: str = ""  # the warm start's dataset ("": `task`), e.g. openmathreasoning-mini
+    # with LoRA: "continue" RL trains on the warm start's adapter, so the reference (adapter off) is
+    # the raw base (the official SAGE way); "merge" merges it, and the reference is the SFT model
+    sft_adapter: str = "merge"
 
     # RL
     algorithm: str = "sage-branch"
@@ -354,6 +357,7 @@ def validate(cfg: TrainConfig) -> None:
     )
     require(cfg.rollout_engine in ("hf", "vllm", "openai"), "rollout_engine", "'hf', 'vllm' or 'openai'")
     require(cfg.lora_rank >= 0, "lora_rank", "an integer >= 0 (0: off)")
+    require(cfg.sft_adapter in ("merge", "continue"), "sft_adapter", "'merge' or 'continue'")
     require(cfg.lora_alpha > 0, "lora_alpha", "> 0")
     require(0 <= cfg.lora_dropout < 1, "lora_dropout", "in [0, 1)")
     require(

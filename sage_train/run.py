@@ -32,7 +32,8 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
   engines that report log-probs after top-p / min-p truncation (hf) then give weights <= 1 on
   truncated distributions, so leave those samplers off, or TIS off, with the hf engine.
 - The reference is the policy at the start of RL (after the warm start), frozen. With LoRA
-  (``lora_rank > 0``, `sage_train.lora`) it is that model with the adapter disabled: no copy.
+  (``lora_rank > 0``, `sage_train.lora`) it is the model with the adapter disabled: no copy; after
+  a warm start with ``sft_adapter: continue`` that is the raw pre-SFT base (the official SAGE way).
 - The KL term is a per-token loss term, not a reward penalty.
 - The supervised warm start is a plain AdamW phase run identically on every rank (it needs no
   communication); it computes the model's logits, which the RL phase never does.
@@ -42,7 +43,6 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from . import checkpoint, report
 from .build import build_engines, build_rollout, chat_prompted, check_batch_shape, make_guide, rollout_model_path
-from .build import with_lora
+from .build import policy_and_reference
 from .config import ConfigError, TrainConfig
 from .distributed import InterruptFlag, init_distributed, reduce_rows, seed_everything
 from .evaluate import evaluate_engine, mean_pass_at_k
@@ -96,10 +96,7 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
         cfg, sft_task, sft_problems, run_dir, rank, resumed=resume_step is not None
     )
     rollout_init = rollout_model_path(cfg, model, tokenizer, run_dir, rank)
-    if cfg.lora_rank:  # the reference is this model with the adapter disabled: no copy
-        model, reference_lm = with_lora(model, cfg), None
-    else:
-        reference_lm = copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None
+    model, reference_lm = policy_and_reference(cfg, model)
 
     engine, reference = build_engines(cfg, model, reference_lm, world, device)
     rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world)

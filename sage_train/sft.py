@@ -26,19 +26,30 @@ SFT_WINDOW = 50
 def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, rank: int, *, resumed: bool):
     """The model RL starts from: `cfg.model`, warm-started by SFT when ``sft_steps > 0``.
 
-    The warm-started model is saved to ``run_dir/sft`` (HF format); a resumed run loads it from
-    there as the reference's weights (its policy weights then come from the checkpoint)."""
+    With LoRA the warm start trains an adapter. ``sft_adapter: continue`` (the official SAGE way)
+    returns that adapter on the raw base model, and RL goes on training it, so the reference (the
+    adapter disabled) is the pre-SFT base; ``merge`` merges it into the weights, and RL puts a
+    fresh adapter on the merged model, whose reference is then the warm-started model.
+
+    The warm-started model (or adapter) is saved to ``run_dir/sft``; a resumed run rebuilds the
+    reference from there, or for ``continue`` from `cfg.model` (its policy weights then come from
+    the checkpoint)."""
     sft_dir = run_dir / "sft"
+    continue_adapter = cfg.lora_rank > 0 and cfg.sft_adapter == "continue"
+    if cfg.sft_steps and resumed and continue_adapter:
+        model, tokenizer = load_model_and_tokenizer(cfg)
+        return with_lora(model, cfg), tokenizer
     if cfg.sft_steps and resumed and (sft_dir / "config.json").is_file():
         return load_pretrained(str(sft_dir))
     model, tokenizer = load_model_and_tokenizer(cfg)
     if cfg.sft_steps:
         if torch.cuda.is_available():  # warm-start where RL will run, not on the host
             model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
-        if cfg.lora_rank:  # the warm start trains an adapter of its own, merged in afterwards
+        if cfg.lora_rank:
             model = with_lora(model, cfg)
         steps = sft_warm_start(model, tokenizer, chat_prompted(cfg, task, tokenizer), train_problems, cfg)
-        model = merge_lora(model)
+        if not continue_adapter:
+            model = merge_lora(model)
         if rank == 0:
             print(f"sage-train: warm start done after {steps} SFT steps", flush=True)
             model.save_pretrained(sft_dir)
