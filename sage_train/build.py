@@ -77,12 +77,13 @@ def policy_and_reference(cfg: TrainConfig, model):
 
 
 def chat_prompted(cfg: TrainConfig, task, tokenizer):
-    """`task` with its prompts in the tokenizer's chat template (``chat_template``), else `task`."""
+    """`task` with its prompts through the chat template ``chat_template`` (after ``system_prompt``),
+    else `task` (`sage_train.tasks.chat`; "official" installs the template on `tokenizer`)."""
     if not cfg.chat_template:
         return task
-    from .tasks.math import ChatPromptTask
+    from .tasks.chat import ChatPromptTask
 
-    return ChatPromptTask(task, tokenizer, cfg.system_prompt)
+    return ChatPromptTask(task, tokenizer, cfg.system_prompt, cfg.chat_template)
 
 
 def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: int) -> str:
@@ -91,7 +92,7 @@ def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: 
     The engine then receives the policy's weights before the first step in any case."""
     if cfg.rollout_engine != "vllm":
         return cfg.model
-    if cfg.model != "tiny" and (not cfg.sft_steps or is_lora(model)):  # an adapter: the base loads
+    if cfg.model != "tiny" and (not cfg.warm_start or is_lora(model)):  # an adapter: the base loads
         return cfg.model
     path = run_dir / "rollout_init"
     if rank == 0:

@@ -73,6 +73,14 @@ class RunOptions:
     sft_target_loss: float = 0.0  # stop the warm start early once its mean token loss is below this (0: off)
     sft_max_tokens: int = 0  # completions longer than this are cut for the warm start (0: no cut)
     sft_task: str = ""  # the warm start's dataset ("": `task`), e.g. openmathreasoning-mini
+    sft_epochs: int = 0  # > 0: passes over the examples (shuffled per epoch) instead of sft_steps batches
+    sft_lr_schedule: str = "cosine"  # to 0 over the warm start: "cosine" or "linear" (the official one)
+    sft_warmup_steps: int = 0
+    sft_weight_decay: float = 0.0
+    # "raw": the task's worked solutions as they are; "official": the official SAGE target
+    # (tasks.chat.official_sft_completion) and only examples with a numeric answer
+    sft_format: str = "raw"
+    sft_max_example_tokens: int = 0  # examples (prompt + completion) longer are dropped (0: none)
     # with LoRA: "continue" RL trains on the warm start's adapter, so the reference (adapter off) is
     # the raw base (the official SAGE way); "merge" merges it, and the reference is the SFT model
     sft_adapter: str = "merge"
@@ -168,6 +176,11 @@ class RunOptions:
     plots: bool = True
     tensorboard: bool = True
     progress: bool = True
+
+    @property
+    def warm_start(self) -> bool:
+        """Whether a supervised warm start runs (``sft_steps`` or ``sft_epochs``)."""
+        return self.sft_steps > 0 or self.sft_epochs > 0
 
     @property
     def run_dir(self) -> Path:
@@ -333,6 +346,9 @@ def validate(cfg: TrainConfig) -> None:
     for key in (
         "sft_steps",
         "sft_max_tokens",
+        "sft_epochs",
+        "sft_warmup_steps",
+        "sft_max_example_tokens",
         "cpu_threads",
         "train_problems",
         "warmup_steps",
@@ -358,6 +374,9 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.rollout_engine in ("hf", "vllm", "openai"), "rollout_engine", "'hf', 'vllm' or 'openai'")
     require(cfg.lora_rank >= 0, "lora_rank", "an integer >= 0 (0: off)")
     require(cfg.sft_adapter in ("merge", "continue"), "sft_adapter", "'merge' or 'continue'")
+    require(cfg.sft_lr_schedule in ("cosine", "linear"), "sft_lr_schedule", "'cosine' or 'linear'")
+    require(cfg.sft_format in ("raw", "official"), "sft_format", "'raw' or 'official'")
+    require(cfg.sft_weight_decay >= 0, "sft_weight_decay", ">= 0")
     require(cfg.lora_alpha > 0, "lora_alpha", "> 0")
     require(0 <= cfg.lora_dropout < 1, "lora_dropout", "in [0, 1)")
     require(
@@ -387,6 +406,8 @@ def validate(cfg: TrainConfig) -> None:
         "'auto', 'reference', 'cpu' or 'triton'",
     )
     require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
+    require(cfg.chat_template in ("", "tokenizer", "official"), "chat_template", "'', 'tokenizer' or 'official'")
+    require(cfg.chat_template or not cfg.system_prompt, "system_prompt", "'' without a chat_template")
     require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
     require(cfg.name != "" and "/" not in cfg.name, "name", "a non-empty name without '/'")
 

@@ -89,7 +89,7 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
             f"prompts_per_step={cfg.prompts_per_step}"
         )
     sft_task = task
-    if cfg.sft_task and cfg.sft_steps:  # warm-start on another dataset's solutions
+    if cfg.sft_task and cfg.warm_start:  # warm-start on another dataset's solutions
         sft_task = get_task(cfg.sft_task)
         sft_problems = list(sft_task.problems("train", None, cfg.seed))
     model, tokenizer = initial_policy(
