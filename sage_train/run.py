@@ -9,7 +9,7 @@ Launch:
     torchrun --nproc_per_node 8 -m sage_train --config my.yaml --zero_stage=3 --deepspeed_config=ds-zero3
     deepspeed --num_gpus 8 --module sage_train --config my.yaml          # DeepSpeed's launcher
     torchrun --nnodes 4 --node_rank R --master_addr HOST --nproc_per_node 8 -m sage_train ...  # many machines
-    deepspeed --num_gpus 8 --module sage_train --config r1-distill-qwen-7b-sage-branch  # a paper recipe
+    sage-train --config r1-distill-qwen-7b-sage-branch                    # a paper recipe (one GPU)
 
 The paper's recipes (LoRA, colocated vLLM rollouts, official hyperparameters) are packaged
 configs; docs/recipes.md lists them with the one-machine and multi-node commands.
