@@ -97,8 +97,9 @@ def rl_step(ctx: Context, step: int) -> dict:
         None if gen.is_weights is None else gen.is_weights[rows],
     )
 
-    # 6b. the next generation samples from the updated weights (hf: the live model already)
-    if step == first + spg - 1:
+    # 6b. the next generation (or the final evaluation) samples from the updated weights (hf: the
+    # live model already)
+    if step == first + spg - 1 or step == cfg.steps:
         ctx.rollout.sync_weights(ctx.engine.module.lm)
 
     # 7. metrics, still tensors; converted at log intervals
