@@ -20,8 +20,10 @@ by DeepSpeed. CPU runs use the gloo backend and float32; GPU runs NCCL and bf16.
 RL simplifications in force (as in TRL's GRPOTrainer unless said):
 - Prompts are drawn without replacement within a step, from the first ``train_problems`` training
   problems (all when 0), by a generator seeded with (seed, step).
-- One rollout batch per step, used for ``num_iterations`` optimizer steps (default 1, where the
-  ratio is 1 and clipping is inert). No value model; the reward is the task verifier's 0/1.
+- One generation of rollouts feeds ``steps_per_generation`` optimizer steps (default 1; the
+  official SAGE runs use 2, which makes every second step off-policy, `sage_train.step`), each
+  batch used for ``num_iterations`` updates (default 1). With both at 1 the ratio is 1 and
+  clipping is inert. No value model; the reward is the task verifier's 0/1.
 - The policy's log-probs are those of the temperature-scaled distribution; the sampler's top-p /
   top-k / min-p truncation is ignored in them. The hf engine samples from the training weights
   themselves, so there is no staleness; its `sync_weights` only re-points it at the policy.
@@ -83,10 +85,10 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
     task = get_task(cfg.task, **cfg.task_options)
     sft_problems = list(task.problems("train", None, cfg.seed))
     train_problems = sft_problems[: cfg.train_problems] if cfg.train_problems else sft_problems
-    if len(train_problems) < cfg.prompts_per_step:
+    if len(train_problems) < cfg.prompts_per_step * cfg.steps_per_generation:
         raise ConfigError(
-            f"config key 'train_problems': {len(train_problems)} problems cannot fill "
-            f"prompts_per_step={cfg.prompts_per_step}"
+            f"config key 'train_problems': {len(train_problems)} problems cannot fill a generation of "
+            f"prompts_per_step x steps_per_generation = {cfg.prompts_per_step * cfg.steps_per_generation}"
         )
     sft_task = task
     if cfg.sft_task and cfg.warm_start:  # warm-start on another dataset's solutions

@@ -6,11 +6,18 @@ and ranks: grpo and dr_grpo weight each micro-batch by its share of the step's r
 dapo divide by the step's completion-token count, all-reduced over ranks once per step. Each
 micro-batch's backward is then scaled by the world size and not by the accumulation steps, which
 undoes DeepSpeed's averaging, so the gradient does not depend on the micro-batch size.
+
+Generations. With ``steps_per_generation`` k > 1 (TRL's option; the official SAGE runs use 2) one
+generation samples ``prompts_per_step x k`` prompts, scores them once (behaviour and reference
+log-probs, importance weights) and feeds k optimizer steps, its rows shuffled and dealt out in k
+equal parts: the steps after the first are off-policy by the updates before them, so the clipped
+ratio is active there. The generation's reward and length metrics are logged with each of its
+steps. A run resumed in the middle of a generation samples that generation again (same prompts
+and seeds, from the resumed weights).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -78,7 +85,8 @@ def rl_step(ctx: Context, step: int) -> dict:
     gen = ctx.generation
     part = gen.batch.rows // spg
     rows = gen.order[(step - first) * part : (step - first + 1) * part]
-    batch = Batch(*(x[rows] if isinstance(x, torch.Tensor) else x for x in dataclasses.astuple(gen.batch)))
+    batch = Batch(**{name: value[rows] if isinstance(value, torch.Tensor) else value
+                     for name, value in vars(gen.batch).items()})
 
     # 5. the external guide, if any: the token guide is given the current policy's log-probs inside
     # the loss forward (`PolicyHead`); the random guide is drawn here, once per step
