@@ -3,20 +3,29 @@
 The branch guide is computed inside the loss from the policy's own entropy (option
 ``guide="branch"``); `branch_guide` here is the same formula for callers who want q
 outside the loss. The token (surprisal) and random guides are computed outside the loss
-and passed to it as ``log_q``.
+and passed to it as ``log_q``. All three are the official SAGE code's (github.com/tally0818/SAGE,
+commit c9b3b69), with its defaults:
 
-Schedules: the official SAGE code anneals the token and random guides' strength with a
-cosine schedule that restarts every ``period`` optimizer steps. Its exact constants were
-not available to us; `CosineRestartSchedule` is our reading (value falls from ``start``
-to ``end`` along a half cosine within each period, then restarts), stepped once per
-optimizer step by the trainer, with its position saved in checkpoints.
+- branch: q = clamp(1 + 0.3 * relu(H - 1.2), 0.6, 1.4), H the policy's entropy in nats.
+- token: s = -log pi(y) of each sampled token under the current policy; per row, over its valid
+  tokens, s is normalised to a weight w in [0, 1] (``minmax``: clamp s to its 5% / 95% quantiles,
+  then (s - min) / max(max - min, 1e-6); ``rank``: rank / (n - 1); ``zscore``: sigmoid of the
+  z-score, std with ddof 0); then q = clamp(1 + alpha * w + sigma * w * xi, 0.6, 1.4), xi ~ N(0, 1)
+  per token. So q < 1 happens on surprising tokens when xi is negative enough.
+- random: each valid token independently with probability eps gets q = 1 + sigma * xi, otherwise
+  q = 1; clamped to [0.6, 1.4].
+
+(alpha, sigma) and (eps, sigma) follow `CosineAnnealingScheduler`: a half cosine from an upper to
+a lower bound within each of ``num_cycles`` cycles of ``max_steps // num_cycles`` steps, only the
+upper bounds multiplied by ``decay_rate`` at each new cycle. The value is read before stepping,
+and the guide steps once per optimizer step (the trainer calls `step`). Masked positions get
+q = 1 (log q = 0). Draws come from the guide's own seeded generator; `state_dict` holds the
+schedule's position and the generator, so a resumed run continues the same stream.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -27,79 +36,153 @@ def branch_guide(entropy: torch.Tensor, *, gamma: float = 0.3, tau: float = 1.2,
     return (1.0 + gamma * (entropy.detach() - tau).clamp(min=0.0)).clamp(q_min, q_max)
 
 
-@dataclass
-class CosineRestartSchedule:
-    """A value that follows a half cosine from `start` to `end` over `period` steps, then restarts."""
+class CosineAnnealingScheduler:
+    """Two values (a, b), each on a half cosine from its upper to its lower bound within a cycle.
 
-    start: float
-    end: float
-    period: int
-    step_count: int = 0
+    cycle_length = max(1, max_steps // num_cycles). `value()` at count c is, with
+    t = (c mod cycle_length) / cycle_length, a = lb_a + (ub_a - lb_a) * (1 + cos(pi t)) / 2 (b alike).
+    `step()` counts one step; when the count reaches a multiple of cycle_length and fewer than
+    ``num_cycles - 1`` cycles have passed, a new cycle starts and only the upper bounds are
+    multiplied by ``decay_rate`` (the lower bounds stay).
+    """
 
-    def __post_init__(self) -> None:
-        if not (isinstance(self.period, int) and self.period > 0):
-            raise ValueError(f"period must be a positive int, got {self.period!r}")
+    def __init__(self, max_steps: int, ub_a: float, lb_a: float, ub_b: float, lb_b: float, *,
+                 num_cycles: int = 8, decay_rate: float = 0.9) -> None:
+        if not (isinstance(max_steps, int) and max_steps > 0):
+            raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
+        if not (isinstance(num_cycles, int) and num_cycles > 0):
+            raise ValueError(f"num_cycles must be a positive int, got {num_cycles!r}")
+        if not 0 < decay_rate <= 1:
+            raise ValueError(f"decay_rate must be in (0, 1], got {decay_rate!r}")
+        self.lb_a, self.lb_b = float(lb_a), float(lb_b)
+        self.initial_ub = (float(ub_a), float(ub_b))
+        self.num_cycles, self.decay_rate = num_cycles, float(decay_rate)
+        self.cycle_length = max(1, max_steps // num_cycles)
+        self.count, self.cycle = 0, 0
+        self.ub_a, self.ub_b = self.initial_ub
 
-    def value(self, step: Optional[int] = None) -> float:
-        step = self.step_count if step is None else step
-        phase = (step % self.period) / self.period
-        return self.end + (self.start - self.end) * 0.5 * (1.0 + math.cos(math.pi * phase))
+    def value(self) -> tuple[float, float]:
+        t = (self.count % self.cycle_length) / self.cycle_length
+        anneal = 0.5 * (1.0 + math.cos(math.pi * t))
+        return self.lb_a + (self.ub_a - self.lb_a) * anneal, self.lb_b + (self.ub_b - self.lb_b) * anneal
 
     def step(self) -> None:
-        self.step_count += 1
+        self.count += 1
+        if self.count % self.cycle_length == 0 and self.cycle < self.num_cycles - 1:
+            self.cycle += 1
+            self.ub_a *= self.decay_rate  # repeated products, as the official code computes them
+            self.ub_b *= self.decay_rate
 
     def state_dict(self) -> dict:
-        return {"step_count": self.step_count}
+        return {"count": self.count, "cycle": self.cycle, "ub_a": self.ub_a, "ub_b": self.ub_b}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step_count = int(state["step_count"])
+        self.count, self.cycle = int(state["count"]), int(state["cycle"])
+        self.ub_a, self.ub_b = float(state["ub_a"]), float(state["ub_b"])
+
+
+#: the token guide's normalisations of the surprisal to a weight in [0, 1]
+NORMALIZATIONS = ("minmax", "rank", "zscore")
+
+
+def surprisal_weights(surprisal: torch.Tensor, mask: torch.Tensor, normalization: str = "minmax") -> torch.Tensor:
+    """w in [0, 1], [B, L]: each row's surprisal normalised over that row's valid tokens only
+    (module docstring); 0 at masked positions and on rows without a valid token. Float32."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    s, mask = surprisal.detach().float(), mask.bool()
+    count = mask.sum(-1, keepdim=True)  # [B, 1]
+    if normalization == "zscore":
+        n = count.clamp(min=1)
+        mean = torch.where(mask, s, 0.0).sum(-1, keepdim=True) / n
+        std = (torch.where(mask, (s - mean) ** 2, 0.0).sum(-1, keepdim=True) / n).sqrt().clamp(min=1e-6)
+        w = torch.sigmoid((s - mean) / std)
+    else:
+        # valid values first, in ascending order; masked positions sort last
+        order = torch.where(mask, s, math.inf).sort(dim=-1, stable=True).indices
+        if normalization == "rank":
+            rank = order.argsort(-1).float()
+            w = rank / (count - 1).clamp(min=1)
+        else:
+            ordered = s.gather(-1, order)
+            low, high = _quantile(ordered, count, 0.05), _quantile(ordered, count, 0.95)
+            clamped = torch.minimum(torch.maximum(s, low), high)
+            smallest = torch.where(mask, clamped, math.inf).amin(-1, keepdim=True)
+            largest = torch.where(mask, clamped, -math.inf).amax(-1, keepdim=True)
+            w = (clamped - smallest) / (largest - smallest).clamp(min=1e-6)
+    return torch.where(mask, w.clamp(0.0, 1.0), 0.0)
+
+
+def _quantile(ordered: torch.Tensor, count: torch.Tensor, p: float) -> torch.Tensor:
+    """torch.quantile's linear interpolation over each row's first `count` sorted values, [B, 1]."""
+    position = (count - 1).clamp(min=0).float() * p
+    below = position.floor().long()
+    above = position.ceil().long()
+    low, high = ordered.gather(-1, below), ordered.gather(-1, above)
+    return low + (high - low) * (position - below.float())
 
 
 class TokenGuide:
-    """Surprisal guide: q = clamp(1 + gamma_t * max(-log pi(y) - tau, 0), q_min, q_max).
+    """The token (surprisal) guide: q = clamp(1 + alpha * w + sigma * w * xi, q_min, q_max).
 
-    Raises the anchor on tokens the policy found surprising when it sampled them, so rare
-    continuations are not pulled back to the reference's mode. `logp` is the behaviour
-    policy's log-prob of each sampled token (no gradient); gamma_t follows the schedule.
+    ``guide(logp, mask) -> log_q`` [B, L] (0 where masked), `logp` the current policy's log-prob
+    of each sampled token (no gradient is taken); w from `surprisal_weights`. (alpha, sigma)
+    anneal from (alpha_max, sigma_max) to (alpha_min, sigma_min) by `CosineAnnealingScheduler`
+    over ``max_steps``; `step` once per optimizer step.
     """
 
-    def __init__(self, *, gamma: float = 0.3, gamma_end: float = 0.0, period: int = 100,
-                 tau: float = 1.2, q_min: float = 0.6, q_max: float = 1.4) -> None:
-        self.schedule = CosineRestartSchedule(gamma, gamma_end, period)
-        self.tau, self.q_min, self.q_max = tau, q_min, q_max
+    def __init__(self, *, max_steps: int, alpha_max: float = 0.3, alpha_min: float = 0.1,
+                 sigma_max: float = 0.25, sigma_min: float = 0.1, normalization: str = "minmax",
+                 num_cycles: int = 8, decay_rate: float = 0.9, q_min: float = 0.6, q_max: float = 1.4,
+                 seed: int = 0) -> None:
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+        self.schedule = CosineAnnealingScheduler(max_steps, alpha_max, alpha_min, sigma_max, sigma_min,
+                                                 num_cycles=num_cycles, decay_rate=decay_rate)
+        self.normalization, self.q_min, self.q_max = normalization, q_min, q_max
+        self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        surprisal = -logp.detach().float()
-        q = (1.0 + self.schedule.value() * (surprisal - self.tau).clamp(min=0.0)).clamp(self.q_min, self.q_max)
+        alpha, sigma = self.schedule.value()
+        w = surprisal_weights(-logp.detach().float(), mask, self.normalization)
+        xi = torch.randn(w.shape, generator=self.generator).to(w.device)
+        q = (1.0 + alpha * w + sigma * w * xi).clamp(self.q_min, self.q_max)
         return torch.where(mask.bool(), q.log(), 0.0)
 
     def step(self) -> None:
         self.schedule.step()
 
     def state_dict(self) -> dict:
-        return {"schedule": self.schedule.state_dict()}
+        return {"schedule": self.schedule.state_dict(), "generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.schedule.load_state_dict(state["schedule"])
+        self.generator.set_state(state["generator"])
 
 
 class RandomGuide:
-    """Random guide: log q ~ N(0, sigma_t^2) per token, q clamped to [q_min, q_max].
+    """The random guide, the control for where the anchor is reshaped: each valid token with
+    probability eps gets q = clamp(1 + sigma * xi, q_min, q_max), xi ~ N(0, 1); the others q = 1.
 
-    The control for the branch guide: the same amount of anchor reshaping, placed at
-    random. Draws come from its own seeded generator, saved in checkpoints.
+    ``guide(mask) -> log_q`` [B, L] (0 where masked). (eps, sigma) anneal from (eps_max,
+    sigma_max) to (eps_min, sigma_min) by `CosineAnnealingScheduler` over ``max_steps``; `step`
+    once per optimizer step.
     """
 
-    def __init__(self, *, sigma: float = 0.2, sigma_end: float = 0.0, period: int = 100,
-                 q_min: float = 0.6, q_max: float = 1.4, seed: int = 0) -> None:
-        self.schedule = CosineRestartSchedule(sigma, sigma_end, period)
+    def __init__(self, *, max_steps: int, eps_max: float = 0.1, eps_min: float = 0.0,
+                 sigma_max: float = 0.15, sigma_min: float = 0.05, num_cycles: int = 8,
+                 decay_rate: float = 0.9, q_min: float = 0.6, q_max: float = 1.4, seed: int = 0) -> None:
+        self.schedule = CosineAnnealingScheduler(max_steps, eps_max, eps_min, sigma_max, sigma_min,
+                                                 num_cycles=num_cycles, decay_rate=decay_rate)
         self.q_min, self.q_max = q_min, q_max
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, mask: torch.Tensor) -> torch.Tensor:
-        noise = torch.randn(mask.shape, generator=self.generator) * self.schedule.value()
-        log_q = noise.clamp(math.log(self.q_min), math.log(self.q_max)).to(mask.device)
-        return torch.where(mask.bool(), log_q, 0.0)
+        eps, sigma = self.schedule.value()
+        perturbed = torch.rand(mask.shape, generator=self.generator) < eps
+        xi = torch.randn(mask.shape, generator=self.generator)
+        q = torch.where(perturbed, 1.0 + sigma * xi, 1.0).clamp(self.q_min, self.q_max).to(mask.device)
+        return torch.where(mask.bool(), q.log(), 0.0)
 
     def step(self) -> None:
         self.schedule.step()

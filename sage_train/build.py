@@ -3,6 +3,7 @@ scorer, the rollout engine, the learning-rate schedule and the guide computed ou
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from sage_kernels.guides import RandomGuide, TokenGuide
 
 from .config import ConfigError, TrainConfig
-from .lora import AdapterDisabled, apply_lora, is_lora
+from .lora import AdapterDisabled, apply_lora, base_lm, is_lora, merged_named_weights
 from .policy import PolicyHead
 from .rollout import make_engine
 
@@ -66,13 +67,23 @@ def with_lora(model, cfg: TrainConfig):
     )
 
 
+def policy_and_reference(cfg: TrainConfig, model):
+    """(the policy, the reference LM or None) at the start of RL. With LoRA the policy carries an
+    adapter (the warm start's, or a fresh one) and the reference is the policy with it disabled
+    (None here: `build_engines` makes it); otherwise a frozen copy of `model` when ``beta != 0``."""
+    if cfg.lora_rank:
+        return (model if is_lora(model) else with_lora(model, cfg)), None
+    return model, (copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None)
+
+
 def chat_prompted(cfg: TrainConfig, task, tokenizer):
-    """`task` with its prompts in the tokenizer's chat template (``chat_template``), else `task`."""
+    """`task` with its prompts through the chat template ``chat_template`` (after ``system_prompt``),
+    else `task` (`sage_train.tasks.chat`; "official" installs the template on `tokenizer`)."""
     if not cfg.chat_template:
         return task
-    from .tasks.math import ChatPromptTask
+    from .tasks.chat import ChatPromptTask
 
-    return ChatPromptTask(task, tokenizer, cfg.system_prompt)
+    return ChatPromptTask(task, tokenizer, cfg.system_prompt, cfg.chat_template)
 
 
 def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: int) -> str:
@@ -81,11 +92,14 @@ def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: 
     The engine then receives the policy's weights before the first step in any case."""
     if cfg.rollout_engine != "vllm":
         return cfg.model
-    if cfg.model != "tiny" and not cfg.sft_steps:
+    if cfg.model != "tiny" and (not cfg.warm_start or is_lora(model)):  # an adapter: the base loads
         return cfg.model
     path = run_dir / "rollout_init"
     if rank == 0:
-        model.save_pretrained(path)
+        if is_lora(model):  # the warm start's adapter, merged out of place
+            base_lm(model).save_pretrained(path, state_dict=dict(merged_named_weights(model)))
+        else:
+            model.save_pretrained(path)
         tokenizer.save_pretrained(path)
     dist.barrier()
     return str(path)
@@ -177,23 +191,25 @@ def lr_schedule(optimizer, cfg: TrainConfig, total_steps: int):
 
 
 def make_guide(cfg: TrainConfig, rank: int):
-    """The guide computed outside the loss (token, random), or None (branch lives in the loss)."""
+    """The guide computed outside the loss (token, random), or None (branch lives in the loss).
+    Its schedule runs over the run's optimizer steps; its noise is seeded per rank."""
+    schedule = {
+        "max_steps": cfg.steps,
+        "sigma_max": cfg.guide_sigma_max,
+        "sigma_min": cfg.guide_sigma_min,
+        "num_cycles": cfg.guide_num_cycles,
+        "decay_rate": cfg.guide_decay_rate,
+        "q_min": cfg.q_min,
+        "q_max": cfg.q_max,
+        "seed": cfg.seed * 1009 + rank,
+    }
     if cfg.guide == "token":
         return TokenGuide(
-            gamma=cfg.guide_strength,
-            gamma_end=cfg.guide_strength_end,
-            period=cfg.guide_period,
-            tau=cfg.tau,
-            q_min=cfg.q_min,
-            q_max=cfg.q_max,
+            alpha_max=cfg.guide_alpha_max,
+            alpha_min=cfg.guide_alpha_min,
+            normalization=cfg.guide_normalization,
+            **schedule,
         )
     if cfg.guide == "random":
-        return RandomGuide(
-            sigma=cfg.guide_strength,
-            sigma_end=cfg.guide_strength_end,
-            period=cfg.guide_period,
-            q_min=cfg.q_min,
-            q_max=cfg.q_max,
-            seed=cfg.seed * 1009 + rank,
-        )
+        return RandomGuide(eps_max=cfg.guide_eps_max, eps_min=cfg.guide_eps_min, **schedule)
     return None

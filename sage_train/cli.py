@@ -12,16 +12,23 @@ from .config import DEFAULT_CONFIG, ConfigError, packaged_config_names, parse_ar
 
 
 def train_main(argv=None) -> int:
-    """`sage-train [--config FILE] [--key=value ...]`; returns the exit status."""
+    """`sage-train [--config FILE] [--key=value ...] [--dry-run]`; returns the exit status.
+    ``--dry-run`` prints the fully resolved config as YAML and exits without loading a model."""
     argv = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help") for arg in argv):
         print(train_usage())
         return 0
+    dry_run = any(arg in ("--dry-run", "--dry_run") for arg in argv)
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args([arg for arg in argv if arg not in ("--dry-run", "--dry_run")])
     except ConfigError as error:
         print(f"sage-train: {error}")
         return 2
+    if dry_run:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
     from .run import train
 
     summary = train(cfg)
@@ -34,7 +41,8 @@ def train_usage() -> str:
     defaults = parse_args([])
     keys = "\n".join(f"  --{key}={value!r}" for key, value in defaults.to_dict().items())
     return (
-        f"usage: sage-train [--config FILE_OR_PACKAGED_NAME] [--key=value ...]\n"
+        f"usage: sage-train [--config FILE_OR_PACKAGED_NAME] [--key=value ...] [--dry-run]\n"
+        f"--dry-run prints the resolved config as YAML and exits without loading a model\n"
         f"packaged configs: {', '.join(packaged_config_names())} (default: {DEFAULT_CONFIG})\n"
         f"keys, with the default run's values:\n{keys}"
     )

@@ -73,6 +73,17 @@ class RunOptions:
     sft_target_loss: float = 0.0  # stop the warm start early once its mean token loss is below this (0: off)
     sft_max_tokens: int = 0  # completions longer than this are cut for the warm start (0: no cut)
     sft_task: str = ""  # the warm start's dataset ("": `task`), e.g. openmathreasoning-mini
+    sft_epochs: int = 0  # > 0: passes over the examples (shuffled per epoch) instead of sft_steps batches
+    sft_lr_schedule: str = "cosine"  # to 0 over the warm start: "cosine" or "linear" (the official one)
+    sft_warmup_steps: int = 0
+    sft_weight_decay: float = 0.0
+    # "raw": the task's worked solutions as they are; "official": the official SAGE target
+    # (tasks.chat.official_sft_completion) and only examples with a numeric answer
+    sft_format: str = "raw"
+    sft_max_example_tokens: int = 0  # examples (prompt + completion) longer are dropped (0: none)
+    # with LoRA: "continue" RL trains on the warm start's adapter, so the reference (adapter off) is
+    # the raw base (the official SAGE way); "merge" merges it, and the reference is the SFT model
+    sft_adapter: str = "merge"
 
     # RL
     algorithm: str = "sage-branch"
@@ -81,6 +92,9 @@ class RunOptions:
     group_size: int = 8
     micro_batch_size: int = 16
     num_iterations: int = 1
+    # optimizer steps fed by one generation of prompts_per_step x steps_per_generation prompts (its
+    # rows shuffled, log-probs fixed at generation, so later steps are off-policy: TRL's option)
+    steps_per_generation: int = 1
     lr: float = 1e-3
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -95,8 +109,12 @@ class RunOptions:
     min_p: float = 0.0
     max_new_tokens: int = 16
     stop: list = field(default_factory=list)
-    chat_template: bool = False  # wrap prompts in the tokenizer's chat template (with system_prompt)
-    system_prompt: str = ""  # "": none; a name in tasks.chat.SYSTEM_PROMPTS ("sage": this package's), or text
+    max_prompt_length: int = 0  # prompts longer than this many tokens lose their start (0: no limit)
+    # prompts through a chat template (tasks/chat.py), for SFT, RL and evaluation alike: "" none,
+    # "tokenizer" the tokenizer's own, "official" the official SAGE template for base models (saved
+    # with the tokenizer); system_prompt: "" none, a name in tasks.chat.SYSTEM_PROMPTS, or the text
+    chat_template: str = ""
+    system_prompt: str = ""
 
     # rollout engines (rollout/): "hf" samples from the live training model; "vllm" a colocated
     # vllm.LLM fed the policy's weights after every optimizer step; "openai" an external server
@@ -115,10 +133,19 @@ class RunOptions:
     # loss options: one key per field of sage_kernels.LossConfig (`LOSS_KEYS`, added below the class)
     loss_backend: str = "auto"
 
-    # token / random guides (sage-token, sage-random): strength follows a cosine with restarts
-    guide_strength: Optional[float] = None
-    guide_strength_end: Optional[float] = None
-    guide_period: Optional[int] = None
+    # token / random guides (sage-token, sage-random; sage_kernels.guides): (alpha, sigma) of the
+    # token guide and (eps, sigma) of the random one anneal from *_max to *_min within each of
+    # guide_num_cycles cycles over `steps` optimizer steps, the *_max bounds times guide_decay_rate
+    # per cycle; None takes the official value (presets.py)
+    guide_alpha_max: Optional[float] = None
+    guide_alpha_min: Optional[float] = None
+    guide_sigma_max: Optional[float] = None
+    guide_sigma_min: Optional[float] = None
+    guide_eps_max: Optional[float] = None
+    guide_eps_min: Optional[float] = None
+    guide_num_cycles: Optional[int] = None
+    guide_decay_rate: Optional[float] = None
+    guide_normalization: Optional[str] = None  # the token guide's: "minmax", "rank" or "zscore"
 
     # DAPO's batch shaping
     dynamic_sampling: Optional[bool] = None
@@ -148,6 +175,11 @@ class RunOptions:
     plots: bool = True
     tensorboard: bool = True
     progress: bool = True
+
+    @property
+    def warm_start(self) -> bool:
+        """Whether a supervised warm start runs (``sft_steps`` or ``sft_epochs``)."""
+        return self.sft_steps > 0 or self.sft_epochs > 0
 
     @property
     def run_dir(self) -> Path:
@@ -296,6 +328,7 @@ def validate(cfg: TrainConfig) -> None:
         "prompts_per_step",
         "micro_batch_size",
         "num_iterations",
+        "steps_per_generation",
         "max_new_tokens",
         "eval_samples",
         "log_every",
@@ -312,11 +345,15 @@ def validate(cfg: TrainConfig) -> None:
     for key in (
         "sft_steps",
         "sft_max_tokens",
+        "sft_epochs",
+        "sft_warmup_steps",
+        "sft_max_example_tokens",
         "cpu_threads",
         "train_problems",
         "warmup_steps",
         "eval_problems",
         "eval_max_new_tokens",
+        "max_prompt_length",
         "keep_checkpoints",
     ):
         require(getattr(cfg, key) >= 0, key, "an integer >= 0")
@@ -335,6 +372,10 @@ def validate(cfg: TrainConfig) -> None:
     )
     require(cfg.rollout_engine in ("hf", "vllm", "openai"), "rollout_engine", "'hf', 'vllm' or 'openai'")
     require(cfg.lora_rank >= 0, "lora_rank", "an integer >= 0 (0: off)")
+    require(cfg.sft_adapter in ("merge", "continue"), "sft_adapter", "'merge' or 'continue'")
+    require(cfg.sft_lr_schedule in ("cosine", "linear"), "sft_lr_schedule", "'cosine' or 'linear'")
+    require(cfg.sft_format in ("raw", "official"), "sft_format", "'raw' or 'official'")
+    require(cfg.sft_weight_decay >= 0, "sft_weight_decay", ">= 0")
     require(cfg.lora_alpha > 0, "lora_alpha", "> 0")
     require(0 <= cfg.lora_dropout < 1, "lora_dropout", "in [0, 1)")
     require(
@@ -363,6 +404,8 @@ def validate(cfg: TrainConfig) -> None:
         "'auto', 'reference', 'cpu' or 'triton'",
     )
     require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
+    require(cfg.chat_template in ("", "tokenizer", "official"), "chat_template", "'', 'tokenizer' or 'official'")
+    require(cfg.chat_template or not cfg.system_prompt, "system_prompt", "'' without a chat_template")
     require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
     require(cfg.name != "" and "/" not in cfg.name, "name", "a non-empty name without '/'")
 

@@ -2,6 +2,20 @@
 
 See `sage_train.evaluate` for the estimator and the files written; `sage_train.cli.eval_main`
 is the console entry point (bad arguments exit 2 with one line).
+
+Prompt format. ``--chat-template`` ("" none, "tokenizer" the model's own, "official" the official
+SAGE base-model template) and ``--system-prompt`` (a name in `sage_train.tasks.chat.SYSTEM_PROMPTS`
+or text) default to what the model was trained with, read from its run directory's config.yaml
+(a run directory, or its ``final`` model), else none: a model is evaluated in its own format.
+
+``--protocol official`` is the official SAGE evaluation: T 0.3, top_p 0.95, 6144 new tokens,
+n = k = 64 samples per problem (``--n 256`` for the Qwen2.5-Math tables), the official system
+prompt and user message through the model's chat template, the tasks aime (AIME 2024 + 2025
+pooled, 60 problems), amc23 and math500 with the golds parsed bare, and "average" = the
+unweighted mean over those three (results.json's ``average``, and a table in results.md). Any
+option given explicitly still wins. This package's default grading boxes the gold first, which
+is more correct (MATH-500 has golds that do not parse bare); the official one reproduces the
+published numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +33,15 @@ from .rollout.base import RolloutEngine, SamplingParams
 
 RECORDS_FILE = "records.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
+
+#: the official SAGE evaluation (`--protocol official`): defaults of the options it sets
+OFFICIAL = {"temperature": 0.3, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "max_new_tokens": 6144, "n": 64,
+            "tasks": "aime,amc23,math500", "system_prompt": "official", "chat_template": "tokenizer"}
+#: the official task options of each math set, and the sets its average is over
+OFFICIAL_TASK_OPTIONS = {"template": "official", "gold_parsing": "bare"}
+AVERAGED = ("aime", "amc23", "math500")
+#: the defaults without a protocol
+PLAIN = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "n": 16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +81,31 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
     if len({label for label, _, _ in resolved}) < len(resolved):
         raise ValueError(f"--model given twice: {list(paths)}")
     return [ModelSpec(*entry) for entry in resolved]
+
+
+def trained_config(model: ModelSpec) -> dict:
+    """The run config a model was trained with: its run directory's, or for ``<run>/final`` the
+    config.yaml beside it; {} when there is none."""
+    if model.run_config is not None:
+        return model.run_config
+    beside = Path(model.path).parent / "config.yaml"
+    if Path(model.path).is_dir() and beside.is_file():
+        import yaml
+
+        return yaml.safe_load(beside.read_text()) or {}
+    return {}
+
+
+def prompt_format(args, model: ModelSpec) -> tuple[str, str]:
+    """(chat template, system prompt) for `model`: the options when given, else what it was
+    trained with, else the protocol's."""
+    trained = trained_config(model)
+    protocol = OFFICIAL if args.protocol == "official" else {"chat_template": "", "system_prompt": ""}
+    template = args.chat_template if args.chat_template is not None else trained.get("chat_template")
+    system = args.system_prompt if args.system_prompt is not None else trained.get("system_prompt")
+    if template is None or template is True or template is False:  # a config from before names
+        template = {True: "tokenizer", False: ""}.get(template, protocol["chat_template"])
+    return template, (system if system is not None else protocol["system_prompt"])
 
 
 def build_engine(kind: str, model_path: str, device: str) -> RolloutEngine:
@@ -139,19 +187,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-options", default="{}",
                    help='JSON options per task, e.g. \'{"arithmetic": {"digits": 3}}\' '
                         "(default: a run directory's task_options for its task)")
-    p.add_argument("--n", type=int, default=16, help="samples per problem and seed")
+    p.add_argument("--protocol", default="", choices=("", "official"),
+                   help="'official': the official SAGE evaluation's settings (module docstring) as defaults")
+    p.add_argument("--chat-template", default=None, choices=("", "tokenizer", "official"),
+                   help="prompts through a chat template: '' none, 'tokenizer' the model's own, 'official' the "
+                        "official SAGE base-model template (default: what the model was trained with)")
+    p.add_argument("--system-prompt", default=None,
+                   help="a system prompt name (sage, official) or text (default: what the model was trained "
+                        "with; needs a chat template)")
+    p.add_argument("--n", type=int, default=None, help="samples per problem and seed (default 16; official 64)")
     p.add_argument("--k", default="", help="comma-separated ks (default: 1, 2, 4, ... up to n)")
     p.add_argument("--seeds", default="0", help="comma-separated sampling seeds")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems of each task")
     p.add_argument("--engine", default="hf", choices=("hf", "vllm"))
     p.add_argument("--device", default=None, help="hf engine device (default: cuda if available, else cpu)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=None, help="default 1.0 (official: 0.3)")
+    p.add_argument("--top-p", type=float, default=None, help="default 1.0 (official: 0.95)")
+    p.add_argument("--top-k", type=int, default=None, help="default 0: off")
+    p.add_argument("--min-p", type=float, default=None, help="default 0.0: off")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default: a run directory's eval_max_new_tokens or max_new_tokens, else 1024")
-    p.add_argument("--stop", action="append", default=None, help="a stop string; repeatable")
+                   help="default: a run directory's eval_max_new_tokens or max_new_tokens, else 1024 "
+                        "(official: 6144)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="a stop string; repeatable (default: a run directory's; official: none)")
     p.add_argument("--problems-per-call", type=int, default=1,
                    help="prompts per generate call (more is faster with the hf engine and small n; "
                         "1 makes each problem's samples independent of the others)")
@@ -173,7 +231,8 @@ def resolve_tasks(args, models: Sequence[ModelSpec]) -> list[tuple[str, dict]]:
     if not isinstance(options, dict):
         raise ValueError(f"--task-options must be a JSON object keyed by task name, "
                          f"got {args.task_options!r}")
-    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    tasks = args.tasks or (OFFICIAL["tasks"] if args.protocol == "official" else "")
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
     if len(set(names)) < len(names):
         raise ValueError(f"--tasks names a task twice: {args.tasks!r}")
     run_config = next((m.run_config for m in models if m.run_config is not None), None)
@@ -185,6 +244,12 @@ def resolve_tasks(args, models: Sequence[ModelSpec]) -> list[tuple[str, dict]]:
         for name in names:
             if name == run_config.get("task") and name not in options:
                 options[name] = dict(run_config.get("task_options") or {})
+    if args.protocol == "official":  # the math sets' official user message and bare gold parsing
+        from .tasks import SYNTHETIC_TASKS
+
+        for name in names:
+            if name not in SYNTHETIC_TASKS:
+                options[name] = {**OFFICIAL_TASK_OPTIONS, **options.get(name, {})}
     return [(name, options.get(name, {})) for name in names]
 
 
@@ -219,11 +284,24 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     models = resolve_models(args.model)
     run_config = next((m.run_config for m in models if m.run_config is not None), {}) or {}
-    max_new_tokens = args.max_new_tokens or run_config.get("eval_max_new_tokens") \
-        or run_config.get("max_new_tokens") or 1024
-    stop = tuple(args.stop if args.stop is not None else run_config.get("stop") or ())
+    official = args.protocol == "official"
+    defaults = OFFICIAL if official else PLAIN
+    for key in ("temperature", "top_p", "top_k", "min_p", "n"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    max_new_tokens = args.max_new_tokens or (OFFICIAL["max_new_tokens"] if official else None) \
+        or run_config.get("eval_max_new_tokens") or run_config.get("max_new_tokens") or 1024
+    stop = tuple(args.stop if args.stop is not None else () if official else run_config.get("stop") or ())
+    formats = {m.label: prompt_format(args, m) for m in models}
+    for label, (template, system) in formats.items():
+        if system and not template:
+            raise ValueError(f"--system-prompt needs a chat template (--chat-template tokenizer or official); "
+                             f"model {label!r} has none")
     powers_of_two = [2 ** i for i in range(args.n.bit_length())] + [args.n]
-    ks = check_ks(parse_ints(args.k, "--k") if args.k else powers_of_two, args.n)
+    default_ks = sorted({1, args.n}) if official else powers_of_two
+    ks = check_ks(parse_ints(args.k, "--k") if args.k else default_ks, args.n)
     seeds = parse_ints(args.seeds, "--seeds")
     if not seeds:
         raise ValueError("--seeds is empty")
@@ -235,14 +313,16 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     check_sampling(out, {"n": args.n, "temperature": args.temperature, "top_p": args.top_p,
                          "top_k": args.top_k, "min_p": args.min_p, "max_new_tokens": max_new_tokens,
-                         "stop": list(stop), "engine": args.engine})
+                         "stop": list(stop), "engine": args.engine,
+                         "prompt_format": {label: list(f) for label, f in formats.items()}})
 
     from .tasks import get_task
 
     tasks = [get_task(name, **options) for name, options in resolve_tasks(args, models)]
     problems = {task.name: list(task.problems("test", args.limit, 0)) for task in tasks}
     config = {"models": {m.label: m.path for m in models}, "tasks": [t.name for t in tasks], "n": args.n,
-              "ks": ks, "seeds": seeds, "limit": args.limit, "engine": args.engine,
+              "ks": ks, "seeds": seeds, "limit": args.limit, "engine": args.engine, "protocol": args.protocol,
+              "prompt_format": {label: {"chat_template": t, "system_prompt": s} for label, (t, s) in formats.items()},
               "sampling": dataclasses.asdict(sampling) | {"n": args.n, "seed": None},
               "problems_per_call": args.problems_per_call, "samples_per_call": args.samples_per_call}
     results = {"config": config, "models": {}, "generated": 0, "resumed": 0}
@@ -256,7 +336,8 @@ def main(argv=None) -> int:
         for model in models:
             engine = None  # loaded only if some problem of this model is not done yet
             results["models"][model.label] = {"path": model.path, "tasks": {}}
-            for task in tasks:
+            for plain_task in tasks:
+                task = in_prompt_format(plain_task, model, formats[model.label])
                 mine = {(seed, pid): record for (label, name, seed, pid), record in done.items()
                         if label == model.label and name == task.name}
                 if engine is None and any((s, p.id) not in mine for s in seeds for p in problems[task.name]):
@@ -280,10 +361,43 @@ def main(argv=None) -> int:
     from .rewards import grading_stats
 
     results["grading"] = grading_stats()  # math-verify timeouts (graded 0) are counted here
+    table = markdown_table(results)
+    if set(AVERAGED) <= set(config["tasks"]):
+        for model in results["models"].values():
+            model["average"] = {k: sum(model["tasks"][t]["pass_at_k"][k]["mean"] for t in AVERAGED) / len(AVERAGED)
+                                for k in ks}
+        table += "\n\n" + average_table(results, ks)
     write_outputs(out, results)
-    print(markdown_table(results))
+    (out / "results.md").write_text(table + "\n")
+    print(table)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass_at_k.png'}")
     return 0
+
+
+def in_prompt_format(task, model: ModelSpec, prompt_format: tuple[str, str]):
+    """`task` with its prompts in `model`'s chat template and system prompt (`prompt_format`), or
+    `task` itself when there is no template. The tokenizer is the model's own (saved with it, the
+    official template included when the model was trained with it)."""
+    template, system = prompt_format
+    if not template:
+        return task
+    from transformers import AutoTokenizer
+
+    from .tasks.chat import ChatPromptTask
+
+    try:
+        return ChatPromptTask(task, AutoTokenizer.from_pretrained(model.path), system, template)
+    except ValueError as error:
+        raise ValueError(f"model {model.label!r}: {error}") from None
+
+
+def average_table(results: dict, ks: list) -> str:
+    """The unweighted mean of pass@k over `AVERAGED` (the official SAGE "Avg"), a row per model."""
+    lines = [f"### average ({', '.join(AVERAGED)})", "",
+             "| model | " + " | ".join(f"pass@{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
+    for label, model in results["models"].items():
+        lines.append(f"| {label} | " + " | ".join(f"{100 * model['average'][k]:.1f}" for k in ks) + " |")
+    return "\n".join(lines)
 
 
 def _device(requested: Optional[str]) -> str:

@@ -6,9 +6,10 @@ loss computes no LM-head gradient (its ``weight.requires_grad`` is False). The r
 policy is the same model with the adapter disabled (`AdapterDisabled`): no second copy of
 the weights is kept.
 
-A warm start (``sft_steps > 0``) trains an adapter of its own, which is then merged into the
-base weights (`merge_lora`); RL puts a fresh adapter on the merged model, so the reference
-is the warm-started model, as it is without LoRA.
+A warm start (``sft_steps > 0``) trains an adapter. With ``sft_adapter: continue`` (the
+official SAGE way) RL goes on training that same adapter, so the reference is the raw pre-SFT
+base model; with ``merge`` it is merged into the base weights (`merge_lora`) and RL puts a fresh
+adapter on the merged model, so the reference is the warm-started model, as it is without LoRA.
 """
 
 from __future__ import annotations

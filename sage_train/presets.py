@@ -10,11 +10,19 @@ command line win. The resolved values are saved with the run.
 | grpo-no-kl       | GRPO without the KL term (beta 0)                                               |
 | grpo-forward-kl  | GRPO with a forward-KL estimator (below)                                        |
 | sage-branch      | SAGE with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max); default|
-| sage-token       | SAGE with the token (surprisal) guide, strength on a cosine with restarts        |
-| sage-random      | SAGE with the random guide (log q ~ N(0, sigma^2)), the control for placement     |
-| dapo             | token-level loss, eps_high 0.28, no KL, dynamic sampling, overlong filtering    |
-| bnpo             | GRPO normalised by the batch's completion-token count                           |
+| sage-token       | SAGE with the token (surprisal) guide, (alpha, sigma) on the official schedule  |
+| sage-random      | SAGE with the random guide (eps of the tokens get q = 1 + sigma xi), the control |
+| bnpo             | the paper's "BNPO (no KL)": loss_type bnpo, beta 0, nothing else changed         |
+| dapo             | the paper's "DAPO (no KL)": loss_type dapo, beta 0, nothing else changed         |
+| sage-branch-bnpo | the paper's "BNPO + Branch": loss_type bnpo, beta 0.05, the branch guide         |
+| sage-branch-dapo | the paper's "DAPO + Branch": loss_type dapo, beta 0.05, the branch guide         |
+| dapo-full        | DAPO with its extras: eps_high 0.28, no KL, dynamic sampling, overlong filtering |
 | dr_grpo          | Dr. GRPO: constant normaliser (B x max_new_tokens) and unscaled advantages r - mean |
+
+The token and random guides' schedule keys (``guide_alpha_*``, ``guide_sigma_*``, ``guide_eps_*``,
+``guide_num_cycles``, ``guide_decay_rate``, ``guide_normalization``) default to the official
+values of `sage_kernels.guides`; ``guide_sigma_*`` is the token guide's (0.25 -> 0.1) or the
+random guide's (0.15 -> 0.05) by the resolved ``guide``.
 
 The forward-KL estimator. With delta = log(q pi_ref / pi) at a token sampled from pi and
 r = exp(delta), the loss's k3 = r - 1 - delta is Schulman's estimator of the reverse
@@ -35,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 from sage_kernels import LossConfig
+from sage_kernels.guides import NORMALIZATIONS
 
 #: LossConfig fields the trainer sets itself: the sampling temperature, dr_grpo's normaliser
 #: (max_new_tokens) and the per-step token count; every other field is a config key.
@@ -46,9 +55,13 @@ LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name not i
 BASE = {
     **{name: getattr(LossConfig(), name) for name in LOSS_KEYS},
     "guide": "none",
-    "guide_strength": 0.3,
-    "guide_strength_end": 0.0,
-    "guide_period": 100,
+    "guide_alpha_max": 0.3,
+    "guide_alpha_min": 0.1,
+    "guide_eps_max": 0.1,
+    "guide_eps_min": 0.0,
+    "guide_num_cycles": 8,
+    "guide_decay_rate": 0.9,
+    "guide_normalization": "minmax",
     "dynamic_sampling": False,
     "overlong_filter": False,
     "scale_rewards": True,
@@ -60,20 +73,26 @@ PRESETS = {
     "grpo-forward-kl": {"kl": "fk3"},
     "sage-branch": {"guide": "branch"},
     "sage-token": {"guide": "token"},
-    "sage-random": {"guide": "random", "guide_strength": 0.2},
-    "dapo": {
+    "sage-random": {"guide": "random"},
+    "bnpo": {"loss_type": "bnpo", "beta": 0.0},
+    "dapo": {"loss_type": "dapo", "beta": 0.0},
+    "sage-branch-bnpo": {"loss_type": "bnpo", "guide": "branch"},
+    "sage-branch-dapo": {"loss_type": "dapo", "guide": "branch"},
+    "dapo-full": {
         "beta": 0.0,
         "loss_type": "dapo",
         "eps_high": 0.28,
         "dynamic_sampling": True,
         "overlong_filter": True,
     },
-    "bnpo": {"loss_type": "bnpo"},
     "dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": False},
 }
 
 #: trainer-level guides: "branch" is computed inside the loss, "token" and "random" outside it.
 GUIDES = ("none", "branch", "token", "random")
+
+#: the noise scale's (upper, lower) bounds of each guide computed outside the loss (official values)
+GUIDE_SIGMA = {"token": (0.25, 0.1), "random": (0.15, 0.05)}
 
 
 class PresetError(ValueError):
@@ -86,17 +105,34 @@ def apply_preset(cfg):
     if cfg.algorithm not in PRESETS:
         raise PresetError(f"config key 'algorithm' must be one of {sorted(PRESETS)}, got {cfg.algorithm!r}")
     values = {**BASE, **PRESETS[cfg.algorithm]}
+    guide = cfg.guide if cfg.guide is not None else values["guide"]
+    values["guide_sigma_max"], values["guide_sigma_min"] = GUIDE_SIGMA.get(guide, GUIDE_SIGMA["token"])
     filled = {key: value for key, value in values.items() if getattr(cfg, key) is None}
     cfg = dataclasses.replace(cfg, **filled)
     if cfg.guide not in GUIDES:
         raise PresetError(f"config key 'guide' must be one of {list(GUIDES)}, got {cfg.guide!r}")
-    if cfg.guide_period <= 0:
-        raise PresetError(f"config key 'guide_period' must be a positive integer, got {cfg.guide_period!r}")
+    check_guide_schedule(cfg)
     try:
         loss_config(cfg)
     except (ValueError, TypeError) as error:
         raise PresetError(f"loss options of algorithm {cfg.algorithm!r}: {error}") from error
     return cfg
+
+
+def check_guide_schedule(cfg) -> None:
+    """The token / random guides' schedule keys, each failure naming its key."""
+
+    def require(ok: bool, key: str, expected: str) -> None:
+        if not ok:
+            raise PresetError(f"config key {key!r} must be {expected}, got {getattr(cfg, key)!r}")
+
+    require(cfg.guide_num_cycles > 0, "guide_num_cycles", "a positive integer")
+    require(0 < cfg.guide_decay_rate <= 1, "guide_decay_rate", "in (0, 1]")
+    require(cfg.guide_normalization in NORMALIZATIONS, "guide_normalization", f"one of {list(NORMALIZATIONS)}")
+    for name in ("alpha", "sigma", "eps"):
+        key = f"guide_{name}_max"
+        require(0 <= getattr(cfg, f"guide_{name}_min") <= getattr(cfg, key), key, f">= guide_{name}_min >= 0")
+    require(cfg.guide_eps_max <= 1, "guide_eps_max", "a probability (<= 1)")
 
 
 def loss_config(cfg) -> LossConfig:

@@ -9,7 +9,7 @@ Launch:
     torchrun --nproc_per_node 8 -m sage_train --config my.yaml --zero_stage=3 --deepspeed_config=ds-zero3
     deepspeed --num_gpus 8 --module sage_train --config my.yaml          # DeepSpeed's launcher
     torchrun --nnodes 4 --node_rank R --master_addr HOST --nproc_per_node 8 -m sage_train ...  # many machines
-    deepspeed --num_gpus 8 --module sage_train --config r1-distill-qwen-7b-sage-branch  # a paper recipe
+    sage-train --config r1-distill-qwen-7b-sage-branch                    # a paper recipe (one GPU)
 
 The paper's recipes (LoRA, colocated vLLM rollouts, official hyperparameters) are packaged
 configs; docs/recipes.md lists them with the one-machine and multi-node commands.
@@ -20,8 +20,10 @@ by DeepSpeed. CPU runs use the gloo backend and float32; GPU runs NCCL and bf16.
 RL simplifications in force (as in TRL's GRPOTrainer unless said):
 - Prompts are drawn without replacement within a step, from the first ``train_problems`` training
   problems (all when 0), by a generator seeded with (seed, step).
-- One rollout batch per step, used for ``num_iterations`` optimizer steps (default 1, where the
-  ratio is 1 and clipping is inert). No value model; the reward is the task verifier's 0/1.
+- One generation of rollouts feeds ``steps_per_generation`` optimizer steps (default 1; the
+  official SAGE runs use 2, which makes every second step off-policy, `sage_train.step`), each
+  batch used for ``num_iterations`` updates (default 1). With both at 1 the ratio is 1 and
+  clipping is inert. No value model; the reward is the task verifier's 0/1.
 - The policy's log-probs are those of the temperature-scaled distribution; the sampler's top-p /
   top-k / min-p truncation is ignored in them. The hf engine samples from the training weights
   themselves, so there is no staleness; its `sync_weights` only re-points it at the policy.
@@ -32,7 +34,8 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
   engines that report log-probs after top-p / min-p truncation (hf) then give weights <= 1 on
   truncated distributions, so leave those samplers off, or TIS off, with the hf engine.
 - The reference is the policy at the start of RL (after the warm start), frozen. With LoRA
-  (``lora_rank > 0``, `sage_train.lora`) it is that model with the adapter disabled: no copy.
+  (``lora_rank > 0``, `sage_train.lora`) it is the model with the adapter disabled: no copy; after
+  a warm start with ``sft_adapter: continue`` that is the raw pre-SFT base (the official SAGE way).
 - The KL term is a per-token loss term, not a reward penalty.
 - The supervised warm start is a plain AdamW phase run identically on every rank (it needs no
   communication); it computes the model's logits, which the RL phase never does.
@@ -42,7 +45,6 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -53,7 +55,7 @@ import torch.distributed as dist
 
 from . import checkpoint, report
 from .build import build_engines, build_rollout, chat_prompted, check_batch_shape, make_guide, rollout_model_path
-from .build import with_lora
+from .build import policy_and_reference
 from .config import ConfigError, TrainConfig
 from .distributed import InterruptFlag, init_distributed, reduce_rows, seed_everything
 from .evaluate import evaluate_engine, mean_pass_at_k
@@ -83,23 +85,20 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
     task = get_task(cfg.task, **cfg.task_options)
     sft_problems = list(task.problems("train", None, cfg.seed))
     train_problems = sft_problems[: cfg.train_problems] if cfg.train_problems else sft_problems
-    if len(train_problems) < cfg.prompts_per_step:
+    if len(train_problems) < cfg.prompts_per_step * cfg.steps_per_generation:
         raise ConfigError(
-            f"config key 'train_problems': {len(train_problems)} problems cannot fill "
-            f"prompts_per_step={cfg.prompts_per_step}"
+            f"config key 'train_problems': {len(train_problems)} problems cannot fill a generation of "
+            f"prompts_per_step x steps_per_generation = {cfg.prompts_per_step * cfg.steps_per_generation}"
         )
     sft_task = task
-    if cfg.sft_task and cfg.sft_steps:  # warm-start on another dataset's solutions
+    if cfg.sft_task and cfg.warm_start:  # warm-start on another dataset's solutions
         sft_task = get_task(cfg.sft_task)
         sft_problems = list(sft_task.problems("train", None, cfg.seed))
     model, tokenizer = initial_policy(
         cfg, sft_task, sft_problems, run_dir, rank, resumed=resume_step is not None
     )
     rollout_init = rollout_model_path(cfg, model, tokenizer, run_dir, rank)
-    if cfg.lora_rank:  # the reference is this model with the adapter disabled: no copy
-        model, reference_lm = with_lora(model, cfg), None
-    else:
-        reference_lm = copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None
+    model, reference_lm = policy_and_reference(cfg, model)
 
     engine, reference = build_engines(cfg, model, reference_lm, world, device)
     rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world)
@@ -202,6 +201,7 @@ def pass_at_k_over_ranks(ctx: Context, task, problems: list) -> dict:
         min_p=cfg.min_p,
         max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
         stop=tuple(cfg.stop),
+        max_prompt_tokens=cfg.max_prompt_length,
     )
     result = evaluate_engine(
         ctx.rollout,

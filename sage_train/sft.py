@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .build import chat_prompted, with_lora
+from .tasks.chat import official_sft_completion
 from .config import ConfigError, TrainConfig
 from .lora import merge_lora
 from .model import load_model_and_tokenizer, load_pretrained
@@ -24,21 +25,32 @@ SFT_WINDOW = 50
 
 
 def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, rank: int, *, resumed: bool):
-    """The model RL starts from: `cfg.model`, warm-started by SFT when ``sft_steps > 0``.
+    """The model RL starts from: `cfg.model`, warm-started by SFT when ``sft_steps`` or ``sft_epochs`` > 0.
 
-    The warm-started model is saved to ``run_dir/sft`` (HF format); a resumed run loads it from
-    there as the reference's weights (its policy weights then come from the checkpoint)."""
+    With LoRA the warm start trains an adapter. ``sft_adapter: continue`` (the official SAGE way)
+    returns that adapter on the raw base model, and RL goes on training it, so the reference (the
+    adapter disabled) is the pre-SFT base; ``merge`` merges it into the weights, and RL puts a
+    fresh adapter on the merged model, whose reference is then the warm-started model.
+
+    The warm-started model (or adapter) is saved to ``run_dir/sft``; a resumed run rebuilds the
+    reference from there, or for ``continue`` from `cfg.model` (its policy weights then come from
+    the checkpoint)."""
     sft_dir = run_dir / "sft"
-    if cfg.sft_steps and resumed and (sft_dir / "config.json").is_file():
+    continue_adapter = cfg.lora_rank > 0 and cfg.sft_adapter == "continue"
+    if cfg.warm_start and resumed and continue_adapter:
+        model, tokenizer = load_model_and_tokenizer(cfg)
+        return with_lora(model, cfg), tokenizer
+    if cfg.warm_start and resumed and (sft_dir / "config.json").is_file():
         return load_pretrained(str(sft_dir))
     model, tokenizer = load_model_and_tokenizer(cfg)
-    if cfg.sft_steps:
+    if cfg.warm_start:
         if torch.cuda.is_available():  # warm-start where RL will run, not on the host
             model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
-        if cfg.lora_rank:  # the warm start trains an adapter of its own, merged in afterwards
+        if cfg.lora_rank:
             model = with_lora(model, cfg)
         steps = sft_warm_start(model, tokenizer, chat_prompted(cfg, task, tokenizer), train_problems, cfg)
-        model = merge_lora(model)
+        if not continue_adapter:
+            model = merge_lora(model)
         if rank == 0:
             print(f"sage-train: warm start done after {steps} SFT steps", flush=True)
             model.save_pretrained(sft_dir)
@@ -46,41 +58,86 @@ def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, 
     return model, tokenizer
 
 
+def sft_examples(task, problems: list, tokenizer, cfg: TrainConfig) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids + EOS) of each problem with a worked solution
+    (``meta["sft_completion"]``), formatted per ``sft_format`` and filtered by
+    ``sft_max_example_tokens``; completions cut at ``sft_max_tokens``."""
+    pairs = []
+    for p in problems:
+        if "sft_completion" not in p.meta:
+            continue
+        completion = p.meta["sft_completion"]
+        if cfg.sft_format == "official":
+            if not is_number(p.answer):  # the official warm start keeps numeric answers only
+                continue
+            completion = official_sft_completion(completion, p.answer)
+        pairs.append((task.prompt(p), completion))
+    if not pairs:
+        raise ConfigError(
+            f"sft_steps: task {cfg.sft_task or cfg.task!r} gives no meta['sft_completion'] to warm-start on "
+            "(with sft_format 'official': none with a numeric answer); set sft_steps=0"
+        )
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    completions = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+    examples = [(p, c + [tokenizer.eos_token_id]) for p, c in zip(prompts, completions)]
+    if cfg.sft_max_example_tokens:
+        examples = [(p, c) for p, c in examples if len(p) + len(c) <= cfg.sft_max_example_tokens]
+        if not examples:
+            raise ConfigError(f"sft_max_example_tokens: no example is {cfg.sft_max_example_tokens} tokens or shorter")
+    if cfg.sft_max_tokens:
+        examples = [(p, c[: cfg.sft_max_tokens]) for p, c in examples]
+    return examples
+
+
+def is_number(text: str) -> bool:
+    """Whether `text` reads as a number (the official filter: pandas.to_numeric is not NaN)."""
+    try:
+        return not math.isnan(float(text))
+    except ValueError:
+        return False
+
+
 def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> int:
-    """Supervised fine-tuning on ``prompt + meta["sft_completion"] + EOS`` (the task's correct
-    completions), the loss on completion tokens only. Deterministic in ``cfg.seed``.
+    """Supervised fine-tuning on ``prompt + completion + EOS`` (`sft_examples`), the loss on
+    completion tokens only. Deterministic in ``cfg.seed``. ``sft_epochs > 0`` passes over the
+    examples that many times, shuffled each epoch; otherwise ``sft_steps`` batches are drawn with
+    replacement. The learning rate warms up linearly over ``sft_warmup_steps``, then decays to 0
+    (``sft_lr_schedule``).
 
     With ``sft_target_loss`` it stops once the mean loss of the last `SFT_WINDOW` steps is below
     it: how fast a tiny model learns arithmetic varies a lot with the seed (some seeds reach 95%
     in the steps where others reach 15%), and RL needs a start that is neither. Returns the
     number of steps taken."""
-    examples = [(task.prompt(p), p.meta["sft_completion"]) for p in problems if "sft_completion" in p.meta]
-    if not examples:
-        raise ConfigError(
-            f"sft_steps: task {cfg.task!r} gives no meta['sft_completion'] to warm-start on; set sft_steps=0"
-        )
+    examples = sft_examples(task, problems, tokenizer, cfg)
+    rng = random.Random(f"sft:{cfg.seed}")
+    if cfg.sft_epochs:
+        order = []
+        for _ in range(cfg.sft_epochs):
+            order += rng.sample(range(len(examples)), len(examples))
+        batches = [order[i : i + cfg.sft_batch_size] for i in range(0, len(order), cfg.sft_batch_size)]
+    else:
+        batches = [[rng.randrange(len(examples)) for _ in range(cfg.sft_batch_size)] for _ in range(cfg.sft_steps)]
+    total = len(batches)
     device = next(model.parameters()).device
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.sft_lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / cfg.sft_steps))
-    )
-    rng = random.Random(f"sft:{cfg.seed}")
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.sft_lr, weight_decay=cfg.sft_weight_decay)
+
+    def factor(step: int) -> float:
+        if step < cfg.sft_warmup_steps:
+            return (step + 1) / (cfg.sft_warmup_steps + 1)
+        progress = (step - cfg.sft_warmup_steps) / max(1, total - cfg.sft_warmup_steps)
+        return max(0.0, 1 - progress) if cfg.sft_lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     model.train()
     recent = []
-    for step in range(1, cfg.sft_steps + 1):
-        chosen = [examples[rng.randrange(len(examples))] for _ in range(cfg.sft_batch_size)]
-        prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in chosen]
-        answers = [
-            tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, a in chosen
-        ]
-        if cfg.sft_max_tokens:
-            answers = [a[: cfg.sft_max_tokens] for a in answers]
-        width = max(len(p) + len(a) for p, a in zip(prompts, answers))
+    for step, indices in enumerate(batches, 1):
+        chosen = [examples[i] for i in indices]
+        width = max(len(p) + len(a) for p, a in chosen)
         input_ids = torch.full((len(chosen), width), tokenizer.pad_token_id, dtype=torch.long)
         labels = torch.full_like(input_ids, -100)
         attention_mask = torch.zeros_like(input_ids)
-        for row, (p, a) in enumerate(zip(prompts, answers)):
+        for row, (p, a) in enumerate(chosen):
             start = width - len(p) - len(a)  # left padding, as in generation
             input_ids[row, start:] = torch.tensor(p + a)
             labels[row, width - len(a) :] = torch.tensor(a)

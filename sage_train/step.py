@@ -6,6 +6,14 @@ and ranks: grpo and dr_grpo weight each micro-batch by its share of the step's r
 dapo divide by the step's completion-token count, all-reduced over ranks once per step. Each
 micro-batch's backward is then scaled by the world size and not by the accumulation steps, which
 undoes DeepSpeed's averaging, so the gradient does not depend on the micro-batch size.
+
+Generations. With ``steps_per_generation`` k > 1 (TRL's option; the official SAGE runs use 2) one
+generation samples ``prompts_per_step x k`` prompts, scores them once (behaviour and reference
+log-probs, importance weights) and feeds k optimizer steps, its rows shuffled and dealt out in k
+equal parts: the steps after the first are off-policy by the updates before them, so the clipped
+ratio is active there. The generation's reward and length metrics are logged with each of its
+steps. A run resumed in the middle of a generation samples that generation again (same prompts
+and seeds, from the resumed weights).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from sage_kernels.guides import RandomGuide, TokenGuide
+from sage_kernels.guides import RandomGuide
 
 from .advantages import group_advantages
 from .config import TrainConfig
@@ -45,14 +53,84 @@ class Context:
     rank: int
     world: int
     device: torch.device
+    generation: Optional["Generation"] = None  # the rollouts the current optimizer steps learn from
+
+
+@dataclass
+class Generation:
+    """One generation of rollouts, scored once, that feeds ``steps_per_generation`` optimizer steps.
+
+    Its rows are shuffled and dealt out in equal parts, one per step; the behaviour and reference
+    log-probs are those at generation time, so every step after the first is off-policy by the
+    updates before it, and the clipped ratio is active there (TRL's ``steps_per_generation``)."""
+
+    first_step: int
+    batch: Batch
+    advantages: torch.Tensor
+    old_logp: torch.Tensor
+    ref_logp: Optional[torch.Tensor]
+    is_weights: Optional[torch.Tensor]
+    order: torch.Tensor  # the shuffled rows; step first_step + i takes its i-th part
+    metrics: dict  # the rollouts' metrics, logged with each of its steps
 
 
 def rl_step(ctx: Context, step: int) -> dict:
-    """One RL step; returns its metrics (tensors stay on the device, no host sync)."""
+    """One RL optimizer step (and, when it starts a generation, the rollouts of that generation);
+    returns its metrics (tensors stay on the device, no host sync)."""
     cfg, start = ctx.cfg, time.perf_counter()
+    spg = cfg.steps_per_generation
+    first = step - (step - 1) % spg  # steps first .. first + spg - 1 share one generation
+    if ctx.generation is None or ctx.generation.first_step != first:  # a resumed run regenerates
+        ctx.generation = generate(ctx, first)
+    gen = ctx.generation
+    part = gen.batch.rows // spg
+    rows = gen.order[(step - first) * part : (step - first + 1) * part]
+    batch = Batch(**{name: value[rows] if isinstance(value, torch.Tensor) else value
+                     for name, value in vars(gen.batch).items()})
+
+    # 5. the external guide, if any: the token guide is given the current policy's log-probs inside
+    # the loss forward (`PolicyHead`); the random guide is drawn here, once per step
+    log_q = ctx.guide
+    if isinstance(ctx.guide, RandomGuide):
+        log_q = ctx.guide(batch.completion_mask)
+
+    # 6. the loss on hidden states + LM head, micro-batch by micro-batch, then the optimizer step
+    totals = policy_update(
+        ctx,
+        batch,
+        gen.advantages[rows],
+        gen.old_logp[rows],
+        None if gen.ref_logp is None else gen.ref_logp[rows],
+        log_q,
+        None if gen.is_weights is None else gen.is_weights[rows],
+    )
+
+    # 6b. the next generation (or the final evaluation) samples from the updated weights (hf: the
+    # live model already)
+    if step == first + spg - 1 or step == cfg.steps:
+        ctx.rollout.sync_weights(ctx.engine.module.lm)
+
+    # 7. metrics, still tensors; converted at log intervals
+    metrics = {
+        **gen.metrics,
+        "num_tokens": batch.attention_mask.sum().float(),
+        **totals.metrics(cfg.num_iterations),
+        "learning_rate": ctx.engine.get_lr()[0],
+        "step_time": time.perf_counter() - start,
+    }
+    if ctx.guide is not None:
+        metrics["guide/strength"], metrics["guide/sigma"] = ctx.guide.schedule.value()
+    return metrics
+
+
+def generate(ctx: Context, first_step: int) -> Generation:
+    """The rollouts of the generation starting at `first_step`, graded, with their advantages and
+    their behaviour / reference log-probs; its rows shuffled (seeded by the step, so identically
+    on a resumed run)."""
+    cfg = ctx.cfg
 
     # 1. rollouts and rewards: group_size completions per prompt, graded by the task's verifier
-    groups, rewards, rounds = collect_groups(ctx, step)
+    groups, rewards, rounds = collect_groups(ctx, first_step)
     completions = [c for group in groups for c in group["completions"]]
 
     # 2. group advantages: (r - mean) / (std + 1e-4) within each prompt's group
@@ -64,27 +142,13 @@ def rl_step(ctx: Context, step: int) -> dict:
     if cfg.overlong_filter:
         batch.completion_mask &= ~truncated[:, None]
 
-    # 4. behaviour and reference log-probs (no gradient), and the external guide if any
+    # 4. behaviour and reference log-probs (no gradient), fixed for the whole generation
     mb = cfg.micro_batch_size
     old_logp, _ = score(ctx.engine, batch, mb, cfg.temperature)
     is_weights, tis_metrics = rollout_correction(cfg, completions, old_logp, batch)
     ref_logp = score(ctx.reference, batch, mb, cfg.temperature)[0] if ctx.reference is not None else None
-    log_q = None
-    if isinstance(ctx.guide, TokenGuide):
-        log_q = ctx.guide(old_logp, batch.completion_mask)
-    elif isinstance(ctx.guide, RandomGuide):
-        log_q = ctx.guide(batch.completion_mask)
 
-    # 5. the loss on hidden states + LM head, micro-batch by micro-batch, then the optimizer step
-    totals = policy_update(ctx, batch, advantages, old_logp, ref_logp, log_q, is_weights)
-
-    # 5b. the rollout engine samples the next step from the updated weights (hf: the live model already)
-    ctx.rollout.sync_weights(ctx.engine.module.lm)
-
-    # 6. metrics, still tensors; converted at log intervals
-    lengths = batch.completion_mask.new_tensor(
-        [len(c.completion_ids) for c in completions], dtype=torch.float32
-    )
+    lengths = batch.completion_mask.new_tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
     metrics = {
         "reward": rewards.mean(),
         "reward_std": rewards.std(dim=1).mean(),
@@ -93,19 +157,15 @@ def rl_step(ctx: Context, step: int) -> dict:
         "completions/min_length": lengths.min(),
         "completions/max_length": lengths.max(),
         "completions/clipped_ratio": truncated.float().mean(),
-        "num_tokens": batch.attention_mask.sum().float(),
-        **totals.metrics(cfg.num_iterations),
-        "learning_rate": ctx.engine.get_lr()[0],
-        "step_time": time.perf_counter() - start,
         **tis_metrics,
     }
     if getattr(ctx.rollout, "last_sync_s", None) is not None:  # engines holding their own weights
         metrics["rollout/sync_time"] = ctx.rollout.last_sync_s
     if cfg.dynamic_sampling:
         metrics["dynamic_sampling/rounds"] = float(rounds)
-    if ctx.guide is not None:
-        metrics["guide/strength"] = ctx.guide.schedule.value()
-    return metrics
+    shuffle = torch.Generator().manual_seed(rollout_seed(cfg.seed, first_step, 0, ctx.rank))
+    order = torch.randperm(batch.rows, generator=shuffle) if cfg.steps_per_generation > 1 else torch.arange(batch.rows)
+    return Generation(first_step, batch, advantages, old_logp, ref_logp, is_weights, order.to(ctx.device), metrics)
 
 
 def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: Batch):
@@ -132,6 +192,8 @@ def policy_update(
     ctx: Context, batch: Batch, advantages, old_logp, ref_logp, log_q, is_weights=None
 ) -> "LossTotals":
     """``num_iterations`` optimizer steps on the batch, each accumulated over micro-batches.
+    `log_q` is None, a tensor [B, L], or a guide called with the current policy's log-probs of
+    each micro-batch (`PolicyHead`).
 
     The normalisers are the whole step's, over all micro-batches and ranks (module docstring),
     so the gradient does not depend on ``micro_batch_size``. The guide steps once per optimizer step.
@@ -147,7 +209,7 @@ def policy_update(
                 "advantages": advantages[rows],
                 "old_logp": old_logp[rows],
                 "ref_logp": None if ref_logp is None else ref_logp[rows],
-                "log_q": None if log_q is None else log_q[rows],
+                "log_q": log_q if log_q is None or callable(log_q) else log_q[rows],
                 "is_weights": None if is_weights is None else is_weights[rows],
                 "config": loss_cfg,
             }
@@ -162,7 +224,9 @@ def policy_update(
 
 
 def collect_groups(ctx: Context, step: int):
-    """This rank's groups for `step`: [{"problem", "completions", "rewards"}], rewards [G, n], rounds.
+    """This rank's groups for the generation starting at `step` (``prompts_per_step x
+    steps_per_generation`` prompts over all ranks): [{"problem", "completions", "rewards"}],
+    rewards [G, n], rounds.
 
     With dynamic sampling (DAPO) only groups with mixed rewards are kept and more prompts are
     drawn to replace the others, for at most ``dynamic_sampling_max_rounds`` rounds; if the cap
@@ -170,11 +234,12 @@ def collect_groups(ctx: Context, step: int):
     the same shape. All ranks run the same number of rounds (ZeRO-3 needs matching generate calls).
     """
     cfg = ctx.cfg
-    needed = cfg.prompts_per_step // ctx.world
+    prompts = cfg.prompts_per_step * cfg.steps_per_generation
+    needed = prompts // ctx.world
     informative, uninformative = [], []
     rounds = 0
     while True:
-        problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, cfg.prompts_per_step)[
+        problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, prompts)[
             ctx.rank :: ctx.world
         ]
         params = SamplingParams(
@@ -186,6 +251,7 @@ def collect_groups(ctx: Context, step: int):
             max_new_tokens=cfg.max_new_tokens,
             stop=tuple(cfg.stop),
             seed=rollout_seed(cfg.seed, step, rounds, ctx.rank),
+            max_prompt_tokens=cfg.max_prompt_length,
         )
         outputs = ctx.rollout.generate([ctx.task.prompt(p) for p in problems], params)
         for problem, completions in zip(problems, outputs):

@@ -13,7 +13,8 @@ from typing import Optional, Protocol, Sequence
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample. top_k 0 and top_p 1.0 and min_p 0.0 mean "off"; `stop` strings end a
-    completion (the stop string is kept in the text); `n` samples per prompt."""
+    completion (the stop string is kept in the text); `n` samples per prompt; a prompt longer than
+    ``max_prompt_tokens`` tokens keeps only its last ones (0: no limit)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -23,6 +24,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
     seed: Optional[int] = None
+    max_prompt_tokens: int = 0
 
 
 @dataclass

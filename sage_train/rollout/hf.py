@@ -32,6 +32,8 @@ class HFEngine:
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
         encoded = self.tokenizer(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
+        if params.max_prompt_tokens:  # left padding: the last columns hold each prompt's last tokens
+            encoded = {key: value[:, -params.max_prompt_tokens :] for key, value in encoded.items()}
         input_ids = encoded["input_ids"].repeat_interleave(params.n, 0).to(self.device)
         attention_mask = encoded["attention_mask"].repeat_interleave(params.n, 0).to(self.device)
         devices = [self.device] if self.device.type == "cuda" else []
@@ -85,15 +87,25 @@ class HFEngine:
         return results
 
     def _cut(self, ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
-        """The completion's tokens up to EOS (kept) or the first stop string (kept), and why it ended."""
+        """The completion's tokens up to the first stop string (kept) or EOS (kept), and why it ended.
+
+        `generate` pads a row after it stops; when the pad token is EOS (common for base models),
+        a row stopped by a stop string is followed by pad = EOS tokens that were never sampled, so
+        the stop string is looked for first, up to the first EOS. Stop-string presence only grows
+        with the prefix, so the shortest prefix holding one is found by bisection (a few decodes)."""
         eos = self.tokenizer.eos_token_id
+        end = ids.index(eos) + 1 if eos in ids else len(ids)
+
+        def stopped(n: int) -> bool:
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            return any(stop in text for stop in params.stop)
+
+        if params.stop and stopped(end):
+            low, high = 1, end  # the shortest prefix with a stop string lies in [low, high]
+            while low < high:
+                middle = (low + high) // 2
+                low, high = (low, middle) if stopped(middle) else (middle + 1, high)
+            return ids[:high], "stop"
         if eos in ids:
-            return ids[: ids.index(eos) + 1], "stop"
-        if params.stop:  # generate pads the rows it stopped at a stop string
-            while ids and ids[-1] == self.tokenizer.pad_token_id:
-                ids = ids[:-1]
-        for end in range(1, len(ids) + 1) if params.stop else ():
-            text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)
-            if any(stop in text for stop in params.stop):
-                return ids[:end], "stop"
+            return ids[:end], "stop"
         return ids, "length"

@@ -53,10 +53,12 @@ class OpenAIServerEngine:
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
         results = []
+        keep = -params.max_prompt_tokens if params.max_prompt_tokens else 0  # left truncation
         for index, prompt in enumerate(prompts):
+            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"][keep:]
             body = {
                 "model": self.served_model,
-                "prompt": prompt,
+                "prompt": prompt_ids,  # token ids: what was truncated is what the server sees
                 "n": params.n,
                 "temperature": params.temperature,
                 "top_p": params.top_p,
@@ -70,7 +72,6 @@ class OpenAIServerEngine:
                 "seed": params.seed,
             }
             reply = self._post("/v1/completions", body)
-            prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             samples = []
             for choice in sorted(reply["choices"], key=lambda c: c["index"]):
                 tokens = choice["logprobs"]["tokens"]

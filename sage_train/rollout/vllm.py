@@ -151,8 +151,9 @@ class VLLMEngine:
         if self._kv_asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_asleep = False
+        keep = -params.max_prompt_tokens if params.max_prompt_tokens else 0  # left truncation
         requests = [
-            {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts
+            {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"][keep:]} for p in prompts
         ]
         outputs = self.llm.generate(
             requests, sampling_params=to_vllm_sampling(self.vllm, params), use_tqdm=False

@@ -1,7 +1,8 @@
 """Math word problems with LaTeX gold answers, graded by math-verify (`rewards.math_reward`).
 
 `MathTask(source)` reads one of:
-  - a benchmark name: math500, aime24, aime25, amc23, minerva. It resolves to
+  - a benchmark name: math500, aime24, aime25, amc23, minerva, or aime (AIME 2024 and 2025 pooled
+    into one 60-problem set, as the official SAGE evaluation reports it). It resolves to
     `<root>/<file>.jsonl`, where root is `$SAGE_MATH_DATA` when set, else the copies shipped
     with the package (`sage_train/tasks/data/math`); a file missing there is loaded from its
     Hugging Face hub dataset (needs the `datasets` package and a network connection);
@@ -29,24 +30,29 @@ prefix of a larger one and an evaluation subset is the same on every run.
 
 Options:
     template: "sage" (default: the question, then the instruction to reason step by step and
-              put the final answer in \\boxed{}), "plain" (the question alone), or a custom
-              string containing "{question}".
+              put the final answer in \\boxed{}), "plain" (the question alone), "official" (the
+              official SAGE evaluation's user message), or a custom string containing "{question}".
+    gold_parsing: "boxed" (default: the gold is wrapped in \\boxed{} before math-verify parses it,
+              so the whole answer counts) or "bare" (parsed as it is, as the official evaluation
+              does, which reproduces its numbers; `sage_train.rewards.math_rewards`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..rewards import math_reward, math_rewards
+from ..rewards import math_rewards
 from .base import Problem
 
 TEMPLATES = {
     "sage": "{question}\nPlease reason step by step, and put your final answer within \\boxed{}.",
     "plain": "{question}",
+    "official": "Problem: {question}\n\nSolve this step by step and provide your final numerical answer.",
 }
 
 # name -> (hub dataset, hub config or None, hub split); rows in the formats of the module docstring
@@ -63,6 +69,8 @@ BENCHMARKS = {
     "amc23": ("amc23.jsonl", "math-ai/amc23", "test"),
     "minerva": ("minerva_math.jsonl", "math-ai/minervamath", "test"),
 }
+#: name -> the benchmarks pooled into it (problem ids <name>/<index> over the concatenation)
+POOLED = {"aime": ("aime24", "aime25")}
 DATA_ENV = "SAGE_MATH_DATA"
 
 
@@ -139,6 +147,9 @@ def load_hub(dataset: str, split: str, config: str | None = None) -> list[dict]:
 
 def load_source(source: str) -> tuple[str, list[Problem]]:
     """(task name, problems) for a benchmark name, a jsonl path or "hub:owner/name[:split]"."""
+    if source in POOLED:
+        problems = [p for part in POOLED[source] for p in load_source(part)[1]]
+        return source, [dataclasses.replace(p, id=f"{source}/{i}") for i, p in enumerate(problems)]
     if source in BENCHMARKS:
         file, hub, split = BENCHMARKS[source]
         local = data_root() / file
@@ -160,7 +171,7 @@ def load_source(source: str) -> tuple[str, list[Problem]]:
     if path.suffix == ".jsonl" and path.is_file():
         return path.stem, rows_to_problems(read_jsonl(path), path.stem, str(path))
     raise ValueError(
-        f"source must be one of {sorted(BENCHMARKS) + sorted(TRAIN_SETS)}, a path to an "
+        f"source must be one of {sorted(BENCHMARKS) + sorted(POOLED) + sorted(TRAIN_SETS)}, a path to an "
         f"existing .jsonl file, 'jsonl:<path>' or 'hub:<owner>/<dataset>[:<split>]'; "
         f"got {source!r}"
     )
@@ -183,6 +194,7 @@ class MathTask:
 
     source: str
     template: str = "sage"
+    gold_parsing: str = "boxed"
     name: str = field(init=False)
     _problems: list[Problem] = field(init=False, repr=False)
 
@@ -192,6 +204,8 @@ class MathTask:
                 f"template must be one of {sorted(TEMPLATES)} or contain '{{question}}', "
                 f"got {self.template!r}"
             )
+        if self.gold_parsing not in ("boxed", "bare"):
+            raise ValueError(f"gold_parsing must be 'boxed' or 'bare', got {self.gold_parsing!r}")
         self.name, self._problems = load_source(self.source)
 
     def problems(self, split: str = "test", n: int | None = None, seed: int = 0) -> list[Problem]:
@@ -205,8 +219,9 @@ class MathTask:
         return template.replace("{question}", problem.question)
 
     def score(self, completion: str, problem: Problem) -> float:
-        return math_reward(answer_for_grading(completion), problem.answer)
+        return self.score_batch([completion], [problem])[0]
 
     def score_batch(self, completions: list[str], problems: list[Problem]) -> list[float]:
         """`score` of many (completion, problem) pairs, graded in parallel."""
-        return math_rewards(zip(map(answer_for_grading, completions), (p.answer for p in problems)))
+        pairs = zip(map(answer_for_grading, completions), (p.answer for p in problems))
+        return math_rewards(pairs, box_gold=self.gold_parsing == "boxed")

@@ -76,20 +76,48 @@ def test_every_preset_resolves_to_valid_loss_options(name):
 
 
 def test_preset_values_and_explicit_keys_winning():
-    dapo = resolve(build({"algorithm": "dapo"}))
-    assert (dapo.beta, dapo.loss_type, dapo.eps_high, dapo.dynamic_sampling, dapo.overlong_filter) == (
+    full = resolve(build({"algorithm": "dapo-full"}))
+    assert (full.beta, full.loss_type, full.eps_high, full.dynamic_sampling, full.overlong_filter) == (
         0.0,
         "dapo",
         0.28,
         True,
         True,
     )
-    assert resolve(build({"algorithm": "dapo", "eps_high": 0.3})).eps_high == 0.3
+    assert resolve(build({"algorithm": "dapo-full", "eps_high": 0.3})).eps_high == 0.3
     assert resolve(build({"algorithm": "dr_grpo"})).scale_rewards is False
     assert resolve(build({"algorithm": "grpo-no-kl"})).beta == 0.0
     assert (
         loss_config(resolve(build({"algorithm": "sage-token"}))).guide == "none"
     )  # log_q comes from outside
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+def test_paper_baselines_change_only_the_loss_type_and_the_anchor(loss_type):
+    """"BNPO / DAPO (no KL)" are GRPO with another loss_type and beta 0; "+ Branch" the same
+    loss_type with beta 0.05 and the branch guide; nothing else differs from grpo."""
+    grpo = resolve(build({"algorithm": "grpo"})).to_dict()
+    no_kl = resolve(build({"algorithm": loss_type})).to_dict()
+    branch = resolve(build({"algorithm": f"sage-branch-{loss_type}"})).to_dict()
+    changed = lambda cfg: {k: v for k, v in cfg.items() if grpo[k] != v and k != "algorithm"}  # noqa: E731
+    assert changed(no_kl) == {"loss_type": loss_type, "beta": 0.0}
+    assert changed(branch) == {"loss_type": loss_type, "guide": "branch"}
+    assert branch["beta"] == 0.05
+
+
+def test_guide_schedule_keys_default_to_the_official_values():
+    token = resolve(build({"algorithm": "sage-token"}))
+    random = resolve(build({"algorithm": "sage-random"}))
+    assert (token.guide_alpha_max, token.guide_alpha_min, token.guide_sigma_max, token.guide_sigma_min) == (
+        0.3, 0.1, 0.25, 0.1)
+    assert (random.guide_eps_max, random.guide_eps_min, random.guide_sigma_max, random.guide_sigma_min) == (
+        0.1, 0.0, 0.15, 0.05)
+    assert (token.guide_num_cycles, token.guide_decay_rate, token.guide_normalization) == (8, 0.9, "minmax")
+    assert resolve(build({"algorithm": "grpo", "guide": "random"})).guide_sigma_max == 0.15
+    with pytest.raises(ConfigError, match="'guide_normalization'"):
+        resolve(build({"algorithm": "sage-token", "guide_normalization": "softmax"}))
+    with pytest.raises(ConfigError, match="'guide_alpha_max'"):
+        resolve(build({"algorithm": "sage-token", "guide_alpha_max": 0.05}))
 
 
 def test_forward_kl_preset_uses_the_forward_estimator():

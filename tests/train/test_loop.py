@@ -65,7 +65,7 @@ def test_short_run_writes_every_output(tiny_config, distributed):
     assert ids.shape[1] < model.generate(ids, max_new_tokens=2, do_sample=False).shape[1] <= ids.shape[1] + 2
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "sage-token", "sage-random", "dapo", "bnpo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "sage-token", "sage-random", "dapo-full", "sage-branch-bnpo"])
 def test_presets_run(tiny_config, distributed, algorithm):
     cfg = tiny_config(
         name=algorithm, algorithm=algorithm, steps=2, num_iterations=2, dynamic_sampling_max_rounds=2
@@ -75,7 +75,7 @@ def test_presets_run(tiny_config, distributed, algorithm):
     assert [row["step"] for row in rows] == [1, 2]
     if algorithm in ("sage-token", "sage-random"):
         assert rows[0]["guide/strength"] > rows[1]["guide/strength"]  # stepped per optimizer step
-    if algorithm == "dapo":
+    if algorithm == "dapo-full":
         assert rows[0]["kl"] == 0.0 and 1 <= rows[0]["dynamic_sampling/rounds"] <= 2
 
 
