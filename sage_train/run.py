@@ -26,11 +26,12 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
   top-k / min-p truncation is ignored in them. The hf engine samples from the training weights
   themselves, so there is no staleness; its `sync_weights` only re-points it at the policy.
 - Rollout engines that hold their own weights (``rollout_engine`` vllm, openai) receive the
-  policy's weights after every optimizer step (``rollout/sync_time`` logs the cost). With
-  ``tis_level`` token or sequence, the PG term is reweighted by truncated importance sampling,
-  min(pi_train / pi_rollout, tis_cap), both temperature-scaled log-probs (`rollout_correction`);
-  engines that report log-probs after top-p / min-p truncation (hf) then give weights <= 1 on
-  truncated distributions, so leave those samplers off, or TIS off, with the hf engine.
+  policy's weights after every optimizer step (``rollout/sync_time`` logs the cost of every push
+  of the step). With ``tis_level`` token or sequence, the PG term is reweighted by truncated
+  importance sampling, min(pi_train / pi_rollout, tis_cap) (`rollout_correction`), both
+  log-probs of the temperature-scaled distribution before truncation (`sage_train.importance`:
+  vLLM's raw log-probs at temperature 1, as in the official code), so the weights are 1 where
+  the engine and the trainer agree, min_p or not.
 - The reference is the policy at the start of RL (after the warm start), frozen. With LoRA
   (``lora_rank > 0``, `sage_train.lora`) it is that model with the adapter disabled: no copy.
 - The KL term is a per-token loss term, not a reward penalty.
@@ -168,30 +169,41 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
     """pass@1 and pass@k per split of ``eval_splits``, computed once (a resumed run reads the file).
 
     "train" samples the first ``eval_problems`` RL prompts, "test" as many held-out problems (of
-    ``eval_task`` when set). Each rank evaluates an equal share of the problems (ZeRO-3 needs the
-    same number of generate calls everywhere); the (n, c) counts are gathered over ranks."""
+    ``eval_task`` when set). Each rank evaluates an equal share of the problems in one generate
+    call per split (ZeRO-3 needs the same number of generate calls everywhere), each problem with
+    its own seed; the (n, c) counts are gathered over ranks. The rollout engine stays awake for
+    the whole evaluation: an engine holding its own weights loads them at most once."""
     cfg = ctx.cfg
     if cfg.eval_problems == 0 or not cfg.eval_splits:
         return None
     if path.is_file():
         return json.loads(path.read_text())
     results = {}
-    for split in cfg.eval_splits:
-        task = ctx.task
-        if cfg.eval_task and split == "test":
-            task = chat_prompted(cfg, get_task(cfg.eval_task), ctx.tokenizer)
-        problems = (
-            ctx.train_problems[: cfg.eval_problems]
-            if split == "train"
-            else list(task.problems("test", cfg.eval_problems, cfg.seed))
-        )
-        results[split] = pass_at_k_over_ranks(ctx, task, problems)
+    with ctx.rollout.awake():
+        for split in cfg.eval_splits:
+            results[split] = pass_at_k_over_ranks(ctx, *eval_set(ctx, split))
     if ctx.rank == 0:
         path.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
+def eval_set(ctx: Context, split: str) -> tuple:
+    """(task, problems) of an evaluation split (`evaluate_once`)."""
+    cfg = ctx.cfg
+    task = ctx.task
+    if cfg.eval_task and split == "test":
+        task = chat_prompted(cfg, get_task(cfg.eval_task), ctx.tokenizer)
+    problems = (
+        ctx.train_problems[: cfg.eval_problems]
+        if split == "train"
+        else list(task.problems("test", cfg.eval_problems, cfg.seed))
+    )
+    return task, problems
+
+
 def pass_at_k_over_ranks(ctx: Context, task, problems: list) -> dict:
+    """pass@1 and pass@eval_samples of `problems`: this rank's equal share sampled in one generate
+    call (`evaluate_engine`'s default), the counts gathered over ranks."""
     cfg = ctx.cfg
     share = len(problems) // ctx.world
     ks = sorted({1, cfg.eval_samples})
