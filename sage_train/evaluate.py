@@ -166,7 +166,7 @@ def sample(engine: RolloutEngine, prompts: list[str], sampling: SamplingParams, 
     prompt with its own seed (`sample_seed`)."""
     texts: list[list[str]] = [[] for _ in prompts]
     for index, start in enumerate(range(0, n, chunk)):
-        params = dataclasses.replace(sampling, n=min(chunk, n - start), seed=None,
+        params = dataclasses.replace(sampling, n=min(chunk, n - start), seed=None, logprobs=False,
                                      prompt_seeds=tuple(sample_seed(seed, pid, index) for pid in problem_ids))
         for mine, completions in zip(texts, engine.generate(prompts, params)):
             mine += [c.text for c in completions]

@@ -103,8 +103,9 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
         reference_lm = copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None
 
     engine, reference = build_engines(cfg, model, reference_lm, world, device)
-    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world)
     task = chat_prompted(cfg, task, tokenizer)
+    prompts = run_prompts(cfg, task, tokenizer, train_problems)  # read only to derive vLLM's context length
+    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world, prompts)
     guide = make_guide(cfg, rank)
     ctx = Context(
         cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device
@@ -181,24 +182,29 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
     results = {}
     with ctx.rollout.awake():
         for split in cfg.eval_splits:
-            results[split] = pass_at_k_over_ranks(ctx, *eval_set(ctx, split))
+            split_task, problems = eval_set(cfg, ctx.task, ctx.tokenizer, ctx.train_problems, split)
+            results[split] = pass_at_k_over_ranks(ctx, split_task, problems)
     if ctx.rank == 0:
         path.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
-def eval_set(ctx: Context, split: str) -> tuple:
-    """(task, problems) of an evaluation split (`evaluate_once`)."""
-    cfg = ctx.cfg
-    task = ctx.task
-    if cfg.eval_task and split == "test":
-        task = chat_prompted(cfg, get_task(cfg.eval_task), ctx.tokenizer)
-    problems = (
-        ctx.train_problems[: cfg.eval_problems]
-        if split == "train"
-        else list(task.problems("test", cfg.eval_problems, cfg.seed))
-    )
-    return task, problems
+def eval_set(cfg: TrainConfig, task, tokenizer, train_problems: list, split: str) -> tuple:
+    """(task, problems) of a split: "train" and "test" evaluate (`evaluate_once`), "rl" is the RL pool."""
+    if split == "rl":
+        return task, train_problems
+    if split == "train":
+        return task, train_problems[: cfg.eval_problems]
+    if cfg.eval_task:
+        task = chat_prompted(cfg, get_task(cfg.eval_task), tokenizer)
+    return task, list(task.problems("test", cfg.eval_problems, cfg.seed))
+
+
+def run_prompts(cfg: TrainConfig, task, tokenizer, train_problems: list):
+    """Every prompt the run samples, lazily: the RL pool's, then each evaluation split's."""
+    for split in ["rl", *(cfg.eval_splits if cfg.eval_problems else [])]:
+        split_task, problems = eval_set(cfg, task, tokenizer, train_problems, split)
+        yield from (split_task.prompt(p) for p in problems)
 
 
 def pass_at_k_over_ranks(ctx: Context, task, problems: list) -> dict:

@@ -41,6 +41,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: Optional[int] = None
     prompt_seeds: Optional[tuple[int, ...]] = None
+    logprobs: bool = True  # completions carry log-probs (evaluation needs none)
 
     @property
     def truncates(self) -> bool:

@@ -17,6 +17,7 @@ stepping until all are done, since each forward gathers parameters collectively.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -57,12 +58,22 @@ class _RowSampler(LogitsProcessor):
 
 
 class HFEngine:
+    """max_rows: at most this many rows (prompts x n) per ``generate`` of the model, 0 for all at
+    once; a larger call runs in pieces (the same samples: each row has its own generator)."""
+
     def __init__(
-        self, model, tokenizer, *, device: torch.device | str = "cpu", synced_gpus: bool = False
+        self,
+        model,
+        tokenizer,
+        *,
+        device: torch.device | str = "cpu",
+        synced_gpus: bool = False,
+        max_rows: int = 0,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(device)
         self.synced_gpus = synced_gpus
+        self.max_rows = max_rows
 
     def sync_weights(self, model) -> None:
         self.model = model
@@ -71,13 +82,22 @@ class HFEngine:
         return contextlib.nullcontext()
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+        seeds = [s if s is not None else int(torch.randint(2**31 - 1, ())) for s in prompt_seeds(params, len(prompts))]
+        step = max(1, self.max_rows // params.n) if self.max_rows else len(prompts)
+        results = []
+        for first in range(0, len(prompts), step):
+            part = dataclasses.replace(params, seed=None, prompt_seeds=tuple(seeds[first : first + step]))
+            for group in self._generate(prompts[first : first + step], part):
+                results.append([dataclasses.replace(c, prompt_index=len(results)) for c in group])
+        return results
+
+    def _generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
         encoded = self.tokenizer(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
         input_ids = encoded["input_ids"].repeat_interleave(params.n, 0).to(self.device)
         attention_mask = encoded["attention_mask"].repeat_interleave(params.n, 0).to(self.device)
-        seeds = [s if s is not None else int(torch.randint(2**31 - 1, ())) for s in prompt_seeds(params, len(prompts))]
         generators = [
             torch.Generator(self.device).manual_seed(derive_seed(seed, sample))
-            for seed in seeds
+            for seed in params.prompt_seeds
             for sample in range(params.n)
         ]
         was_training = self.model.training
@@ -93,13 +113,13 @@ class HFEngine:
                 tokenizer=self.tokenizer if params.stop else None,
                 pad_token_id=self.tokenizer.pad_token_id,
                 eos_token_id=self.tokenizer.eos_token_id,
-                output_logits=True,  # the raw logits, before any processor
+                output_logits=params.logprobs,  # the raw logits, before any processor
                 return_dict_in_generate=True,
                 synced_gpus=self.synced_gpus,
             )
         self.model.train(was_training)
         new_tokens = out.sequences[:, input_ids.shape[1] :]
-        if new_tokens.shape[1] > 0:
+        if new_tokens.shape[1] > 0 and params.logprobs:
             logp = (torch.stack(out.logits, dim=1).float() / params.temperature).log_softmax(-1)
             token_logprobs = logp.gather(-1, new_tokens[..., None]).squeeze(-1).cpu()
         else:
@@ -118,7 +138,7 @@ class HFEngine:
                     prompt_ids=prompt_ids[index],
                     completion_ids=ids,
                     text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                    logprobs=token_logprobs[row, : len(ids)].tolist(),
+                    logprobs=token_logprobs[row, : len(ids)].tolist() if params.logprobs else None,
                     finish_reason=finish,
                 )
             )

@@ -109,7 +109,7 @@ def to_vllm_sampling(vllm, params: SamplingParams, seed: Optional[int] = None):
         max_tokens=params.max_new_tokens,
         stop=list(params.stop) or None,
         include_stop_str_in_output=True,
-        logprobs=0,
+        logprobs=0 if params.logprobs else None,
         seed=seed,
     )
 
