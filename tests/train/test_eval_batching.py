@@ -94,6 +94,8 @@ def test_row_cap_splits_a_call_without_changing_its_samples():
     assert [c.prompt_index for g in pieces for c in g] == [i for i in range(4) for _ in range(3)]
     for a, b in zip(sum(whole, []), sum(pieces, [])):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    twice = HFEngine(model, tokenizer).generate(["12+3=", "12+3="], params)  # prompts never share noise
+    assert [c.completion_ids for c in twice[0]] != [c.completion_ids for c in twice[1]]
     # the call's seed gives prompt i the seed derive_seed(seed, i): the same as passing it explicitly
     explicit = SamplingParams(n=3, max_new_tokens=8, top_k=20, prompt_seeds=tuple(derive_seed(11, i) for i in range(4)))
     again = HFEngine(model, tokenizer).generate(prompts, explicit)
