@@ -7,8 +7,8 @@ cut), or at ``max_new_tokens`` ("length").
 
 Sampling is done here, not by ``generate``'s sampler, so that every row draws from a generator
 of its own (`_RowSampler`): sample j of prompt i is fixed by that prompt's seed and j, whatever
-else is in the batch, and the global RNG is left untouched (an unseeded call takes its prompts'
-seeds from it). The distribution is vLLM's: temperature, then min-p, top-k and top-p. The
+else is in the batch. A seeded call leaves the global RNG untouched; an unseeded one draws its
+prompts' seeds from it. The distribution is vLLM's: temperature, then min-p, top-k and top-p. The
 reported ``logprobs`` are those of the temperature-scaled distribution before truncation (see
 `sage_train.rollout.base`). Under ZeRO-3 with several ranks, ``synced_gpus`` keeps every rank
 stepping until all are done, since each forward gathers parameters collectively.
