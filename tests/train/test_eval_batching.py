@@ -3,14 +3,17 @@ awake session, each problem drawn with its own seed (so batching does not change
 
 import contextlib
 
+import pytest
 import torch
 
+from sage_train.build import derived_max_model_len
+from sage_train.config import ConfigError
 from sage_train.evaluate import evaluate_engine
 from sage_train.model import build_char_tokenizer
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import derive_seed
 from sage_train.rollout.hf import HFEngine
-from sage_train.run import evaluate_once
+from sage_train.run import evaluate_once, run_prompts
 from sage_train.step import Context
 from sage_train.tasks import get_task
 from tiny_models import tiny_model
@@ -114,3 +117,18 @@ def test_evaluate_once_one_call_per_split_inside_one_session(tiny_config, tmp_pa
     assert (tmp_path / "eval.json").is_file()
     evaluate_once(ctx, tmp_path / "eval.json")  # done: read back, nothing sampled
     assert engine.calls == [5, 5]
+
+
+def test_vllm_context_length_is_the_longest_prompt_plus_the_longest_completion(tiny_config):
+    cfg = tiny_config(max_new_tokens=4, eval_max_new_tokens=9, eval_problems=3, eval_splits=["train", "test"])
+    tokenizer = build_char_tokenizer()
+    task = get_task("arithmetic", digits=3)
+    train_problems = list(task.problems("train", None, cfg.seed))[:10]
+    prompts = list(run_prompts(cfg, task, tokenizer, train_problems))
+    assert len(prompts) == 10 + 3 + 3  # the RL pool, then each evaluation split
+    assert prompts[-3:] == [task.prompt(p) for p in task.problems("test", 3, cfg.seed)]
+    longest = max(map(len, prompts))  # one token per character
+    assert derived_max_model_len(cfg, tokenizer, prompts) == longest + 9
+    assert derived_max_model_len(tiny_config(max_new_tokens=12), tokenizer, prompts) == longest + 12
+    with pytest.raises(ConfigError, match="'vllm_max_model_len' is 0"):
+        derived_max_model_len(cfg, tokenizer, [])
