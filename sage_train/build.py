@@ -7,6 +7,7 @@ import copy
 import math
 import os
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -105,11 +106,25 @@ def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: 
     return str(path)
 
 
-def build_rollout(cfg: TrainConfig, lm, tokenizer, model_path: str, device, rank: int, world: int):
-    """The rollout engine of ``cfg.rollout_engine``, sampling from `lm` (the policy module)."""
+def build_rollout(
+    cfg: TrainConfig, lm, tokenizer, model_path: str, device, rank: int, world: int, prompts: Iterable[str] = ()
+):
+    """The rollout engine of ``cfg.rollout_engine``, sampling from `lm` (the policy module).
+
+    prompts: every prompt the run samples (RL and evaluation), read only to derive vLLM's
+    context length when ``vllm_max_model_len`` is 0 (`derived_max_model_len`)."""
     if cfg.rollout_engine == "hf":
-        return make_engine("hf", lm, tokenizer, device=device, synced_gpus=cfg.zero_stage == 3 and world > 1)
+        return make_engine(
+            "hf",
+            lm,
+            tokenizer,
+            device=device,
+            synced_gpus=cfg.zero_stage == 3 and world > 1,
+            max_rows=cfg.prompts_per_step // world * cfg.group_size,  # no generate larger than a step's
+        )
     if cfg.rollout_engine == "vllm":
+        from .rollout.vllm import logprobs_mode_for
+
         return make_engine(
             "vllm",
             model_path,
@@ -117,9 +132,11 @@ def build_rollout(cfg: TrainConfig, lm, tokenizer, model_path: str, device, rank
             gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
             enable_sleep_mode=cfg.vllm_sleep_mode,
             sync_bucket_mb=cfg.vllm_sync_bucket_mb,
-            max_model_len=cfg.vllm_max_model_len or None,
+            max_model_len=cfg.vllm_max_model_len or derived_max_model_len(cfg, tokenizer, prompts),
+            max_num_batched_tokens=cfg.vllm_max_num_batched_tokens or None,
             dtype=cfg.vllm_dtype,
             seed=cfg.seed + rank,
+            logprobs_mode=logprobs_mode_for(cfg.temperature),
         )
     shared = cfg.openai_shared_dir or str(cfg.run_dir / "adapters")
     return make_engine(
@@ -127,9 +144,20 @@ def build_rollout(cfg: TrainConfig, lm, tokenizer, model_path: str, device, rank
         cfg.openai_base_url,
         tokenizer,
         served_model=cfg.openai_model or cfg.model,
+        base_model=cfg.model,  # config.validate: no warm start, so the adapter's base is `model`
         shared_dir=os.path.join(shared, f"rank{rank}"),
         adapter_name=f"policy-rank{rank}",
     )
+
+
+def derived_max_model_len(cfg: TrainConfig, tokenizer, prompts: Iterable[str]) -> int:
+    """The longest of `prompts` in tokens plus the larger of ``max_new_tokens`` and
+    ``eval_max_new_tokens``: the longest sequence the run can ask of the engine."""
+    texts = list(prompts)
+    if not texts:
+        raise ConfigError("config key 'vllm_max_model_len' is 0 (derived) but no prompt was given to derive it from")
+    longest = max(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
+    return longest + max(cfg.max_new_tokens, cfg.eval_max_new_tokens)
 
 
 def check_batch_shape(cfg: TrainConfig, world: int) -> int:

@@ -122,6 +122,7 @@ class RunOptions:
     vllm_sleep_mode: bool = True
     vllm_sync_bucket_mb: int = 512
     vllm_max_model_len: int = 0  # 0: prompt + max_new_tokens of the longest eval / RL setting
+    vllm_max_num_batched_tokens: int = 4096  # tokens per engine step (as TRL: the memory profiler); 0: vLLM's
     vllm_dtype: str = "bfloat16"
     openai_base_url: str = ""  # e.g. http://host:8000 (vllm serve ... --enable-lora)
     openai_model: str = ""  # the served model's name ("": the `model` key)
@@ -386,6 +387,7 @@ def validate(cfg: TrainConfig) -> None:
     require(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "in (0, 1]")
     require(cfg.vllm_sync_bucket_mb > 0, "vllm_sync_bucket_mb", "a positive integer")
     require(cfg.vllm_max_model_len >= 0, "vllm_max_model_len", "an integer >= 0 (0: derived)")
+    require(cfg.vllm_max_num_batched_tokens >= 0, "vllm_max_num_batched_tokens", "an integer >= 0 (0: vLLM's default)")
     require(
         cfg.rollout_engine != "openai" or cfg.openai_base_url != "",
         "openai_base_url",
@@ -396,7 +398,23 @@ def validate(cfg: TrainConfig) -> None:
         "lora_rank",
         "> 0 with rollout_engine 'openai' (only adapters are synced to a remote server)",
     )
+    require(
+        cfg.rollout_engine != "openai" or (cfg.model != "tiny" and cfg.sft_steps == 0),
+        "rollout_engine",
+        "'hf' or 'vllm' with model 'tiny' or a warm start (sft_steps > 0): the server serves `model` as it "
+        "is, not the weights the adapter would be trained on (warm-start in a run of its own and point "
+        "`model` at its runs/<name>/sft directory, served by the server)",
+    )
     require(cfg.tis_level in ("token", "sequence", "off"), "tis_level", "'token', 'sequence' or 'off'")
+    truncates = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0
+    require(
+        cfg.tis_level == "off" or cfg.rollout_engine == "hf" or cfg.temperature == 1.0 or not truncates,
+        "tis_level",
+        f"'off' with rollout_engine {cfg.rollout_engine!r}, temperature {cfg.temperature} and top_k / top_p / "
+        "min_p truncation: vLLM reports log-probs before truncation only at temperature 1 (raw), and its "
+        "temperature-scaled ones come after the cuts, which would bias every weight by the kept mass; "
+        "use temperature 1, no truncation, or tis_level 'off'",
+    )
     require(cfg.tis_cap > 0, "tis_cap", "> 0")
     require(
         cfg.loss_backend in ("auto", "reference", "cpu", "triton"),

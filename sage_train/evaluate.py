@@ -22,13 +22,12 @@ log-scale k, one line per model, one panel per task).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import statistics
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from .rollout.base import RolloutEngine, SamplingParams
+from .rollout.base import RolloutEngine, SamplingParams, derive_seed
 from .rewards import grade
 from .tasks.base import Problem, Task
 
@@ -83,25 +82,27 @@ def check_ks(ks: Sequence[int], n: int) -> list[int]:
 # ----------------------------------------------------------------------------- sampling + grading
 
 def sample_seed(seed: int, problem_id: str, chunk: int) -> int:
-    """The engine seed of one generate call, fixed by (seed, the call's first problem, chunk): a
-    run draws the same samples as any other run that makes the same calls."""
-    digest = hashlib.blake2b(f"{seed}:{problem_id}:{chunk}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+    """The engine seed of one problem's samples in one generate call, fixed by (seed, problem,
+    chunk): a problem draws the same samples whatever else is evaluated, batched or resumed."""
+    return derive_seed(seed, problem_id, chunk)
 
 
 def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Problem], *, n: int,
                     ks: Sequence[int], sampling: SamplingParams, seeds: Sequence[int],
-                    problems_per_call: int = 1, samples_per_call: Optional[int] = None,
+                    problems_per_call: Optional[int] = None, samples_per_call: Optional[int] = None,
                     done: Optional[Mapping[tuple[int, str], dict]] = None,
                     on_record: Optional[Callable[[dict, list[str], list[float]], None]] = None,
                     progress=None) -> dict:
     """Sample `n` completions per problem and seed, grade them with `task`, estimate pass@k.
     A sample counts as correct when the task scores it 1.0.
 
-    sampling: temperature, top_p, ... (its `n` and `seed` are set here per call).
-    problems_per_call: prompts per generate call. With 1 (the default) a problem's samples
-        depend only on (seed, problem), whatever else is evaluated or resumed; more batches
-        better (an HF engine with small n) but ties the draw to the batch.
+    The engine is kept awake (`RolloutEngine.awake`) for the whole evaluation: an engine that
+    holds its own weights loads them at most once, not once per call.
+
+    sampling: temperature, top_p, ... (its `n` and seeds are set here per call).
+    problems_per_call: prompts per generate call (default: all of a seed's problems in one
+        call). Each problem is drawn with its own seed (`sample_seed`), so a problem's samples
+        depend only on (seed, problem), however the problems are batched, evaluated or resumed.
     samples_per_call: split the n samples of a problem into generate calls of this many
         (default: all n in one call).
     done: records of an earlier, interrupted run keyed by (seed, problem id); those problems
@@ -120,35 +121,38 @@ def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Proble
         raise ValueError("seeds is empty")
     if not problems:
         raise ValueError(f"task {task.name!r} gave no problems to evaluate")
-    if problems_per_call < 1:
+    if problems_per_call is not None and problems_per_call < 1:
         raise ValueError(f"problems_per_call must be >= 1, got {problems_per_call}")
     chunk = n if samples_per_call is None else samples_per_call
     if chunk < 1:
         raise ValueError(f"samples_per_call must be >= 1, got {samples_per_call}")
     done = done or {}
     records: dict[tuple[int, str], dict] = {}
-    for seed in seeds:
-        for problem in problems:
-            if (seed, problem.id) in done:
-                if done[seed, problem.id]["n"] != n:
-                    raise ValueError(f"done: the record of {problem.id!r} (seed {seed}) has "
-                                     f"n={done[seed, problem.id]['n']}, not n={n}")
-                records[seed, problem.id] = done[seed, problem.id]
-                if progress is not None:
-                    progress.update(n)
-        pending = [p for p in problems if (seed, p.id) not in done]
-        for first in range(0, len(pending), problems_per_call):
-            batch = pending[first:first + problems_per_call]
-            texts = sample(engine, [task.prompt(p) for p in batch], sampling, n, chunk, seed, batch[0].id)
-            for problem, completions in zip(batch, texts):
-                scores = grade(task, completions, problem)
-                record = {"problem_id": problem.id, "seed": seed, "n": n,
-                          "c": sum(1 for s in scores if s == 1.0)}
-                if on_record is not None:
-                    on_record(record, completions, scores)
-                records[seed, problem.id] = record
-                if progress is not None:
-                    progress.update(n)
+    with engine.awake():
+        for seed in seeds:
+            for problem in problems:
+                if (seed, problem.id) in done:
+                    if done[seed, problem.id]["n"] != n:
+                        raise ValueError(f"done: the record of {problem.id!r} (seed {seed}) has "
+                                         f"n={done[seed, problem.id]['n']}, not n={n}")
+                    records[seed, problem.id] = done[seed, problem.id]
+                    if progress is not None:
+                        progress.update(n)
+            pending = [p for p in problems if (seed, p.id) not in done]
+            per_call = problems_per_call or max(1, len(pending))
+            for first in range(0, len(pending), per_call):
+                batch = pending[first:first + per_call]
+                texts = sample(engine, [task.prompt(p) for p in batch], sampling, n, chunk, seed,
+                               [p.id for p in batch])
+                for problem, completions in zip(batch, texts):
+                    scores = grade(task, completions, problem)
+                    record = {"problem_id": problem.id, "seed": seed, "n": n,
+                              "c": sum(1 for s in scores if s == 1.0)}
+                    if on_record is not None:
+                        on_record(record, completions, scores)
+                    records[seed, problem.id] = record
+                    if progress is not None:
+                        progress.update(n)
     ordered = [records[seed, p.id] for seed in seeds for p in problems]
     counts = {s: [(r["n"], r["c"]) for r in ordered if r["seed"] == s] for s in seeds}
     resumed = sum(1 for key in records if key in done)
@@ -157,12 +161,13 @@ def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Proble
 
 
 def sample(engine: RolloutEngine, prompts: list[str], sampling: SamplingParams, n: int, chunk: int,
-           seed: int, first_id: str) -> list[list[str]]:
-    """`n` completion texts per prompt, drawn in calls of `chunk` samples per prompt."""
+           seed: int, problem_ids: Sequence[str]) -> list[list[str]]:
+    """`n` completion texts per prompt, drawn in calls of `chunk` samples per prompt, each
+    prompt with its own seed (`sample_seed`)."""
     texts: list[list[str]] = [[] for _ in prompts]
     for index, start in enumerate(range(0, n, chunk)):
-        params = dataclasses.replace(sampling, n=min(chunk, n - start),
-                                     seed=sample_seed(seed, first_id, index))
+        params = dataclasses.replace(sampling, n=min(chunk, n - start), seed=None, logprobs=False,
+                                     prompt_seeds=tuple(sample_seed(seed, pid, index) for pid in problem_ids))
         for mine, completions in zip(texts, engine.generate(prompts, params)):
             mine += [c.text for c in completions]
     return texts

@@ -3,8 +3,16 @@
 A rollout engine (vLLM) samples from numerically different log-probs than the trainer
 computes for the same weights. The PG term is reweighted by w = min(pi_train / pi_rollout, cap)
 per token ("token") or with one weight per sequence from the mean log-ratio ("sequence"),
-and passed to the loss as `is_weights` (it multiplies the PG term only). Both log-probs
-must come from the temperature-scaled distribution the tokens were sampled from.
+and passed to the loss as `is_weights` (it multiplies the PG term only).
+
+Both log-probs are of the same distribution: the temperature-scaled one *before* top-k / top-p /
+min-p truncation. The trainer computes exactly that; the engines report it (hf: from the raw
+logits; vllm: ``raw_logprobs`` at temperature 1, as the official SAGE code does, and
+``processed_logprobs`` at other temperatures, which the config only allows without truncation,
+since vLLM's processed log-probs come after the cuts). The weights then correct only the
+engine/trainer mismatch and are 1 where the two agree. Against the truncated distribution, each
+token's weight would be its kept probability mass (<= 1), smallest exactly at the high-entropy
+forks the branch guide targets.
 """
 
 from __future__ import annotations

@@ -28,11 +28,12 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
   top-k / min-p truncation is ignored in them. The hf engine samples from the training weights
   themselves, so there is no staleness; its `sync_weights` only re-points it at the policy.
 - Rollout engines that hold their own weights (``rollout_engine`` vllm, openai) receive the
-  policy's weights after every optimizer step (``rollout/sync_time`` logs the cost). With
-  ``tis_level`` token or sequence, the PG term is reweighted by truncated importance sampling,
-  min(pi_train / pi_rollout, tis_cap), both temperature-scaled log-probs (`rollout_correction`);
-  engines that report log-probs after top-p / min-p truncation (hf) then give weights <= 1 on
-  truncated distributions, so leave those samplers off, or TIS off, with the hf engine.
+  policy's weights after every optimizer step (``rollout/sync_time`` logs the cost of every push
+  of the step). With ``tis_level`` token or sequence, the PG term is reweighted by truncated
+  importance sampling, min(pi_train / pi_rollout, tis_cap) (`rollout_correction`), both
+  log-probs of the temperature-scaled distribution before truncation (`sage_train.importance`:
+  vLLM's raw log-probs at temperature 1, as in the official code), so the weights are 1 where
+  the engine and the trainer agree, min_p or not.
 - The reference is the policy at the start of RL (after the warm start), frozen. With LoRA
   (``lora_rank > 0``, `sage_train.lora`) it is the model with the adapter disabled: no copy; after
   a warm start with ``sft_adapter: continue`` that is the raw pre-SFT base (the official SAGE way).
@@ -101,8 +102,9 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
     model, reference_lm = policy_and_reference(cfg, model)
 
     engine, reference = build_engines(cfg, model, reference_lm, world, device)
-    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world)
     task = chat_prompted(cfg, task, tokenizer)
+    prompts = run_prompts(cfg, task, tokenizer, train_problems)  # read only to derive vLLM's context length
+    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world, prompts)
     guide = make_guide(cfg, rank)
     ctx = Context(
         cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device
@@ -167,30 +169,46 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
     """pass@1 and pass@k per split of ``eval_splits``, computed once (a resumed run reads the file).
 
     "train" samples the first ``eval_problems`` RL prompts, "test" as many held-out problems (of
-    ``eval_task`` when set). Each rank evaluates an equal share of the problems (ZeRO-3 needs the
-    same number of generate calls everywhere); the (n, c) counts are gathered over ranks."""
+    ``eval_task`` when set). Each rank evaluates an equal share of the problems in one generate
+    call per split (ZeRO-3 needs the same number of generate calls everywhere), each problem with
+    its own seed; the (n, c) counts are gathered over ranks. The rollout engine stays awake for
+    the whole evaluation: an engine holding its own weights loads them at most once."""
     cfg = ctx.cfg
     if cfg.eval_problems == 0 or not cfg.eval_splits:
         return None
     if path.is_file():
         return json.loads(path.read_text())
     results = {}
-    for split in cfg.eval_splits:
-        task = ctx.task
-        if cfg.eval_task and split == "test":
-            task = chat_prompted(cfg, get_task(cfg.eval_task), ctx.tokenizer)
-        problems = (
-            ctx.train_problems[: cfg.eval_problems]
-            if split == "train"
-            else list(task.problems("test", cfg.eval_problems, cfg.seed))
-        )
-        results[split] = pass_at_k_over_ranks(ctx, task, problems)
+    with ctx.rollout.awake():
+        for split in cfg.eval_splits:
+            split_task, problems = eval_set(cfg, ctx.task, ctx.tokenizer, ctx.train_problems, split)
+            results[split] = pass_at_k_over_ranks(ctx, split_task, problems)
     if ctx.rank == 0:
         path.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
+def eval_set(cfg: TrainConfig, task, tokenizer, train_problems: list, split: str) -> tuple:
+    """(task, problems) of a split: "train" and "test" evaluate (`evaluate_once`), "rl" is the RL pool."""
+    if split == "rl":
+        return task, train_problems
+    if split == "train":
+        return task, train_problems[: cfg.eval_problems]
+    if cfg.eval_task:
+        task = chat_prompted(cfg, get_task(cfg.eval_task), tokenizer)
+    return task, list(task.problems("test", cfg.eval_problems, cfg.seed))
+
+
+def run_prompts(cfg: TrainConfig, task, tokenizer, train_problems: list):
+    """Every prompt the run samples, lazily: the RL pool's, then each evaluation split's."""
+    for split in ["rl", *(cfg.eval_splits if cfg.eval_problems else [])]:
+        split_task, problems = eval_set(cfg, task, tokenizer, train_problems, split)
+        yield from (split_task.prompt(p) for p in problems)
+
+
 def pass_at_k_over_ranks(ctx: Context, task, problems: list) -> dict:
+    """pass@1 and pass@eval_samples of `problems`: this rank's equal share sampled in one generate
+    call (`evaluate_engine`'s default), the counts gathered over ranks."""
     cfg = ctx.cfg
     share = len(problems) // ctx.world
     ks = sorted({1, cfg.eval_samples})

@@ -170,13 +170,24 @@ def generate(ctx: Context, first_step: int) -> Generation:
 
 def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: Batch):
     """(is_weights [B, L] or None, metrics): truncated importance sampling between the rollout
-    engine's log-probs and the trainer's (`sage_train.importance`), both temperature-scaled.
-    None when ``tis_level`` is "off" or the engine returned no log-probs."""
+    engine's log-probs and the trainer's (`sage_train.importance`), both of the temperature-scaled
+    distribution before top-k / top-p / min-p truncation. None when ``tis_level`` is "off" or the
+    engine returned no log-probs. Non-finite engine log-probs are refused (they would poison the
+    loss through the weights)."""
     if cfg.tis_level == "off" or any(c.logprobs is None for c in completions):
         return None, {}
-    rollout_logp = torch.zeros_like(train_logp)
+    rollout_logp = torch.zeros(train_logp.shape, dtype=torch.float32)  # filled on the host: no device sync
     for row, c in enumerate(completions):
-        rollout_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=train_logp.dtype)
+        rollout_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    bad = ~torch.isfinite(rollout_logp)
+    if bad.any():
+        row = int(bad.any(-1).nonzero()[0])
+        raise ValueError(
+            f"the rollout engine ({cfg.rollout_engine}) returned {int(bad.sum())} non-finite log-prob(s) "
+            f"(first in completion {row} of this step: {rollout_logp[row][bad[row]][:4].tolist()}); "
+            "importance weights need finite log-probs of the sampled tokens"
+        )
+    rollout_logp = rollout_logp.to(train_logp.device)
     mask = batch.completion_mask
     weights = truncated_is_weights(train_logp, rollout_logp, mask, level=cfg.tis_level, cap=cfg.tis_cap)
     tokens = mask.sum().clamp(min=1)

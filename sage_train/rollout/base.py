@@ -1,11 +1,23 @@
 """The rollout engine interface: prompts in, sampled completions (with their log-probs) out.
 
-Engines: `hf.py` (transformers `generate`, the embedded default) and, on GPUs, `vllm.py`.
-Training and evaluation both sample through this interface.
+Engines: `hf.py` (transformers `generate`, the embedded default), `vllm.py` (a colocated vLLM
+engine on GPUs) and `openai.py` (an external OpenAI-compatible server). Training and evaluation
+both sample through this interface.
+
+Seeds. A seeded call draws each prompt's samples from that prompt's own seed (`prompt_seeds`),
+so prompts never share sampling noise and a prompt's samples do not depend on what else is in
+the call (up to the engine's batch numerics).
+
+Log-probs. Every engine reports, for each sampled token, its log-prob under the temperature-
+scaled distribution *before* top-k / top-p / min-p truncation: the quantity the trainer computes
+(`sage_train.policy.score`), so that truncated importance sampling (`sage_train.importance`)
+compares like with like and gives weights of 1 where the engine and the trainer agree.
 """
 
 from __future__ import annotations
 
+import hashlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
@@ -14,7 +26,12 @@ from typing import Optional, Protocol, Sequence
 class SamplingParams:
     """How to sample. top_k 0 and top_p 1.0 and min_p 0.0 mean "off"; `stop` strings end a
     completion (the stop string is kept in the text); `n` samples per prompt; a prompt longer than
-    ``max_prompt_tokens`` tokens keeps only its last ones (0: no limit)."""
+    ``max_prompt_tokens`` tokens keeps only its last ones (0: no limit).
+
+    seed: the call's seed; prompt i is drawn with `derive_seed(seed, i)` (None: unseeded).
+    prompt_seeds: one seed per prompt of the call, used instead (evaluation gives each problem a
+    seed of its own, so that batching problems does not change their samples).
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -25,6 +42,30 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: Optional[int] = None
     max_prompt_tokens: int = 0
+    prompt_seeds: Optional[tuple[int, ...]] = None
+    logprobs: bool = True  # completions carry log-probs (evaluation needs none)
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p cut the distribution sampled from."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def derive_seed(seed: int, *parts) -> int:
+    """A 31-bit seed fixed by `seed` and `parts` (independent streams for different parts)."""
+    digest = hashlib.blake2b(":".join(map(str, (seed, *parts))).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def prompt_seeds(params: SamplingParams, count: int) -> list[Optional[int]]:
+    """The seed of each of the call's `count` prompts (see `SamplingParams`)."""
+    if params.prompt_seeds is not None:
+        if len(params.prompt_seeds) != count:
+            raise ValueError(f"prompt_seeds has {len(params.prompt_seeds)} seeds for {count} prompts")
+        return list(params.prompt_seeds)
+    if params.seed is None:
+        return [None] * count
+    return [derive_seed(params.seed, index) for index in range(count)]
 
 
 @dataclass
@@ -32,9 +73,10 @@ class Completion:
     """One sampled completion of one prompt.
 
     prompt_ids / completion_ids: token ids (the completion ends with EOS when the model
-    stopped by itself). logprobs: the sampling engine's log-prob of each completion token
-    under the temperature-scaled distribution it sampled from (None if the engine has none).
-    finish_reason: "stop" (EOS or a stop string) or "length".
+    stopped by itself). logprobs: the sampling engine's log-prob of each completion token under
+    the temperature-scaled distribution before top-k / top-p / min-p truncation (module
+    docstring; None if the engine has none). finish_reason: "stop" (EOS or a stop string) or
+    "length".
     """
 
     prompt_index: int
@@ -48,8 +90,12 @@ class Completion:
 
 class RolloutEngine(Protocol):
     """generate(prompts, params) -> for each prompt, params.n completions (a list per prompt).
-    sync_weights(model): make the engine sample from `model`'s current weights."""
+    sync_weights(model): make the engine sample from `model`'s current weights.
+    awake(): a context in which the engine stays ready between generate calls (an engine that
+    frees its memory after each call, as the colocated vLLM one does, frees it on leaving)."""
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]: ...
 
     def sync_weights(self, model) -> None: ...
+
+    def awake(self) -> AbstractContextManager: ...

@@ -1,69 +1,129 @@
 """The embedded rollout engine: transformers ``generate`` on the training model itself.
 
 It samples from the very weights being trained (no copy), so `sync_weights` only swaps
-the model reference. Prompts are left-padded; each prompt is repeated ``params.n`` times.
-A completion ends at EOS (kept), at a stop string (kept, the rest cut), or at
-``max_new_tokens`` ("length"). Its ``logprobs`` are those of the distribution actually
-sampled from (after temperature, top-k, top-p and min-p). With ``params.seed`` the draw
-is reproducible and the global RNG is left untouched. Under ZeRO-3 with several ranks,
-``synced_gpus`` keeps every rank stepping until all are done, since each forward
-gathers parameters collectively.
+the model reference and `awake` has nothing to keep. Prompts are left-padded; each prompt is
+repeated ``params.n`` times. A completion ends at EOS (kept), at a stop string (kept, the rest
+cut), or at ``max_new_tokens`` ("length").
+
+Sampling is done here, not by ``generate``'s sampler, so that every row draws from a generator
+of its own (`_RowSampler`): sample j of prompt i is fixed by that prompt's seed and j, whatever
+else is in the batch. A seeded call leaves the global RNG untouched; an unseeded one draws its
+prompts' seeds from it. The distribution is vLLM's: temperature, then min-p, top-k and top-p. The
+reported ``logprobs`` are those of the temperature-scaled distribution before truncation (see
+`sage_train.rollout.base`). Under ZeRO-3 with several ranks, ``synced_gpus`` keeps every rank
+stepping until all are done, since each forward gathers parameters collectively.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Sequence
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from .base import Completion, SamplingParams
+from .base import Completion, SamplingParams, derive_seed, prompt_seeds
+
+
+class _RowSampler(LogitsProcessor):
+    """Turns greedy decoding into sampling with one generator per row: the truncated
+    distribution's probabilities divided by Exp(1) noise have their argmax at a draw from those
+    probabilities (the exponential race, as vLLM samples)."""
+
+    def __init__(self, params: SamplingParams, generators: list[torch.Generator]):
+        self.generators = generators
+        self.warpers = [TemperatureLogitsWarper(params.temperature)]
+        if params.min_p > 0:
+            self.warpers.append(MinPLogitsWarper(params.min_p))
+        if params.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(params.top_p))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        probs = scores.float().softmax(-1)
+        noise = torch.stack(
+            [torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g) for g in self.generators]
+        )
+        return probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
 class HFEngine:
+    """max_rows: at most this many rows (prompts x n) per ``generate`` of the model, 0 for all at
+    once; a larger call runs in pieces (the same samples: each row has its own generator)."""
+
     def __init__(
-        self, model, tokenizer, *, device: torch.device | str = "cpu", synced_gpus: bool = False
+        self,
+        model,
+        tokenizer,
+        *,
+        device: torch.device | str = "cpu",
+        synced_gpus: bool = False,
+        max_rows: int = 0,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(device)
         self.synced_gpus = synced_gpus
+        self.max_rows = max_rows
 
     def sync_weights(self, model) -> None:
         self.model = model
 
+    def awake(self):
+        return contextlib.nullcontext()
+
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
+        seeds = [s if s is not None else int(torch.randint(2**31 - 1, ())) for s in prompt_seeds(params, len(prompts))]
+        step = max(1, self.max_rows // params.n) if self.max_rows else len(prompts)
+        results = []
+        for first in range(0, len(prompts), step):
+            part = dataclasses.replace(params, seed=None, prompt_seeds=tuple(seeds[first : first + step]))
+            for group in self._generate(prompts[first : first + step], part):
+                results.append([dataclasses.replace(c, prompt_index=len(results)) for c in group])
+        return results
+
+    def _generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
         encoded = self.tokenizer(list(prompts), padding=True, return_tensors="pt", add_special_tokens=False)
         if params.max_prompt_tokens:  # left padding: the last columns hold each prompt's last tokens
             encoded = {key: value[:, -params.max_prompt_tokens :] for key, value in encoded.items()}
         input_ids = encoded["input_ids"].repeat_interleave(params.n, 0).to(self.device)
         attention_mask = encoded["attention_mask"].repeat_interleave(params.n, 0).to(self.device)
-        devices = [self.device] if self.device.type == "cuda" else []
+        generators = [
+            torch.Generator(self.device).manual_seed(derive_seed(seed, sample))
+            for seed in params.prompt_seeds
+            for sample in range(params.n)
+        ]
         was_training = self.model.training
         self.model.eval()
-        with torch.random.fork_rng(devices=devices, enabled=params.seed is not None), torch.no_grad():
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
+        with torch.no_grad():
             out = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                do_sample=True,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                min_p=params.min_p or None,
+                do_sample=False,  # the draw is _RowSampler's
+                logits_processor=LogitsProcessorList([_RowSampler(params, generators)]),
                 max_new_tokens=params.max_new_tokens,
                 stop_strings=list(params.stop) or None,
                 tokenizer=self.tokenizer if params.stop else None,
                 pad_token_id=self.tokenizer.pad_token_id,
                 eos_token_id=self.tokenizer.eos_token_id,
-                output_scores=True,
+                output_logits=params.logprobs,  # the raw logits, before any processor
                 return_dict_in_generate=True,
                 synced_gpus=self.synced_gpus,
             )
         self.model.train(was_training)
         new_tokens = out.sequences[:, input_ids.shape[1] :]
-        if new_tokens.shape[1] > 0:
-            scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)
-            token_logprobs = scores.gather(-1, new_tokens[..., None]).squeeze(-1).cpu()
+        if new_tokens.shape[1] > 0 and params.logprobs:
+            logp = (torch.stack(out.logits, dim=1).float() / params.temperature).log_softmax(-1)
+            token_logprobs = logp.gather(-1, new_tokens[..., None]).squeeze(-1).cpu()
         else:
             token_logprobs = torch.zeros(new_tokens.shape)
         new_tokens = new_tokens.cpu()
@@ -80,7 +140,7 @@ class HFEngine:
                     prompt_ids=prompt_ids[index],
                     completion_ids=ids,
                     text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                    logprobs=token_logprobs[row, : len(ids)].tolist(),
+                    logprobs=token_logprobs[row, : len(ids)].tolist() if params.logprobs else None,
                     finish_reason=finish,
                 )
             )

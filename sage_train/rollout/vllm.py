@@ -1,18 +1,25 @@
 """The `vllm` rollout engine: a colocated `vllm.LLM` in the training process (`VLLMEngine`), one
 per training process, as in the official SAGE code
 (TRL's "colocate" mode):
-- memory is shared with training through sleep mode: after generating, the engine sleeps
-  at level 2 (weights and KV cache released); `sync_weights` wakes the weights, loads the
-  policy's current parameters, and `generate` wakes the KV cache;
+- memory is shared with training through sleep mode: the engine sleeps at level 2 (weights and
+  KV cache released, no CPU copy kept) right after start-up and after each generation;
+  `sync_weights` wakes the weights and loads the policy's current parameters, and `generate`
+  wakes the KV cache. Inside `awake()` (an evaluation) the engine does not sleep between
+  generate calls, so the weights are pushed at most once for all of them;
 - weights are pushed after every optimizer step in buckets of about `sync_bucket_mb`: one
   ZeRO-3 gather per bucket (`deepspeed.zero.GatheredParameters`), then
   `model.load_weights` on vLLM's model; a LoRA policy is pushed merged, W + BA computed out of
   place (the base weights are never modified; under ZeRO-3 the whole model is gathered once,
   since a merge needs a weight and its factors together); the prefix cache is reset after a
-  sync; the sync time is kept in `last_sync_s`;
-- log-probs come back for each sampled token from the temperature-scaled distribution
-  (``logprobs_mode="processed_logprobs"``), so the truncated importance-sampling correction
-  (`sage_train.importance`) compares like with like.
+  push. `pushes` counts them; `last_sync_s` is the time of every push since the previous
+  `sync_weights` returned, that sync included (a generate after a level-2 sleep pushes too),
+  measured between CUDA synchronizations;
+- each prompt is a request of its own with its own seed (`base.prompt_seeds`), so prompts
+  never share sampling noise;
+- log-probs come back for each sampled token from the temperature-scaled distribution before
+  min-p / top-k / top-p truncation (`logprobs_mode`, chosen by `logprobs_mode_for`), the
+  quantity the trainer computes, so truncated importance sampling (`sage_train.importance`)
+  compares like with like.
 
 Coded against vLLM's documented Python API (`vllm.LLM`, `SamplingParams`, `LLM.sleep`,
 `LLM.wake_up`, `LLM.reset_prefix_cache`); the supported range is pinned in the `vllm` extra.
@@ -20,6 +27,7 @@ Coded against vLLM's documented Python API (`vllm.LLM`, `SamplingParams`, `LLM.s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Optional, Sequence
@@ -28,7 +36,7 @@ import torch
 
 from ..distributed import zero3_gathered
 from ..lora import is_lora, merged_named_weights
-from .base import Completion, SamplingParams
+from .base import Completion, SamplingParams, prompt_seeds
 
 VLLM_MISSING = "the vllm engine needs vLLM on a CUDA machine: pip install 'sage-rl[vllm]'"
 
@@ -79,8 +87,19 @@ def weight_buckets(named_params, bucket_bytes: int):
         yield bucket
 
 
-def to_vllm_sampling(vllm, params: SamplingParams):
-    """vLLM's SamplingParams for ours; top_k -1 is "off" in every supported vLLM version."""
+def logprobs_mode_for(temperature: float) -> str:
+    """vLLM's ``logprobs_mode`` that reports the temperature-scaled distribution before truncation.
+
+    vLLM's "processed" log-probs come after temperature *and* the min-p / top-k / top-p cuts; its
+    "raw" ones before both. At temperature 1 the raw ones are exactly the trainer's (the official
+    SAGE code's choice); at another temperature only the processed ones are scaled, and they equal
+    the trainer's when nothing is cut (`config.validate` refuses truncation with TIS there)."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+
+
+def to_vllm_sampling(vllm, params: SamplingParams, seed: Optional[int] = None):
+    """vLLM's SamplingParams for ours, drawn with `seed`; top_k -1 is "off" in every supported
+    vLLM version."""
     return vllm.SamplingParams(
         n=params.n,
         temperature=params.temperature,
@@ -90,18 +109,18 @@ def to_vllm_sampling(vllm, params: SamplingParams):
         max_tokens=params.max_new_tokens,
         stop=list(params.stop) or None,
         include_stop_str_in_output=True,
-        logprobs=0,
-        seed=params.seed,
+        logprobs=0 if params.logprobs else None,
+        seed=seed,
     )
 
 
 class VLLMEngine:
     """A colocated vLLM engine that samples from the training policy (see the module docstring).
 
-    Weight state: "loaded" (on the GPU), "offloaded" (sleep level 1: the checkpoint's
-    weights in CPU memory, right after start) or "discarded" (sleep level 2, after each
-    generation). Generating with discarded weights re-pushes the last synced policy first,
-    so repeated generations within one step (DAPO's dynamic sampling) stay correct.
+    With sleep mode the engine holds no weights until the first `sync_weights`; a generate after
+    a level-2 sleep re-pushes the last synced policy first, so repeated generations within one
+    step (DAPO's dynamic sampling) stay correct. Without sleep mode (``sage-eval``) it keeps the
+    checkpoint it loaded.
     """
 
     def __init__(
@@ -111,11 +130,13 @@ class VLLMEngine:
         *,
         gpu_memory_utilization: float = 0.3,
         max_model_len: Optional[int] = None,
+        max_num_batched_tokens: Optional[int] = 4096,
         dtype: str = "bfloat16",
         seed: int = 0,
         enable_sleep_mode: bool = True,
         sync_bucket_mb: int = 512,
         tensor_parallel_size: int = 1,
+        logprobs_mode: str = "raw_logprobs",
     ):
         vllm = _import_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model in this process
@@ -123,8 +144,11 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.enable_sleep_mode = enable_sleep_mode
         self.sync_bucket_bytes = sync_bucket_mb << 20
+        self.pushes = 0
         self.last_sync_s = 0.0
+        self._push_s = 0.0  # pushing time since the last sync_weights returned
         self._policy = None
+        self._awake_depth = 0
         self.llm = vllm.LLM(
             model=model_name_or_path,
             tokenizer=model_name_or_path,
@@ -132,32 +156,26 @@ class VLLMEngine:
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
+            # vLLM's memory profiler is misled by its large default (as TRL notes); None keeps it
+            max_num_batched_tokens=max_num_batched_tokens,
             enable_sleep_mode=enable_sleep_mode,
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher",
-            logprobs_mode="processed_logprobs",
+            logprobs_mode=logprobs_mode,
         )
-        self._weights, self._kv_asleep = "loaded", False
-        if enable_sleep_mode:
-            self.llm.sleep(level=1)
-            self._weights, self._kv_asleep = "offloaded", True
+        self._weights_loaded, self._kv_asleep = True, False
+        if enable_sleep_mode:  # the policy is pushed before any generation: keep no copy of the checkpoint
+            self._sleep()
 
     def generate(self, prompts: Sequence[str], params: SamplingParams) -> list[list[Completion]]:
-        if self._weights == "discarded":
-            self._push(self._policy)
-        elif self._weights == "offloaded":
-            self.llm.wake_up(tags=["weights"])
-            self._weights = "loaded"
-        if self._kv_asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._kv_asleep = False
+        self._wake()
+        seeds = prompt_seeds(params, len(prompts))
         keep = -params.max_prompt_tokens if params.max_prompt_tokens else 0  # left truncation
         requests = [
             {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"][keep:]} for p in prompts
         ]
-        outputs = self.llm.generate(
-            requests, sampling_params=to_vllm_sampling(self.vllm, params), use_tqdm=False
-        )
+        sampling = [to_vllm_sampling(self.vllm, params, seed) for seed in seeds]
+        outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
         results = []
         for index, output in enumerate(outputs):
             results.append(
@@ -175,24 +193,50 @@ class VLLMEngine:
                     for sample in output.outputs
                 ]
             )
-        if self.enable_sleep_mode:
-            # Level 2 drops the weights (training gets the memory back; the next push restores
-            # them). Before the first sync the weights are the checkpoint's, which only level 1 keeps.
-            synced = self._policy is not None
-            self.llm.sleep(level=2 if synced else 1)
-            self._weights, self._kv_asleep = ("discarded" if synced else "offloaded"), True
+        if not self._awake_depth:
+            self._sleep()
         return results
+
+    @contextlib.contextmanager
+    def awake(self):
+        """Keep weights and KV cache loaded across the generate calls inside (an evaluation);
+        sleep on leaving if a generation woke the engine."""
+        self._awake_depth += 1
+        try:
+            yield self
+        finally:
+            self._awake_depth -= 1
+            if not self._awake_depth and not self._kv_asleep:
+                self._sleep()
 
     def sync_weights(self, model) -> None:
         """Push `model`'s current weights (bucketed, ZeRO-3 gathered, LoRA merged) into vLLM."""
-        start = time.perf_counter()
         self._policy = model
         self._push(model)
-        self.llm.reset_prefix_cache()
-        self.last_sync_s = time.perf_counter() - start
+        self.last_sync_s, self._push_s = self._push_s, 0.0
+
+    def _wake(self) -> None:
+        if not self._weights_loaded:
+            if self._policy is None:
+                raise RuntimeError(
+                    "the vllm engine holds no weights (sleep mode discards the checkpoint's at start-up): "
+                    "call sync_weights(model) before generate"
+                )
+            self._push(self._policy)
+        if self._kv_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_asleep = False
+
+    def _sleep(self) -> None:
+        """Level 2: weights and KV cache released (training gets the memory back; a push restores them)."""
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=2)
+            self._weights_loaded, self._kv_asleep = False, True
 
     def _push(self, model) -> None:
-        if self._weights != "loaded":
+        torch.cuda.synchronize()  # time the push, not the work queued before it
+        start = time.perf_counter()
+        if not self._weights_loaded:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         target = _vllm_model(self.llm)
@@ -208,4 +252,8 @@ class VLLMEngine:
             for bucket in weight_buckets(model.named_parameters(), self.sync_bucket_bytes):
                 with zero3_gathered([p for _, p in bucket]):
                     target.load_weights([(name, p.data) for name, p in bucket])
-        self._weights = "loaded"
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous weights
+        torch.cuda.synchronize()
+        self._push_s += time.perf_counter() - start
+        self.pushes += 1
+        self._weights_loaded = True

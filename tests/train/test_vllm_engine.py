@@ -29,8 +29,9 @@ def _has_vllm() -> bool:
 
 
 @pytest.mark.skipif(not _has_vllm(), reason="needs vLLM and a CUDA GPU")
-def test_real_engine_generation_sync_and_sleep(tmp_path, distributed):
+def test_real_engine_sync_sessions_seeds_and_logprobs(tmp_path, distributed):
     from sage_train.policy import PolicyHead, make_batch, score
+    from sage_train.rollout.base import derive_seed
 
     model, tokenizer = tiny(hidden=256, heads=4, kv=2, seed=0)
     model.save_pretrained(tmp_path / "model")
@@ -38,31 +39,52 @@ def test_real_engine_generation_sync_and_sleep(tmp_path, distributed):
     engine = make_engine(
         "vllm", str(tmp_path / "model"), tokenizer, gpu_memory_utilization=0.2, max_model_len=256, seed=0
     )
-    greedy = SamplingParams(n=1, temperature=1e-4, max_new_tokens=12)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=0)
     prompts = ["1+1=", "What is 7*8?", "abc"]
-    before = engine.generate(prompts, greedy)
-    assert [len(g) for g in before] == [1, 1, 1] and all(g[0].completion_ids for g in before)
 
-    # a different model pushed in: outputs and log-probs follow it
+    def ids(groups):
+        return [[c.completion_ids for c in g] for g in groups]
+
+    # level-2 sleep from start-up: no weights until the first push
+    with pytest.raises(RuntimeError, match="call sync_weights"):
+        engine.generate(prompts, params)
+    policy = model.cuda().to(torch.bfloat16)
+    engine.sync_weights(policy)
+    assert engine.pushes == 1 and engine.last_sync_s > 0
+    first = engine.generate(prompts, params)
+    assert [len(g) for g in first] == [2, 2, 2] and all(c.completion_ids for g in first for c in g)
+    again = engine.generate(prompts, params)  # after a level-2 sleep: re-pushed, the same seeded draw
+    assert ids(again) == ids(first) and engine.pushes == 2
+    # each prompt has its own seed: one prompt twice in a call is sampled twice, not copied
+    twice = engine.generate(["abc", "abc"], params)
+    assert ids(twice)[0] != ids(twice)[1]
+    explicit = SamplingParams(n=2, max_new_tokens=12, prompt_seeds=tuple(derive_seed(0, i) for i in range(3)))
+    assert ids(engine.generate(prompts, explicit)) == ids(first)
+
+    # an evaluation: several generate calls inside one awake session push nothing more
+    engine.sync_weights(policy)
+    pushes = engine.pushes
+    with engine.awake():
+        for _ in range(3):
+            assert ids(engine.generate(prompts, params)) == ids(first)
+    assert engine.pushes == pushes
+
+    # a different model pushed in: samples and log-probs follow it; with min_p on, the reported
+    # (raw, temperature-1) log-probs are the trainer's, so importance weights are about 1
     other, _ = tiny(hidden=256, heads=4, kv=2, seed=1)
     other = other.cuda().to(torch.bfloat16)
     engine.sync_weights(other)
-    after = engine.generate(prompts, greedy)
-    assert [g[0].completion_ids for g in after] != [g[0].completion_ids for g in before]
-    sampled = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=0))
+    assert ids(engine.generate(prompts, params)) != ids(first)
+    sampled = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, min_p=0.05, max_new_tokens=12, seed=1))
     completions = [c for g in sampled for c in g]
     batch = make_batch(completions, torch.device("cuda"), tokenizer.pad_token_id)
     train_logp, _ = score(PolicyHead(other), batch, 8, 1.0)
-    engine_logp = torch.zeros_like(train_logp)
+    engine_logp = torch.zeros_like(train_logp, dtype=torch.float32)
     for row, c in enumerate(completions):
         engine_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
     mask = batch.completion_mask
-    assert (train_logp.float() - engine_logp)[mask].abs().mean() < 0.05
-
-    # after generating, the weights were dropped (sleep level 2); the next generation re-pushes them
-    assert engine._weights == "discarded"
-    again = engine.generate(prompts, greedy)
-    assert [g[0].completion_ids for g in again] == [g[0].completion_ids for g in after]
+    log_ratio = (train_logp.float() - engine_logp)[mask]
+    assert log_ratio.abs().mean() < 0.05 and abs(log_ratio.exp().mean().item() - 1) < 0.05
 
 
 # ------------------------------------------------------------------ what is pushed (no vLLM needed)
