@@ -290,20 +290,26 @@ def rollout_seed(seed: int, step: int, round_: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 1009 + round_ * 101 + rank) % (2**31)
 
 
+#: loss types divided by a count of completion tokens (`sage_kernels.reference.loss_normaliser`)
+TOKEN_COUNT_LOSS_TYPES = ("bnpo", "dapo", "cispo", "vespo")
+
+
 def step_loss_config(ctx: Context, batch: Batch):
     """The step's LossConfig and `row_share(rows)`, the factor of a micro-batch's loss.
 
-    grpo / dr_grpo average over rows: a micro-batch counts for its rows over the step's rows
-    (prompts_per_step x group_size, the same on every step). bnpo / dapo average over tokens:
-    the loss is given the step's completion-token count over all ranks (one all-reduce, no
-    host sync) and micro-batches add up as they are.
+    grpo, sapo, luspo and dr_grpo average over rows: a micro-batch counts for its rows over the
+    step's rows (prompts_per_step x group_size, the same on every step). bnpo, dapo, cispo and
+    vespo divide by a token count: the loss is given the step's completion-token count over all
+    ranks (one all-reduce, no host sync) and micro-batches add up as they are; bnpo, which would
+    divide by each call's own count, becomes dapo given that count.
     """
     base = loss_config(ctx.cfg)
-    if base.loss_type in ("bnpo", "dapo"):
+    if base.loss_type in TOKEN_COUNT_LOSS_TYPES:
         tokens = batch.completion_mask.sum().float()
         if ctx.world > 1:
             dist.all_reduce(tokens)
-        return base.replace(loss_type="dapo", num_items_in_batch=tokens.clamp(min=1.0)), lambda rows: 1.0
+        loss_type = "dapo" if base.loss_type == "bnpo" else base.loss_type
+        return base.replace(loss_type=loss_type, num_items_in_batch=tokens.clamp(min=1.0)), lambda rows: 1.0
     total_rows = ctx.cfg.prompts_per_step * ctx.cfg.group_size
     return base, lambda rows: len(range(*rows.indices(batch.rows))) / total_rows
 

@@ -16,7 +16,7 @@ from tiny_models import tiny_model
 
 
 def test_one_generation_feeds_two_optimizer_steps(tiny_config, distributed):
-    cfg = tiny_config(name="spg", algorithm="sage-token", steps=4, steps_per_generation=2, lr=0.05,
+    cfg = tiny_config(name="spg", algorithm="sage-token", steps=4, steps_per_generation=2, lr=0.05, group_size=8,
                       max_new_tokens=6)
     train(cfg)
     rows = report.read_metrics(cfg.run_dir / "metrics.jsonl")
@@ -26,9 +26,11 @@ def test_one_generation_feeds_two_optimizer_steps(tiny_config, distributed):
         assert rows[0][key] == rows[1][key] and rows[2][key] == rows[3][key], key
     assert rows[0]["completions/mean_length"] != rows[2]["completions/mean_length"]
     # the first step of a generation is on-policy (ratio 1, nothing clipped); the second is one update
-    # stale, and at this learning rate some of its tokens leave the trust region
+    # stale, and at this learning rate some of its tokens leave the trust region wherever a group's
+    # rewards differ (clipping counts only tokens with a nonzero advantage)
     assert rows[0]["clip_ratio/region_mean"] == 0 and rows[2]["clip_ratio/region_mean"] == 0
-    assert rows[1]["clip_ratio/region_mean"] > 0 and rows[3]["clip_ratio/region_mean"] > 0
+    informative = [second for second in (1, 3) if rows[second]["frac_reward_zero_std"] < 1]
+    assert informative and all(rows[second]["clip_ratio/region_mean"] > 0 for second in informative)
     # the token guide is stepped once per optimizer step: a new cycle (and bound) at every step here
     strengths = [row["guide/strength"] for row in rows]
     assert strengths == sorted(strengths, reverse=True) and len(set(strengths)) == 4

@@ -48,8 +48,12 @@ def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
     return captured
 
 
-@pytest.mark.parametrize("algorithm", ["sage-branch", "dapo", "dr_grpo"])
-def test_gradient_is_invariant_to_micro_batch_size(tiny_config, distributed, algorithm):
+@pytest.mark.parametrize(
+    "algorithm, loss_type",
+    [("sage-branch", None), ("dapo", None), ("dr_grpo", None), ("bnpo", None)]
+    + [("sage-branch", loss_type) for loss_type in ("cispo", "sapo", "luspo", "vespo")],
+)
+def test_gradient_is_invariant_to_micro_batch_size(tiny_config, distributed, algorithm, loss_type):
     tokenizer = build_char_tokenizer()
     batch = make_batch(completions(tokenizer, 8, seed=1), torch.device("cpu"), tokenizer.pad_token_id)
     batch.completion_mask[5] = False  # a row dropped by overlong filtering
@@ -58,6 +62,7 @@ def test_gradient_is_invariant_to_micro_batch_size(tiny_config, distributed, alg
     for micro in (1, 4):
         cfg = tiny_config(
             algorithm=algorithm,
+            loss_type=loss_type,
             prompts_per_step=2,
             group_size=4,
             micro_batch_size=micro,
