@@ -95,6 +95,8 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
 
     if inputs.ref_logp is not None:
         delta = inputs.ref_logp.to(logp.dtype) + log_q - logp
+        if config.kl_clamp is not None:  # the opt-in overflow guard: no gradient outside the bounds
+            delta = delta.clamp(-config.kl_clamp, config.kl_clamp)
         kl = torch.where(mask, kl_estimate(delta, config.kl), 0.0)
     else:
         kl = torch.zeros_like(logp)

@@ -76,7 +76,9 @@ class LossConfig:
     sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures for A > 0 and A <= 0.
     vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO gamma shape and rate
     for A >= 0 and A < 0. use_bias_correction_kl: multiply the per-token KL by the ratio
-    (TRL's option; off by default here).
+    (TRL's option; off by default here). kl_clamp: clamp delta = log(q*pi_ref / pi) to
+    [-kl_clamp, kl_clamp] before the KL estimator, its gradient zero outside (verl clamps at 20);
+    None clamps nothing (TRL's behaviour: one token with delta > ~88 overflows k3 and fk3).
     """
 
     beta: float = 0.05
@@ -104,6 +106,7 @@ class LossConfig:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     use_bias_correction_kl: bool = False
+    kl_clamp: Optional[float] = None
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
@@ -127,6 +130,9 @@ class LossConfig:
                  self.top_entropy_quantile)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             _require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
+        if self.kl_clamp is not None:
+            _require(_is_number(self.kl_clamp) and math.isfinite(self.kl_clamp) and self.kl_clamp > 0, "kl_clamp",
+                     "None or a finite number > 0", self.kl_clamp)
         if self.loss_type == "cispo":
             _require(self.eps_high > 0, "eps_high", "> 0 for loss_type 'cispo' (the cap on the ratio)", self.eps_high)
         if self.loss_type not in CLIPPED_LOSS_TYPES:

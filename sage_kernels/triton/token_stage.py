@@ -175,10 +175,10 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
                         q_ptr, kl_ptr, ratio_ptr, g_ptr, c_ptr, row_stats_ptr,
                         B, L, beta, gamma, tau, q_min, q_max, eps_low, eps_high, delta_clip, dual_clip_c,
                         entropy_coef, sapo_t_pos, sapo_t_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                        vespo_lambda_neg,
+                        vespo_lambda_neg, kl_clamp,
                         KL: tl.constexpr, BRANCH: tl.constexpr, SEQUENCE: tl.constexpr, LOSS: tl.constexpr,
                         PER_SEQUENCE_MEAN: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-                        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr,
+                        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
                         HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr,
                         HAS_LOG_Q: tl.constexpr, HAS_QUANTILE: tl.constexpr, N_STATS: tl.constexpr,
                         BLOCK_L: tl.constexpr):
@@ -248,7 +248,13 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
         # the KL term: its value, its slope in logp at a fixed ratio, its slope in the ratio
         if HAS_REF:
             ref = tl.load(ref_ptr + at, mask=m, other=0.0)
-            kl, kl_slope = _kl_and_slope(ref + log_q - lp, KL)
+            delta = ref + log_q - lp
+            if HAS_KL_CLAMP:  # the opt-in overflow guard, torch.clamp's gradient: zero outside the bounds
+                inside = (delta >= -kl_clamp) & (delta <= kl_clamp)
+                delta = tl.minimum(tl.maximum(delta, -kl_clamp), kl_clamp)
+            kl, kl_slope = _kl_and_slope(delta, KL)
+            if HAS_KL_CLAMP:
+                kl_slope = tl.where(inside, kl_slope, 0.0)
             kl = tl.where(m, kl, 0.0)
             kl_ratio_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
             if BIAS_CORRECTION:
@@ -373,12 +379,12 @@ def token_stage(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights,
                                    config.eps_low, config.eps_high, config.delta_clip or 0.0,
                                    config.dual_clip_c or 0.0, config.entropy_coef, config.sapo_temperature_pos,
                                    config.sapo_temperature_neg, config.vespo_k_pos, config.vespo_lambda_pos,
-                                   config.vespo_k_neg, config.vespo_lambda_neg)),
+                                   config.vespo_k_neg, config.vespo_lambda_neg, config.kl_clamp or 0.0)),
         KL=KL_CODES[config.kl], BRANCH=config.guide == "branch",
         SEQUENCE=config.importance_sampling == "sequence", LOSS=LOSS_TYPE_CODES[config.loss_type],
         PER_SEQUENCE_MEAN=config.loss_type in SEQUENCE_MEAN_LOSS_TYPES,
         BIAS_CORRECTION=config.use_bias_correction_kl,
         HAS_DELTA=config.delta_clip is not None, HAS_DUAL=config.dual_clip_c is not None,
-        N_STATS=N_ROW_STATS, BLOCK_L=block_l, num_warps=4)
+        HAS_KL_CLAMP=config.kl_clamp is not None, N_STATS=N_ROW_STATS, BLOCK_L=block_l, num_warps=4)
     return q, kl, ratio, g, c, row_stats
 

@@ -46,6 +46,7 @@ OPTION_CASES = {
     "vespo-parameters": dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=2.0,
                              vespo_lambda_neg=1.0),
     "luspo-sequence": dict(loss_type="luspo", importance_sampling="sequence"),
+    "kl-clamp": dict(kl_clamp=0.3, kl="fk3"),
 }
 
 

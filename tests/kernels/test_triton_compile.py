@@ -120,13 +120,14 @@ def compile_all() -> None:
     types.update(mask_ptr="*u8", B="i32", L="i32", **{name: "fp32" for name in (
         "beta", "gamma", "tau", "q_min", "q_max", "eps_low", "eps_high", "delta_clip", "dual_clip_c",
         "entropy_coef", "sapo_t_pos", "sapo_t_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-        "vespo_lambda_neg")})
+        "vespo_lambda_neg", "kl_clamp")})
     for kl, everything, loss_type in ((1, True, "grpo"), (2, False, "dapo"), (3, True, "luspo"), (3, False, "cispo"),
                                       (4, True, "sapo"), (3, True, "vespo")):
         flags = dict(KL=kl, BRANCH=not everything, SEQUENCE=everything, LOSS=LOSS_TYPE_CODES[loss_type],
                      PER_SEQUENCE_MEAN=loss_type in SEQUENCE_MEAN_LOSS_TYPES, BIAS_CORRECTION=everything,
                      HAS_DELTA=everything and loss_type in CLIPPED_LOSS_TYPES,
-                     HAS_DUAL=everything and loss_type in CLIPPED_LOSS_TYPES, HAS_OLD=everything, HAS_REF=True,
+                     HAS_DUAL=everything and loss_type in CLIPPED_LOSS_TYPES, HAS_KL_CLAMP=everything,
+                     HAS_OLD=everything, HAS_REF=True,
                      HAS_IS_WEIGHTS=everything, HAS_LOG_Q=everything, HAS_QUANTILE=everything,
                      N_STATS=token_stage.N_ROW_STATS, BLOCK_L=1024)
         absent = {} if everything else {"old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}

@@ -93,6 +93,7 @@ options = st.fixed_dictionaries({
     "top_entropy_quantile": st.sampled_from([1.0, 0.8, 0.3]),
     "entropy_coef": st.sampled_from([0.0, 0.02]),
     "temperature": st.floats(0.5, 1.5),
+    "kl_clamp": st.one_of(st.none(), st.floats(0.2, 2.0)),
 })
 inputs_present = st.fixed_dictionaries({
     "old": st.booleans(), "is_weights": st.booleans(), "log_q": st.booleans(), "bias": st.booleans(),
@@ -217,3 +218,20 @@ def test_more_tokens_than_a_grid_dimension_holds():
     # N > 65,535: tokens run on grid axis 0 (limit 2^31 - 1), never on the 65,535-limited axes.
     problem = make_problem(B=7, L=10_000, V=256, D=64, seed=13, mask="tail")
     check_against_reference(problem, LossConfig(entropy_coef=0.01), torch.float32)
+
+
+@pytest.mark.parametrize("kl", ["k3", "fk3"])
+def test_kl_clamp_keeps_an_extreme_token_finite(kl):
+    """One token with log(pi_ref / pi) = +100 overflows k3 / fk3 (the default clamps nothing, as TRL);
+    with kl_clamp its KL is the estimator at the bound and its KL gradient zero, on every backend."""
+    problem = make_problem(B=2, L=4, V=64, D=16, seed=5)
+    problem["ref_logp"] = problem["ref_logp"].clone()
+    problem["ref_logp"][0, 1] = problem["ref_logp"][0, 1] + 100.0
+    unclamped, _ = run(problem, LossConfig(kl=kl), "reference", torch.float32)
+    assert not torch.isfinite(unclamped.loss)
+    config = LossConfig(kl=kl, kl_clamp=20.0)
+    out = check_against_reference(problem, config, torch.float32)
+    assert torch.isfinite(out.loss)
+    bound = torch.tensor(20.0, dtype=torch.float64)
+    at_bound = torch.exp(bound) - 1 - bound if kl == "k3" else torch.exp(bound) * bound - torch.expm1(bound)
+    assert out.kl[0, 1].item() == pytest.approx(at_bound.item(), rel=1e-5)

@@ -64,6 +64,8 @@ META = torch.device("meta")
     ({"q_min": 2.0}, ValueError, "q_min must be in (0, q_max=1.4]"),
     ({"eps_low": 1.0}, ValueError, "eps_low must be in [0, 1)"),
     ({"delta_clip": 0.9}, ValueError, "delta_clip must be None or a number > 1"),
+    ({"kl_clamp": 0.0}, ValueError, "kl_clamp must be None or a finite number > 0"),
+    ({"kl_clamp": float("inf")}, ValueError, "kl_clamp must be None or a finite number > 0"),
     ({"dual_clip_c": 1.0}, ValueError, "dual_clip_c must be None or a number > 1"),
     ({"top_entropy_quantile": 0.0}, ValueError, "top_entropy_quantile must be in (0, 1]"),
     ({"beta": math.nan}, ValueError, "beta must be a finite number"),
