@@ -110,7 +110,7 @@ def _quantile(sorted_values: list, q: float) -> float:
 
 
 def relative_error(actual: Optional[torch.Tensor], expected: torch.Tensor) -> Optional[float]:
-    """max |actual - expected| / max |expected|: the gradient measure of tests/tolerances.py."""
+    """max |actual - expected| / max |expected|: the gradient measure of tests/kernels/tolerances.py."""
     if actual is None:
         return None
     expected = expected.double()

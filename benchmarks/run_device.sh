@@ -37,8 +37,7 @@ fi
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
              "cuda", torch.version.cuda, torch.cuda.get_device_name())'; } 2>&1 | tee "$OUT/gpu.txt"
 
-tests=$(ls tests/kernels/test_triton_fast_path.py tests/kernels/test_triton_*.py tests/test_triton_*.py \
-        2>/dev/null | awk '!seen[$0]++')
+tests=$(ls tests/kernels/test_triton_fast_path.py tests/kernels/test_triton_*.py 2>/dev/null | awk '!seen[$0]++')
 # shellcheck disable=SC2086
 timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -ra $tests 2>&1 | tee "$OUT/triton_tests.log"
 tests_rc=${PIPESTATUS[0]}

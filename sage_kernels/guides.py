@@ -29,9 +29,14 @@ import math
 
 import torch
 
+from .spec import LossConfig
 
-def branch_guide(entropy: torch.Tensor, *, gamma: float = 0.3, tau: float = 1.2,
-                 q_min: float = 0.6, q_max: float = 1.4) -> torch.Tensor:
+#: the guide's bounds and branch constants, written once: `LossConfig`'s defaults (the official values)
+_DEFAULTS = LossConfig()
+
+
+def branch_guide(entropy: torch.Tensor, *, gamma: float = _DEFAULTS.gamma, tau: float = _DEFAULTS.tau,
+                 q_min: float = _DEFAULTS.q_min, q_max: float = _DEFAULTS.q_max) -> torch.Tensor:
     """q = clamp(1 + gamma * max(H - tau, 0), q_min, q_max), with H in nats. No gradient."""
     return (1.0 + gamma * (entropy.detach() - tau).clamp(min=0.0)).clamp(q_min, q_max)
 
@@ -133,8 +138,8 @@ class TokenGuide:
 
     def __init__(self, *, max_steps: int, alpha_max: float = 0.3, alpha_min: float = 0.1,
                  sigma_max: float = 0.25, sigma_min: float = 0.1, normalization: str = "minmax",
-                 num_cycles: int = 8, decay_rate: float = 0.9, q_min: float = 0.6, q_max: float = 1.4,
-                 seed: int = 0) -> None:
+                 num_cycles: int = 8, decay_rate: float = 0.9, q_min: float = _DEFAULTS.q_min,
+                 q_max: float = _DEFAULTS.q_max, seed: int = 0) -> None:
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
         self.schedule = CosineAnnealingScheduler(max_steps, alpha_max, alpha_min, sigma_max, sigma_min,
@@ -171,7 +176,8 @@ class RandomGuide:
 
     def __init__(self, *, max_steps: int, eps_max: float = 0.1, eps_min: float = 0.0,
                  sigma_max: float = 0.15, sigma_min: float = 0.05, num_cycles: int = 8,
-                 decay_rate: float = 0.9, q_min: float = 0.6, q_max: float = 1.4, seed: int = 0) -> None:
+                 decay_rate: float = 0.9, q_min: float = _DEFAULTS.q_min, q_max: float = _DEFAULTS.q_max,
+                 seed: int = 0) -> None:
         self.schedule = CosineAnnealingScheduler(max_steps, eps_max, eps_min, sigma_max, sigma_min,
                                                  num_cycles=num_cycles, decay_rate=decay_rate)
         self.q_min, self.q_max = q_min, q_max

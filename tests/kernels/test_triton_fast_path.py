@@ -10,16 +10,12 @@ poisoned with NaN, against `backend="reference"` in float64 with the tolerances 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
-
-from alloc import AllocationRecorder  # noqa: E402
-from test_triton_loss import DEVICE, check_against_reference, make_problem, run  # noqa: E402
+from alloc import AllocationRecorder
+from test_triton_loss import DEVICE, check_against_reference, make_problem, run
 from tolerances import TOLERANCES  # noqa: E402
 
 from sage_kernels import LossConfig, fused_linear_sage_loss  # noqa: E402
