@@ -22,9 +22,17 @@ def train_main(argv=None) -> int:
     except ConfigError as error:
         print(f"sage-train: {error}")
         return 2
+    from .distributed import RunError
     from .run import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except ConfigError as error:  # found once the run knows its world and its run directory
+        print(f"sage-train: {error}", flush=True)
+        return 2
+    except RunError as error:  # the run stopped cleanly; the message says what was kept
+        print(f"sage-train: {error}", flush=True)
+        return 1
     if summary is None:
         return 1
     # 130: stopped by a signal after its checkpoint was written (a scheduler should not read it as done).

@@ -1,16 +1,24 @@
 """What a run reports: ``metrics.jsonl`` (one row per step, TRL / official SAGE names), a
-console progress bar, optional TensorBoard, plots, and the end-of-run summary.
+console progress bar, the experiment loggers of ``report_to`` (TensorBoard, W&B, trackio), plots,
+and the end-of-run summary.
 
 Only rank 0 writes. Rows arrive already on the host: the trainer converts its metric
 tensors at log intervals only.
+
+A resumed run continues each record without duplicating a step: ``metrics.jsonl`` drops the rows
+past the checkpoint (and a half-written last line), TensorBoard purges its events past it, and
+W&B / trackio, which cannot take a step back, are sent only the steps they have not received.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Optional
+
+from .distributed import RunError
 
 #: the progress bar's fields: (metric name, label, format)
 PROGRESS_FIELDS = (
@@ -34,47 +42,144 @@ PLOT_PANELS = (
 
 
 class MetricsLog:
-    """Appends rows to ``metrics.jsonl``; on resume, first drops rows past the checkpoint's step
-    (written after it by the interrupted run), so the file reads like an uninterrupted run's."""
+    """Appends rows to ``metrics.jsonl`` (fsynced: a checkpoint never gets ahead of its rows) and to
+    `loggers`. On resume it first keeps only the rows up to the checkpoint's step, so the file reads
+    like an uninterrupted run's; a half-written last line (a kill mid-write) is dropped and said so."""
 
-    def __init__(
-        self, path: Path, *, resume_step: Optional[int] = None, tensorboard_dir: Optional[Path] = None
-    ):
+    def __init__(self, path: Path, *, resume_step: Optional[int] = None, loggers: tuple = ()):
         self.path = Path(path)
-        if resume_step is None:
+        if resume_step is None or not self.path.is_file():
             self.path.write_text("")
-        elif self.path.is_file():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= resume_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self.tensorboard = _tensorboard_writer(tensorboard_dir) if tensorboard_dir else None
+        else:
+            kept = rows_up_to(self.path, resume_step)
+            self.path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
+            os.replace(self.path.with_suffix(".tmp"), self.path)
+        self.loggers = list(loggers)
 
     def write(self, rows: list[dict]) -> None:
         with open(self.path, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-                if self.tensorboard is not None:
-                    for key, value in row.items():
-                        if key != "step" and isinstance(value, (int, float)):
-                            self.tensorboard.add_scalar(key, value, row["step"])
-        if self.tensorboard is not None:
-            self.tensorboard.flush()
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+            f.flush()
+            os.fsync(f.fileno())
+        for logger in self.loggers:
+            logger.log(rows)
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for logger in self.loggers:
+            logger.close()
 
 
-def _tensorboard_writer(folder: Path):
-    """A SummaryWriter when the tensorboard package is installed, else None (it is optional)."""
-    try:
+def rows_up_to(path: Path, step: int) -> list[str]:
+    """The lines of ``metrics.jsonl`` with steps 1..`step`, each once; a last line that is not JSON
+    (written in part) is dropped with a message, any other one is an error naming it."""
+    lines = path.read_text().split("\n")
+    by_step = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number < len(lines):  # a complete line (newline-terminated) that is not JSON: not a kill
+                raise RunError(f"{path} line {number} is not JSON: {line[:80]!r}; repair or remove it") from None
+            print(f"sage-train: dropped the half-written last line of {path} ({len(line)} characters)", flush=True)
+            continue
+        if row["step"] <= step:
+            by_step[row["step"]] = line  # a step logged twice (by an older version) is kept once
+    missing = sorted(set(range(1, step + 1)) - set(by_step))
+    if missing:
+        print(f"sage-train: {path} has no row for step(s) {missing} (lost before this resume)", flush=True)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def make_loggers(names: list, folder: Path, *, project: str, run_name: str, config: dict, resume_step: int) -> list:
+    """The loggers named in ``report_to``, writing under `folder` (the run directory) where the logger
+    lets them choose (TensorBoard, W&B; trackio writes to its own $TRACKIO_DIR)."""
+    makers = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "trackio": TrackioLogger}
+    return [makers[name](folder, project, run_name, config, resume_step) for name in names]
+
+
+class TensorBoardLogger:
+    """Scalars under ``run_dir/tensorboard``; a resumed run purges the events past its checkpoint."""
+
+    def __init__(self, folder: Path, project: str, run_name: str, config: dict, resume_step: int):
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(folder))
+
+        purge = resume_step + 1 if resume_step else None  # hides the events past the checkpoint
+        self.writer = SummaryWriter(str(Path(folder) / "tensorboard"), purge_step=purge)
+
+    def log(self, rows: list[dict]) -> None:
+        for row in rows:
+            for key, value in row.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _StepOnceLogger:
+    """A logger whose history cannot go back a step: ``run_dir/<kind>/last_step`` records the last step
+    it was sent, and a resumed run sends it only later ones (the earlier values stay, identical when
+    the resume is exact). The run's id in ``run_dir/<kind>/run_id`` makes the resumed run the same run."""
+
+    kind = ""
+
+    def __init__(self, folder: Path, project: str, run_name: str, config: dict, resume_step: int):
+        self.folder = Path(folder) / self.kind
+        self.folder.mkdir(parents=True, exist_ok=True)
+        last = self.folder / "last_step"
+        self.sent = int(last.read_text()) if resume_step and last.is_file() else 0
+        self.run = self.start(project, run_name, config, resumed=bool(resume_step))
+
+    def log(self, rows: list[dict]) -> None:
+        for row in rows:
+            if row["step"] > self.sent:
+                self.send({k: v for k, v in row.items() if k != "step"}, row["step"])
+                self.sent = row["step"]
+        (self.folder / "last_step").write_text(str(self.sent))
+
+
+class WandbLogger(_StepOnceLogger):
+    """A W&B run in ``run_dir/wandb`` (``WANDB_MODE=offline`` logs without a network; `wandb sync` uploads)."""
+
+    kind = "wandb"
+
+    def start(self, project: str, run_name: str, config: dict, *, resumed: bool):
+        import wandb
+
+        id_file = self.folder / "run_id"
+        if not (resumed and id_file.is_file()):
+            id_file.write_text(wandb.util.generate_id())
+        return wandb.init(
+            project=project, name=run_name, id=id_file.read_text(), dir=str(self.folder), config=config, resume="allow"
+        )
+
+    def send(self, metrics: dict, step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TrackioLogger(_StepOnceLogger):
+    """A trackio run (local: in $TRACKIO_DIR, ``trackio show`` opens it), named after the run."""
+
+    kind = "trackio"
+
+    def start(self, project: str, run_name: str, config: dict, *, resumed: bool):
+        import trackio
+
+        return trackio.init(
+            project=project, name=run_name, config=config, resume="allow" if resumed else "never", embed=False
+        )
+
+    def send(self, metrics: dict, step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -22,7 +22,7 @@ from sage_kernels.guides import RandomGuide, TokenGuide
 
 from .advantages import group_advantages
 from .config import TrainConfig
-from .distributed import all_ranks
+from .distributed import RunError, all_ranks
 from .importance import truncated_is_weights
 from .policy import Batch, make_batch, score
 from .presets import loss_config
@@ -45,6 +45,7 @@ class Context:
     rank: int
     world: int
     device: torch.device
+    nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
 
 
 def rl_step(ctx: Context, step: int) -> dict:
@@ -77,6 +78,7 @@ def rl_step(ctx: Context, step: int) -> dict:
 
     # 5. the loss on hidden states + LM head, micro-batch by micro-batch, then the optimizer step
     totals = policy_update(ctx, batch, advantages, old_logp, ref_logp, log_q, is_weights)
+    check_finite_steps(ctx, step, totals.skipped)
 
     # 5b. the rollout engine samples the next step from the updated weights (hf: the live model already)
     ctx.rollout.sync_weights(ctx.engine.module.lm)
@@ -106,6 +108,24 @@ def rl_step(ctx: Context, step: int) -> dict:
     if ctx.guide is not None:
         metrics["guide/strength"] = ctx.guide.schedule.value()
     return metrics
+
+
+def check_finite_steps(ctx: Context, step: int, skipped: list[str]) -> None:
+    """Say which optimizer steps were skipped; stop the run (`RunError`) once ``max_nonfinite_steps``
+    RL steps in a row had one: the weights stay those of the last good step, which the last
+    checkpoint holds."""
+    if not skipped:
+        ctx.nonfinite_in_a_row = 0
+        return
+    ctx.nonfinite_in_a_row += 1
+    if ctx.rank == 0:
+        print(f"sage-train: step {step}: optimizer step skipped ({', '.join(skipped)})", flush=True)
+    if ctx.nonfinite_in_a_row >= ctx.cfg.max_nonfinite_steps:
+        raise RunError(
+            f"steps {step - ctx.nonfinite_in_a_row + 1}..{step} all had a non-finite loss or gradient "
+            f"(max_nonfinite_steps={ctx.cfg.max_nonfinite_steps}); stopping with the weights and checkpoints "
+            f"of the last good step. Lower lr, then continue with --resume"
+        )
 
 
 def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: Batch):
@@ -140,6 +160,7 @@ def policy_update(
     loss_cfg, row_share = step_loss_config(ctx, batch)
     totals = LossTotals()
     for _ in range(cfg.num_iterations):
+        step_loss, why = 0.0, None
         for start_row in range(0, batch.rows, mb):
             rows = slice(start_row, start_row + mb)
             loss_inputs = {
@@ -154,11 +175,44 @@ def policy_update(
             loss, out = ctx.engine(**batch.model_inputs(rows, cfg.temperature), loss_inputs=loss_inputs)
             loss = loss * row_share(rows)
             ctx.engine.backward(loss * ctx.world, scale_wrt_gas=False)  # undo DeepSpeed's averaging
+            step_loss = step_loss + loss.detach()
+            if ctx.engine.is_gradient_accumulation_boundary():
+                why = skip_nonfinite_step(ctx, step_loss)
             ctx.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
             totals.add(loss, out, batch.completion_mask[rows])
+        if not ctx.engine.was_step_applied():
+            totals.skipped.append(why or "non-finite gradient (DeepSpeed's overflow check)")
         if ctx.guide is not None:
             ctx.guide.step()
     return totals
+
+
+def skip_nonfinite_step(ctx: Context, step_loss: torch.Tensor) -> Optional[str]:
+    """Before the optimizer step at the accumulation boundary: why it must be skipped (a non-finite
+    loss or gradient norm, on any rank), or None. One host sync per optimizer step.
+
+    DeepSpeed's own optimizers (ZeRO, bf16) find non-finite gradients themselves and skip the step;
+    a plain torch optimizer (ZeRO stage 0 in float32) would apply them, so here the gradients are
+    checked, dropped, and the step marked as an overflow, which DeepSpeed then handles as its own
+    (no parameter update, no LR-scheduler step, ``was_step_applied()`` false)."""
+    optimizer = ctx.engine.optimizer
+    grads = [p.grad for p in ctx.engine.module.parameters() if p.grad is not None]
+    own_check = isinstance(optimizer, torch.optim.Optimizer) and bool(grads)
+    norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])) if own_check else 0.0
+    values = torch.stack([torch.as_tensor(v, device=ctx.device).float() for v in (step_loss, norm)])
+    bad = (~torch.isfinite(values)).float()
+    if ctx.world > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    bad_loss, bad_norm = bad.tolist()
+    if not (bad_loss or bad_norm):
+        if own_check:
+            optimizer.overflow = False
+        return None
+    if own_check:
+        for p in ctx.engine.module.parameters():
+            p.grad = None
+        optimizer.overflow = True
+    return "non-finite loss" if bad_loss else "non-finite gradient norm"
 
 
 def collect_groups(ctx: Context, step: int):
@@ -246,6 +300,7 @@ class LossTotals:
     def __init__(self) -> None:
         self.loss, self.tokens, self.sums = 0.0, 0.0, {}
         self.q_min, self.q_max = None, None
+        self.skipped: list[str] = []  # why each skipped optimizer step was skipped
 
     def add(self, loss: torch.Tensor, out, mask: torch.Tensor) -> None:
         tokens = mask.sum().float()
@@ -260,4 +315,10 @@ class LossTotals:
     def metrics(self, iterations: int) -> dict:
         tokens = torch.as_tensor(self.tokens).clamp(min=1.0)
         means = {name: total / tokens for name, total in self.sums.items()}
-        return {"loss": self.loss / iterations, **means, "sage/q_min": self.q_min, "sage/q_max": self.q_max}
+        return {
+            "loss": self.loss / iterations,
+            **means,
+            "sage/q_min": self.q_min,
+            "sage/q_max": self.q_max,
+            "nonfinite/skipped_steps": float(len(self.skipped)),
+        }
