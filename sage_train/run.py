@@ -55,7 +55,7 @@ from . import checkpoint, report
 from .build import build_engines, build_rollout, chat_prompted, make_guide, rollout_model_path
 from .build import with_lora
 from .config import TrainConfig
-from .distributed import InterruptFlag, init_distributed, reduce_rows, seed_everything
+from .distributed import InterruptFlag, RunError, init_distributed, reduce_rows, seed_everything
 from .evaluate import evaluate_engine, mean_pass_at_k
 from .lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
@@ -130,7 +130,7 @@ def run_locked(cfg: TrainConfig, inputs: Inputs, on_step, rank: int, world: int,
             bar.update(1)
             last = step == cfg.steps
             save = step % cfg.save_every == 0 or last
-            if step % cfg.log_every == 0 or save:  # rows are flushed before any checkpoint
+            if step % cfg.log_every == 0 or save or ctx.stop:  # rows are flushed before any checkpoint
                 rows = reduce_rows(pending, device)
                 pending = []
                 if rank == 0:
@@ -139,6 +139,8 @@ def run_locked(cfg: TrainConfig, inputs: Inputs, on_step, rank: int, world: int,
                     for row in rows:
                         if on_step is not None:
                             on_step(row["step"], row)
+                if ctx.stop:  # agreed over ranks: each step's skip decision is
+                    raise RunError(ctx.stop)
                 stop = interrupted.agreed(device)
                 if save or stop:
                     checkpoint.save(engine, run_dir, step, cfg, guide, keep=cfg.keep_checkpoints)

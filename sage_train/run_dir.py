@@ -41,6 +41,7 @@ FRESH_RUN_CLEARS = (
 #: a previous run's outputs that cost training to make: a fresh run needs ``overwrite`` to delete them
 KEPT = ("checkpoints", "final", "sft")
 RESUME_MAY_CHANGE = (
+    "output_dir",  # the run directory was moved
     "resume",
     "overwrite",
     "progress",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -22,7 +23,7 @@ from sage_kernels.guides import RandomGuide, TokenGuide
 
 from .advantages import group_advantages
 from .config import TrainConfig
-from .distributed import RunError, all_ranks
+from .distributed import all_ranks
 from .importance import truncated_is_weights
 from .policy import Batch, make_batch, score
 from .presets import loss_config
@@ -46,6 +47,7 @@ class Context:
     world: int
     device: torch.device
     nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
+    stop: str = ""  # why the run must stop (set by `check_finite_steps`)
 
 
 def rl_step(ctx: Context, step: int) -> dict:
@@ -111,9 +113,9 @@ def rl_step(ctx: Context, step: int) -> dict:
 
 
 def check_finite_steps(ctx: Context, step: int, skipped: list[str]) -> None:
-    """Say which optimizer steps were skipped; stop the run (`RunError`) once ``max_nonfinite_steps``
-    RL steps in a row had one: the weights stay those of the last good step, which the last
-    checkpoint holds."""
+    """Say which optimizer steps were skipped; after ``max_nonfinite_steps`` RL steps in a row with
+    one, set ``ctx.stop`` (the loop logs the step, then stops: the weights are still those of the
+    last good step, which the last checkpoint holds)."""
     if not skipped:
         ctx.nonfinite_in_a_row = 0
         return
@@ -121,10 +123,10 @@ def check_finite_steps(ctx: Context, step: int, skipped: list[str]) -> None:
     if ctx.rank == 0:
         print(f"sage-train: step {step}: optimizer step skipped ({', '.join(skipped)})", flush=True)
     if ctx.nonfinite_in_a_row >= ctx.cfg.max_nonfinite_steps:
-        raise RunError(
+        ctx.stop = (
             f"steps {step - ctx.nonfinite_in_a_row + 1}..{step} all had a non-finite loss or gradient "
-            f"(max_nonfinite_steps={ctx.cfg.max_nonfinite_steps}); stopping with the weights and checkpoints "
-            f"of the last good step. Lower lr, then continue with --resume"
+            f"(max_nonfinite_steps={ctx.cfg.max_nonfinite_steps}); stopped with the weights of the last good "
+            f"step, which the last checkpoint holds. Lower lr or beta, then continue with --resume"
         )
 
 
@@ -177,8 +179,9 @@ def policy_update(
             ctx.engine.backward(loss * ctx.world, scale_wrt_gas=False)  # undo DeepSpeed's averaging
             step_loss = step_loss + loss.detach()
             if ctx.engine.is_gradient_accumulation_boundary():
-                why = skip_nonfinite_step(ctx, step_loss)
-            ctx.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+                why = nonfinite_step(ctx, step_loss)
+            with skipped_update(ctx.engine, why is not None):
+                ctx.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
             totals.add(loss, out, batch.completion_mask[rows])
         if not ctx.engine.was_step_applied():
             totals.skipped.append(why or "non-finite gradient (DeepSpeed's overflow check)")
@@ -187,32 +190,45 @@ def policy_update(
     return totals
 
 
-def skip_nonfinite_step(ctx: Context, step_loss: torch.Tensor) -> Optional[str]:
-    """Before the optimizer step at the accumulation boundary: why it must be skipped (a non-finite
-    loss or gradient norm, on any rank), or None. One host sync per optimizer step.
-
-    DeepSpeed's own optimizers (ZeRO, bf16) find non-finite gradients themselves and skip the step;
-    a plain torch optimizer (ZeRO stage 0 in float32) would apply them, so here the gradients are
-    checked, dropped, and the step marked as an overflow, which DeepSpeed then handles as its own
-    (no parameter update, no LR-scheduler step, ``was_step_applied()`` false)."""
-    optimizer = ctx.engine.optimizer
+def nonfinite_step(ctx: Context, step_loss: torch.Tensor) -> Optional[str]:
+    """At the accumulation boundary, before the optimizer step: why that step must be skipped (a
+    non-finite loss, or gradient norm, on any rank), or None. One host sync per optimizer step.
+    The gradient norm is checked here for a plain torch optimizer (ZeRO stage 0 in float32), which
+    would apply it; DeepSpeed's own optimizers (ZeRO, bf16) check their gradients and skip the step
+    themselves (``was_step_applied()`` then reads false)."""
     grads = [p.grad for p in ctx.engine.module.parameters() if p.grad is not None]
-    own_check = isinstance(optimizer, torch.optim.Optimizer) and bool(grads)
-    norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])) if own_check else 0.0
-    values = torch.stack([torch.as_tensor(v, device=ctx.device).float() for v in (step_loss, norm)])
-    bad = (~torch.isfinite(values)).float()
+    values = [torch.as_tensor(step_loss, device=ctx.device).float()]
+    if isinstance(ctx.engine.optimizer, torch.optim.Optimizer) and grads:
+        values.append(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
+    bad = (~torch.isfinite(torch.stack(values))).float()
     if ctx.world > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    bad_loss, bad_norm = bad.tolist()
-    if not (bad_loss or bad_norm):
-        if own_check:
-            optimizer.overflow = False
-        return None
-    if own_check:
-        for p in ctx.engine.module.parameters():
-            p.grad = None
-        optimizer.overflow = True
-    return "non-finite loss" if bad_loss else "non-finite gradient norm"
+    flags = bad.tolist()
+    if flags[0]:
+        return "non-finite loss"
+    return "non-finite gradient norm" if any(flags) else None
+
+
+@contextmanager
+def skipped_update(engine, skip: bool):
+    """Around ``engine.step()``: when `skip`, the step leaves the parameters and the optimizer state
+    as they are. Its gradients are zeroed (DeepSpeed's clipping needs them present) and the optimizer's
+    ``step`` is a no-op for this call; ``overflow`` makes DeepSpeed count the step as skipped (no
+    LR-scheduler step, ``was_step_applied()`` false), as it does for its own optimizers' overflows."""
+    optimizer = engine.optimizer
+    if not skip or not isinstance(optimizer, torch.optim.Optimizer):
+        yield
+        return
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    optimizer.overflow = True
+    optimizer.step = lambda closure=None: None  # shadows the method for this call only
+    try:
+        yield
+    finally:
+        del optimizer.step
+        optimizer.overflow = False
 
 
 def collect_groups(ctx: Context, step: int):
