@@ -102,6 +102,8 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
             shutil.rmtree(staging, ignore_errors=True)
         dist.barrier()
         raise RunError(shared[0])
+    if rank == 0:
+        staging.rmdir()  # empty once its checkpoint is renamed into place
     if rank == 0 and keep:
         done = [p for p in sorted(root.glob(f"{TAG_PREFIX}*")) if (step_of(p) or 0) <= step]
         for old in done[:-keep]:

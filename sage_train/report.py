@@ -5,9 +5,9 @@ and the end-of-run summary.
 Only rank 0 writes. Rows arrive already on the host: the trainer converts its metric
 tensors at log intervals only.
 
-A resumed run continues each record without duplicating a step: ``metrics.jsonl`` drops the rows
-past the checkpoint (and a half-written last line), TensorBoard purges its events past it, and
-W&B / trackio, which cannot take a step back, are sent only the steps they have not received.
+A resumed run leaves each record with every step once: ``metrics.jsonl`` drops the rows past the
+checkpoint (and a half-written last line), TensorBoard purges its events past it, and W&B (offline)
+and trackio, which cannot take a step back, get a fresh record replaying the kept rows.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -43,24 +45,29 @@ PLOT_PANELS = (
 
 class MetricsLog:
     """Appends rows to ``metrics.jsonl`` (fsynced: a checkpoint never gets ahead of its rows) and to
-    `loggers`. On resume it first keeps only the rows up to the checkpoint's step, so the file reads
-    like an uninterrupted run's; a half-written last line (a kill mid-write) is dropped and said so."""
+    the experiment loggers (`make_loggers`, set as ``loggers``). On resume it first keeps only the
+    rows up to the checkpoint's step (``history``), so the file reads like an uninterrupted run's; a
+    half-written last line (a kill mid-write) is dropped and said so."""
 
-    def __init__(self, path: Path, *, resume_step: Optional[int] = None, loggers: tuple = ()):
+    def __init__(self, path: Path, *, resume_step: Optional[int] = None):
         self.path = Path(path)
-        if resume_step is None or not self.path.is_file():
-            self.path.write_text("")
-        else:
+        kept = []
+        if resume_step is not None and self.path.is_file():
             kept = rows_up_to(self.path, resume_step)
-            self.path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
-            os.replace(self.path.with_suffix(".tmp"), self.path)
-        self.loggers = list(loggers)
+        self.path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
+        os.replace(self.path.with_suffix(".tmp"), self.path)
+        self.history = [json.loads(line) for line in kept]
+        self.loggers = []
 
     def write(self, rows: list[dict]) -> None:
-        with open(self.path, "a") as f:
-            f.write("".join(json.dumps(row) + "\n" for row in rows))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps(row) + "\n" for row in rows))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as error:  # e.g. a full disk: the checkpoints so far are intact, resume drops a half line
+            why = (error.strerror or str(error)).lower()
+            raise RunError(f"writing {self.path} failed ({why}); continue with --resume") from error
         for logger in self.loggers:
             logger.log(rows)
 
@@ -92,21 +99,22 @@ def rows_up_to(path: Path, step: int) -> list[str]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def make_loggers(names: list, folder: Path, *, project: str, run_name: str, config: dict, resume_step: int) -> list:
-    """The loggers named in ``report_to``, writing under `folder` (the run directory) where the logger
-    lets them choose (TensorBoard, W&B; trackio writes to its own $TRACKIO_DIR)."""
+def make_loggers(cfg, run_dir: Path, history: list[dict]) -> list:
+    """The loggers named in ``cfg.report_to``, each left holding exactly the steps of `history` (the
+    rows a resumed run keeps; empty for a fresh run), whatever an interrupted run had sent them."""
     makers = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "trackio": TrackioLogger}
-    return [makers[name](folder, project, run_name, config, resume_step) for name in names]
+    return [makers[name](cfg, Path(run_dir), history) for name in cfg.report_to]
 
 
 class TensorBoardLogger:
-    """Scalars under ``run_dir/tensorboard``; a resumed run purges the events past its checkpoint."""
+    """Scalars under ``run_dir/tensorboard``, flushed at every write. A resumed run purges the events
+    past its checkpoint (TensorBoard's ``purge_step``); the earlier ones are already on disk."""
 
-    def __init__(self, folder: Path, project: str, run_name: str, config: dict, resume_step: int):
+    def __init__(self, cfg, run_dir: Path, history: list[dict]):
         from torch.utils.tensorboard import SummaryWriter
 
-        purge = resume_step + 1 if resume_step else None  # hides the events past the checkpoint
-        self.writer = SummaryWriter(str(Path(folder) / "tensorboard"), purge_step=purge)
+        purge = history[-1]["step"] + 1 if history else None
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, rows: list[dict]) -> None:
         for row in rows:
@@ -119,64 +127,69 @@ class TensorBoardLogger:
         self.writer.close()
 
 
-class _StepOnceLogger:
-    """A logger whose history cannot go back a step: ``run_dir/<kind>/last_step`` records the last step
-    it was sent, and a resumed run sends it only later ones (the earlier values stay, identical when
-    the resume is exact). The run's id in ``run_dir/<kind>/run_id`` makes the resumed run the same run."""
+class WandbLogger:
+    """A W&B run under ``run_dir/wandb``, named after the run. Offline (``WANDB_MODE=offline``, no
+    network; ``wandb sync`` uploads it later) a resumed run replaces the interrupted one's local
+    record, which may lack what the killed process had not flushed, by a new one replaying `history`.
+    Online it continues the same run (its id is kept in ``run_dir/wandb/run_id``) and the server
+    drops the steps it already has."""
 
-    kind = ""
+    def __init__(self, cfg, run_dir: Path, history: list[dict]):
+        import wandb
 
-    def __init__(self, folder: Path, project: str, run_name: str, config: dict, resume_step: int):
-        self.folder = Path(folder) / self.kind
+        self.folder = run_dir / "wandb"
         self.folder.mkdir(parents=True, exist_ok=True)
-        last = self.folder / "last_step"
-        self.sent = int(last.read_text()) if resume_step and last.is_file() else 0
-        self.run = self.start(project, run_name, config, resumed=bool(resume_step))
+        id_file = self.folder / "run_id"
+        offline = os.environ.get("WANDB_MODE", "") in ("offline", "dryrun")
+        if history and offline:
+            shutil.rmtree(self.folder / "wandb", ignore_errors=True)
+        if offline or not (history and id_file.is_file()):
+            id_file.write_text(secrets.token_hex(4))  # wandb takes any [a-z0-9] id
+        self.run = wandb.init(
+            project=cfg.report_project,
+            name=cfg.name,
+            id=id_file.read_text(),
+            dir=str(self.folder),
+            config=cfg.to_dict(),
+            resume="allow",
+        )
+        if offline:
+            self.log(history)
 
     def log(self, rows: list[dict]) -> None:
         for row in rows:
-            if row["step"] > self.sent:
-                self.send({k: v for k, v in row.items() if k != "step"}, row["step"])
-                self.sent = row["step"]
-        (self.folder / "last_step").write_text(str(self.sent))
-
-
-class WandbLogger(_StepOnceLogger):
-    """A W&B run in ``run_dir/wandb`` (``WANDB_MODE=offline`` logs without a network; `wandb sync` uploads)."""
-
-    kind = "wandb"
-
-    def start(self, project: str, run_name: str, config: dict, *, resumed: bool):
-        import wandb
-
-        id_file = self.folder / "run_id"
-        if not (resumed and id_file.is_file()):
-            id_file.write_text(wandb.util.generate_id())
-        return wandb.init(
-            project=project, name=run_name, id=id_file.read_text(), dir=str(self.folder), config=config, resume="allow"
-        )
-
-    def send(self, metrics: dict, step: int) -> None:
-        self.run.log(metrics, step=step)
+            self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def close(self) -> None:
         self.run.finish()
 
 
-class TrackioLogger(_StepOnceLogger):
-    """A trackio run (local: in $TRACKIO_DIR, ``trackio show`` opens it), named after the run."""
+class TrackioLogger:
+    """A trackio run named after the run, in the project ``report_project`` (local: $TRACKIO_DIR;
+    ``trackio show`` opens it). A resumed run deletes the interrupted one's record and replays
+    `history`, so the record holds each step once, as ``metrics.jsonl`` does; ``overwrite`` deletes
+    the replaced run's record."""
 
-    kind = "trackio"
-
-    def start(self, project: str, run_name: str, config: dict, *, resumed: bool):
+    def __init__(self, cfg, run_dir: Path, history: list[dict]):
         import trackio
 
-        return trackio.init(
-            project=project, name=run_name, config=config, resume="allow" if resumed else "never", embed=False
+        if history or cfg.overwrite:  # this run's record replaces the interrupted (or overwritten) one's
+            for run in trackio.Api().runs(cfg.report_project):
+                if run.name == cfg.name:
+                    run.delete()
+        self.run = trackio.init(
+            project=cfg.report_project,
+            name=cfg.name,
+            config=cfg.to_dict(),
+            embed=False,  # no dashboard server from a training job
+            auto_log_cpu=False,  # its system-metrics rows would interleave with the steps
+            auto_log_gpu=False,
         )
+        self.log(history)
 
-    def send(self, metrics: dict, step: int) -> None:
-        self.run.log(metrics, step=step)
+    def log(self, rows: list[dict]) -> None:
+        for row in rows:
+            self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def close(self) -> None:
         self.run.finish()

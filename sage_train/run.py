@@ -111,15 +111,8 @@ def run_locked(cfg: TrainConfig, inputs: Inputs, on_step, rank: int, world: int,
 
     log = None
     if rank == 0:
-        loggers = report.make_loggers(
-            cfg.report_to,
-            run_dir,
-            project=cfg.report_project,
-            run_name=cfg.name,
-            config=cfg.to_dict(),
-            resume_step=first_step - 1,
-        )
-        log = report.MetricsLog(run_dir / "metrics.jsonl", resume_step=first_step - 1, loggers=loggers)
+        log = report.MetricsLog(run_dir / "metrics.jsonl", resume_step=first_step - 1)
+        log.loggers = report.make_loggers(cfg, run_dir, log.history)
     bar = report.progress_bar(cfg.steps, first_step - 1, cfg.progress and rank == 0)
     interrupted = InterruptFlag()
     pending: list[tuple[int, dict]] = []

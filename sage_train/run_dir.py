@@ -31,7 +31,6 @@ FRESH_RUN_CLEARS = (
     "final",
     "tensorboard",
     "wandb",
-    "trackio",
     "metrics.jsonl",
     "eval_before.json",
     "eval_after.json",
