@@ -83,6 +83,8 @@ def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
         sft_problems = list(sft_task.problems("train", None, cfg.seed))
     if cfg.eval_task:
         _task("eval_task", cfg.eval_task, {})
+    if cfg.model.startswith(("/", ".", "~")) and not Path(cfg.model).expanduser().is_dir():
+        raise ConfigError(f"config key 'model': no directory {cfg.model!r} (expected 'tiny', a hub id or a directory)")
     if cfg.model != "tiny":
         from transformers import AutoConfig
 

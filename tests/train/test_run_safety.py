@@ -105,7 +105,7 @@ def resume(output: Path, name: str = "stopped", **overrides):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--model=/no/such/model"], ["'model'", "/no/such/model"]),
+        (["--model=/no/such/model"], ["'model'", "no directory '/no/such/model'"]),
         (["--task=bogus"], ["'task'", "bogus", "arithmetic"]),
         (["--prompts_per_step=7"], ["prompts_per_step", "micro_batch_size"]),
         (["--train_problems=3"], ["train_problems", "3 problems"]),
@@ -241,6 +241,7 @@ def test_lock_refuses_a_second_holder_and_reports_a_stale_one(tmp_path, capsys):
     assert not (tmp_path / LOCK_FILE).exists()
 
 
+@pytest.mark.slow
 def test_second_run_and_kill_9_in_the_checkpoint_window(runs, tmp_path, capsys):
     """A subprocess run saving at every step: a second run on its directory exits 2 naming it; it is
     then killed (-9) while a checkpoint is half-written; the resume reports the stale lock and the
@@ -290,6 +291,7 @@ def can_mount_tmpfs() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unshare -rm (a user namespace) to mount a small tmpfs")
 def test_full_disk_says_so_and_keeps_the_previous_checkpoint(runs, tmp_path):
     """The run writes to a 512 KiB tmpfs (a checkpoint is ~140 KiB): it fails at a checkpoint with "no
@@ -347,6 +349,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, capsys, distri
 # --- loggers -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_loggers_write_locally_and_a_resume_after_kill_9_duplicates_no_step(runs, tmp_path, monkeypatch):
     """TensorBoard, W&B (offline) and trackio: a run killed (-9) after logging step 3 past its step-2
     checkpoint, then resumed, has steps 1..6 once each in every logger."""
