@@ -195,7 +195,8 @@ def nonfinite_step(ctx: Context, step_loss: torch.Tensor) -> Optional[str]:
     non-finite loss, or gradient norm, on any rank), or None. One host sync per optimizer step.
     The gradient norm is checked here for a plain torch optimizer (ZeRO stage 0 in float32), which
     would apply it; DeepSpeed's own optimizers (ZeRO, bf16) check their gradients and skip the step
-    themselves (``was_step_applied()`` then reads false)."""
+    themselves (``was_step_applied()`` then reads false; a non-finite loss whose gradients they find
+    finite is applied by them, as this cannot reach into their partitioned gradients)."""
     grads = [p.grad for p in ctx.engine.module.parameters() if p.grad is not None]
     values = [torch.as_tensor(step_loss, device=ctx.device).float()]
     if isinstance(ctx.engine.optimizer, torch.optim.Optimizer) and grads:

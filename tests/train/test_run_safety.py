@@ -424,3 +424,49 @@ def wandb_history(folder: Path) -> list[dict]:
                 items = record.history.item
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
     return rows
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(tiny_config, distributed, zero_stage):
+    """ref_logp - logp = +100 on one token of the batch: the loss is inf and the gradient non-finite.
+    The optimizer step is skipped (weights, optimizer state and LR schedule untouched), said so in
+    the metrics; the next batch, finite, is applied."""
+    from sage_train.build import build_engines
+    from sage_train.model import build_char_tokenizer
+    from sage_train.policy import make_batch, score
+    from sage_train.rollout import Completion
+    from sage_train.step import Context, policy_update
+    from tiny_models import tiny_model
+
+    tokenizer = build_char_tokenizer()
+    cfg = tiny_config(algorithm="grpo", prompts_per_step=2, group_size=4, micro_batch_size=4, zero_stage=zero_stage)
+    completions = [
+        Completion(prompt_index=row // 4, prompt_ids=[5 + row, 7], completion_ids=[9, 10 + row, 11], text="")
+        for row in range(8)
+    ]
+    batch = make_batch(completions, torch.device("cpu"), tokenizer.pad_token_id)
+    advantages = torch.linspace(-1, 1, 8)
+    model = tiny_model(tokenizer, seed=0, max_positions=64)
+    reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
+    engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
+    ctx = Context(cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu"))
+    old_logp, _ = score(engine, batch, 4, cfg.temperature)
+    ref_logp, _ = score(reference, batch, 4, cfg.temperature)
+    extreme = ref_logp.clone()
+    extreme[3, -1] = old_logp[3, -1] + 100.0
+    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    lr_before = engine.get_lr()[0]
+
+    totals = policy_update(ctx, batch, advantages, old_logp, extreme, None)
+    assert not torch.isfinite(totals.metrics(1)["loss"])
+    assert totals.skipped == ["non-finite loss"]  # stage 2: DeepSpeed's own check skipped it, the loss says why
+    assert totals.metrics(1)["nonfinite/skipped_steps"] == 1.0 and not engine.was_step_applied()
+    for name, p in engine.module.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
+    if zero_stage == 0:
+        assert not engine.optimizer.state  # Adam took no step: no moments, no step count
+    assert engine.get_lr()[0] == lr_before and engine.skipped_steps == 1
+
+    totals = policy_update(ctx, batch, advantages, old_logp, ref_logp, None)
+    assert totals.skipped == [] and engine.was_step_applied()
+    assert any(not torch.equal(p.detach(), before[name]) for name, p in engine.module.named_parameters())
