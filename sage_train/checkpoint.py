@@ -103,7 +103,9 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
         dist.barrier()
         raise RunError(shared[0])
     if rank == 0:
-        staging.rmdir()  # empty once its checkpoint is renamed into place
+        for extra in staging.iterdir():  # DeepSpeed's zero_to_fp32.py & co. go beside the checkpoints
+            os.replace(extra, root / extra.name)
+        staging.rmdir()
     if rank == 0 and keep:
         done = [p for p in sorted(root.glob(f"{TAG_PREFIX}*")) if (step_of(p) or 0) <= step]
         for old in done[:-keep]:

@@ -224,11 +224,15 @@ def skipped_update(engine, skip: bool):
         if p.grad is not None:
             p.grad.zero_()
     optimizer.overflow = True
-    optimizer.step = lambda closure=None: None  # shadows the method for this call only
+    wrapped = optimizer.__dict__.get("step")  # the LR scheduler's wrapper of the method, if any
+    optimizer.step = lambda closure=None: None  # for this call only
     try:
         yield
     finally:
-        del optimizer.step
+        if wrapped is None:
+            del optimizer.step
+        else:
+            optimizer.step = wrapped
         optimizer.overflow = False
 
 
