@@ -208,10 +208,11 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
     keeping its warm start). Without: a directory holding a previous run's checkpoints, final or
     warm-started model is refused unless ``overwrite``, which clears `FRESH_RUN_CLEARS`."""
     usable, skipped = checkpoint.find(run_dir, world)
+    damaged = [s for s in skipped if s.startswith(checkpoint.TAG_PREFIX)]  # not a save that never finished
     if cfg.resume:
         if usable:
             _check_unchanged(cfg, usable[0] / "config.yaml")
-        elif skipped:
+        elif damaged:
             raise ConfigError(
                 f"resume: no usable checkpoint in {checkpoint.checkpoint_dir(run_dir)}: {'; '.join(skipped)}. "
                 f"Pass --overwrite instead of --resume to start afresh"
@@ -222,7 +223,8 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
                 f"--overwrite instead of --resume to train it afresh"
             )
         elif rank == 0:
-            print(f"sage-train: no checkpoint in {run_dir} yet: --resume starts at step 1", flush=True)
+            left = f" (skipped {'; '.join(skipped)})" if skipped else ""
+            print(f"sage-train: no complete checkpoint in {run_dir} yet{left}: --resume starts at step 1", flush=True)
     else:
         kept = [name for name in KEPT if _has_content(run_dir / name)]
         if kept and not cfg.overwrite:

@@ -181,6 +181,24 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(runs, tmp_path, cap
     assert [checkpoint.verify(run_dir / "checkpoints" / f"step00000{s}", 1) for s in (2, 4, 6)] == [None] * 3
 
 
+def test_resume_after_a_kill_inside_the_first_save_starts_at_step_1(runs, tmp_path, capsys):
+    """What a kill -9 inside the first checkpoint's window leaves: a half-written staging folder and
+    no `latest`. Nothing was complete, so the resume starts over and keeps nothing of the killed run's."""
+    run_dir = copy_of_stopped(runs, tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    for name in ("step000004", "latest"):
+        shutil.rmtree(checkpoints / name) if (checkpoints / name).is_dir() else (checkpoints / name).unlink()
+    (checkpoints / "step000002").rename(tmp_path / "aside")
+    (checkpoints / checkpoint.PARTIAL).mkdir()
+    (tmp_path / "aside").rename(checkpoints / checkpoint.PARTIAL / "step000002")
+    truncate(checkpoints / checkpoint.PARTIAL / "step000002" / "mp_rank_00_model_states.pt")
+    resume(tmp_path)
+    line = next(line for line in capsys.readouterr().out.splitlines() if "starts at step 1" in line)
+    assert ".partial/step000002 (a save that did not finish)" in line
+    assert_same_metrics(metrics(run_dir), runs.whole)
+    assert not (checkpoints / checkpoint.PARTIAL).exists()
+
+
 def test_no_usable_checkpoint_is_a_clear_error_and_deletes_nothing(runs, tmp_path, capsys):
     run_dir = copy_of_stopped(runs, tmp_path)
     truncate(run_dir / "checkpoints" / "step000004" / "mp_rank_00_model_states.pt")
