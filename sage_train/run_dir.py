@@ -6,6 +6,7 @@ only with ``overwrite``)."""
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import shutil
@@ -66,7 +67,7 @@ class Inputs(NamedTuple):
 
 def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
     """Everything `cfg` names that can be wrong: the batch shape for `world` processes, the
-    DeepSpeed file, the tasks, the model. Raises `ConfigError` naming the key."""
+    DeepSpeed file, the tasks, the loggers' packages, the model. Raises `ConfigError` naming the key."""
     check_batch_shape(cfg, world)
     deepspeed_config(cfg, world, 1, torch.device("cpu"))  # reads and checks the deepspeed_config file
     task = _task("task", cfg.task, cfg.task_options)
@@ -83,6 +84,9 @@ def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
         sft_problems = list(sft_task.problems("train", None, cfg.seed))
     if cfg.eval_task:
         _task("eval_task", cfg.eval_task, {})
+    for logger in cfg.report_to:  # each logger is its own package, not a dependency of sage-train
+        if importlib.util.find_spec(logger) is None:
+            raise ConfigError(f"config key 'report_to': {logger!r} needs its package (pip install {logger})")
     if cfg.model.startswith(("/", ".", "~")) and not Path(cfg.model).expanduser().is_dir():
         raise ConfigError(f"config key 'model': no directory {cfg.model!r} (expected 'tiny', a hub id or a directory)")
     if cfg.model != "tiny":
