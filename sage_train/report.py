@@ -174,7 +174,11 @@ class TrackioLogger:
         import trackio
 
         if history or cfg.overwrite:  # this run's record replaces the interrupted (or overwritten) one's
-            for run in trackio.Api().runs(cfg.report_project):
+            try:
+                runs = list(trackio.Api().runs(cfg.report_project))
+            except ValueError:  # no such project yet
+                runs = []
+            for run in runs:
                 if run.name == cfg.name:
                     run.delete()
         self.run = trackio.init(

@@ -134,7 +134,10 @@ def test_overwrite_replaces_the_previous_run(runs, tmp_path, capsys):
     assert status == 0 and "--overwrite: starting" in capsys.readouterr().out
     assert_same_metrics(metrics(run_dir), runs.whole)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "latest", "step000002", "step000004", "step000006"
+        "latest",
+        "step000002",
+        "step000004",
+        "step000006",
     ]
 
 
@@ -324,8 +327,9 @@ def test_full_disk_says_so_and_keeps_the_previous_checkpoint(runs, tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RANK", None)
-    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     message = [line for line in done.stdout.splitlines() if line.startswith("sage-train:")][-1]
     assert "no space left on device" in message and "Traceback" not in done.stderr
@@ -348,16 +352,24 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, capsys, distri
     from sage_train.model import load_model_and_tokenizer
 
     yaml_file = write_yaml(tmp_path / "tiny.yaml", {**TINY_RUN, **OPTIONS})
-    argv = ["--config", str(yaml_file), f"--output_dir={tmp_path}", "--name=nan", "--beta=3e38", "--save_every=1",
-            "--max_nonfinite_steps=2"]
+    argv = [
+        "--config",
+        str(yaml_file),
+        f"--output_dir={tmp_path}",
+        "--name=nan",
+        "--beta=3e38",
+        "--save_every=1",
+        "--max_nonfinite_steps=2",
+    ]
     assert train_main(argv) == 1
     out = capsys.readouterr().out
     assert "step 1: optimizer step skipped (non-finite gradient norm)" in out
     assert "sage-train: steps 1..2 all had a non-finite loss or gradient" in out
     rows = report.read_metrics(tmp_path / "nan" / "metrics.jsonl")
     assert [(r["step"], r["nonfinite/skipped_steps"]) for r in rows] == [(1, 1.0), (2, 1.0)]
-    saved = torch.load(tmp_path / "nan" / "checkpoints" / "step000001" / "mp_rank_00_model_states.pt",
-                       weights_only=False)["module"]
+    saved = torch.load(
+        tmp_path / "nan" / "checkpoints" / "step000001" / "mp_rank_00_model_states.pt", weights_only=False
+    )["module"]
     initial, _ = load_model_and_tokenizer(config(tmp_path, "nan"))
     for name, value in initial.state_dict().items():
         torch.testing.assert_close(saved[f"lm.{name}"], value, rtol=0, atol=0)
