@@ -257,7 +257,9 @@ def validate_inputs(hidden, weight, token_ids, mask, advantages, *, bias=None, o
     """Check everything docs/loss.md lists under "Bad input" and return canonical `SageInputs`.
 
     Raises ValueError / TypeError naming the argument and what was expected, before any
-    computation; values are scanned too (token-id range, non-finite numbers).
+    computation (an empty batch, B = 0 or L = 0, is an error: there is no loss to return; a
+    batch whose mask is all false gives a zero loss); values are scanned too (token-id range,
+    non-finite numbers).
     """
     _check_tensor("hidden", hidden, ndim=(2, 3), float_=True)
     device = hidden.device
@@ -283,6 +285,9 @@ def validate_inputs(hidden, weight, token_ids, mask, advantages, *, bias=None, o
     if token_ids.is_floating_point() or token_ids.dtype == torch.bool or token_ids.is_complex():
         raise TypeError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
     B, L = token_ids.shape
+    if B == 0 or L == 0:  # no token: no loss to define (a batch with every token masked is fine)
+        raise ValueError(f"token_ids must have B >= 1 rows and L >= 1 columns, got shape {(B, L)}; "
+                         f"skip the loss for a batch without tokens")
     if hidden.dim() == 3 and tuple(hidden.shape[:2]) != (B, L):
         raise ValueError(f"hidden must have shape [B={B}, L={L}, D] to match token_ids, "
                          f"got {tuple(hidden.shape)}")

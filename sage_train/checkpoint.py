@@ -1,17 +1,26 @@
-"""Save and resume a run exactly.
+"""Save and resume a run exactly; a checkpoint is complete or absent.
 
 A checkpoint is ``runs/<name>/checkpoints/step<N>/``: DeepSpeed's own files (model,
 optimizer and LR-scheduler states, partitioned as the ZeRO stage partitions them), the
-resolved ``config.yaml``, and one ``rank<r>.pt`` per process with what DeepSpeed does not
-keep: the Python, NumPy and torch RNG states and the guide's state (its schedule position
-and, for the random guide, its generator). The data position is the step number itself:
-the trainer draws each step's prompts from a generator seeded by (seed, step), so
-resuming at step N draws what an uninterrupted run would have drawn.
-``checkpoints/latest`` (written by DeepSpeed) names the newest one.
+resolved ``config.yaml``, one ``rank<r>.pt`` per process with what DeepSpeed does not
+keep (the Python, NumPy and torch RNG states and the guide's state: its schedule position
+and, for the random guide, its generator), and ``manifest.json``, the size of every file.
+The data position is the step number itself: the trainer draws each step's prompts from a
+generator seeded by (seed, step), so resuming at step N draws what an uninterrupted run
+would have drawn.
+
+Writing: everything goes to ``checkpoints/.partial/step<N>/``, is fsynced, then renamed into
+place; ``checkpoints/latest`` (the file DeepSpeed's tools read) is replaced last. A kill or a
+full disk at any moment leaves the previous checkpoints as they were. Resuming does not trust
+``latest``: it takes the newest ``step*`` whose manifest matches the files on disk and loads;
+the ones it skips are named.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -21,13 +30,27 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import save_yaml
+from .config import ConfigError, save_yaml
+from .distributed import RunError
 
 TAG_PREFIX = "step"
+PARTIAL = ".partial"  # the staging folder of a save in progress (or killed)
+MANIFEST = "manifest.json"
+#: free bytes under which a failed write is read as a full disk (torch reports ENOSPC as an iostream error)
+FULL_DISK_BYTES = 1 << 20
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def tag_of(step: int) -> str:
+    return f"{TAG_PREFIX}{step:06d}"
+
+
+def step_of(path: Path) -> Optional[int]:
+    digits = path.name[len(TAG_PREFIX) :]
+    return int(digits) if path.name.startswith(TAG_PREFIX) and digits.isdigit() else None
 
 
 def rng_state() -> dict:
@@ -46,45 +69,182 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
-    """Write checkpoint `step` from every rank (a collective call), then drop all but the
-    newest `keep` (0 keeps all)."""
+    """Write checkpoint `step` from every rank (a collective call), then drop all but the newest
+    `keep` up to `step` (0 keeps all). Raises `RunError` (on every rank) when it cannot be
+    written; the previous checkpoints are then untouched."""
     root = checkpoint_dir(run_dir)
-    tag = f"{TAG_PREFIX}{step:06d}"
-    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step})
+    staging, tag = root / PARTIAL, tag_of(step)
     rank = dist.get_rank()
-    torch.save(
-        {"rng": rng_state(), "guide": guide.state_dict() if guide is not None else None},
-        root / tag / f"rank{rank}.pt",
-    )
     if rank == 0:
-        save_yaml(cfg, root / tag / "config.yaml")
-        if keep:
-            for old in sorted(root.glob(f"{TAG_PREFIX}*"))[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+    dist.barrier()
+    error = None
+    try:
+        engine.save_checkpoint(str(staging), tag=tag, client_state={"step": step}, save_latest=False)
+        state = {"rng": rng_state(), "guide": guide.state_dict() if guide is not None else None}
+        torch.save(state, staging / tag / f"rank{rank}.pt")
+        if rank == 0:
+            save_yaml(cfg, staging / tag / "config.yaml")
+    except (OSError, RuntimeError) as caught:  # torch reports a failed write as a RuntimeError
+        error = _write_failure(caught, root, tag)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    error = next((e for e in errors if e), None)
+    if error is None and rank == 0:
+        try:
+            _commit(root, staging / tag, dist.get_world_size())
+        except OSError as caught:
+            error = _write_failure(caught, root, tag)
+    shared = [error]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0]:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
+        raise RunError(shared[0])
+    if rank == 0:
+        for extra in staging.iterdir():  # DeepSpeed's zero_to_fp32.py & co. go beside the checkpoints
+            os.replace(extra, root / extra.name)
+        staging.rmdir()
+    if rank == 0 and keep:
+        done = [p for p in sorted(root.glob(f"{TAG_PREFIX}*")) if (step_of(p) or 0) <= step]
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return root / tag
 
 
-def latest_step(run_dir: Path) -> Optional[int]:
-    """The step of the newest checkpoint in `run_dir`, or None."""
-    latest = checkpoint_dir(run_dir) / "latest"
-    if not latest.is_file():
+def _commit(root: Path, written: Path, world: int) -> None:
+    """Manifest and fsync the staged checkpoint, rename it into place, then point `latest` at it."""
+    sizes = {}
+    for path in sorted(p for p in written.rglob("*") if p.is_file()):
+        _fsync(path)
+        sizes[str(path.relative_to(written))] = path.stat().st_size
+    _write_synced(written / MANIFEST, json.dumps({"world_size": world, "files": sizes}, indent=1) + "\n")
+    for folder in {p.parent for p in written.rglob("*")} | {written}:
+        _fsync(folder)
+    final = root / written.name
+    if final.exists():  # a checkpoint of a timeline abandoned by a resume from an older step
+        aside = written.parent / f"replaced-{written.name}"
+        final.rename(aside)
+        written.rename(final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        written.rename(final)
+    _fsync(root)
+    _write_synced(root / "latest.tmp", final.name)
+    os.replace(root / "latest.tmp", root / "latest")
+    _fsync(root)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_failure(error: Exception, root: Path, tag: str) -> str:
+    """One line for a checkpoint that could not be written, naming a full disk as such."""
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    kept = latest_complete_name(root)
+    previous = f"the previous checkpoint {kept} stays 'latest'" if kept else "no earlier checkpoint exists"
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < FULL_DISK_BYTES:
+        return (
+            f"checkpoint {tag}: no space left on device in {root} ({free} bytes free); {previous}. "
+            f"Free some space and continue with --resume"
+        )
+    return f"checkpoint {tag} could not be written to {root}: {error}; {previous}"
+
+
+def latest_complete_name(root: Path) -> Optional[str]:
+    latest = root / "latest"
+    try:
+        name = latest.read_text().strip()
+    except OSError:
         return None
-    return int(latest.read_text().strip()[len(TAG_PREFIX) :])
+    return name if name and (root / name / MANIFEST).is_file() else None
 
 
-def load(engine, run_dir: Path, guide) -> int:
-    """Restore the newest checkpoint into `engine`, the RNGs and `guide`; returns its step."""
+def verify(path: Path, world: int) -> Optional[str]:
+    """Why checkpoint folder `path` cannot be resumed by `world` processes, or None when its
+    manifest matches the files on disk (what a truncation or a half-copied folder breaks)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        sizes, saved_world = manifest["files"], manifest["world_size"]
+    except FileNotFoundError:
+        return f"no {MANIFEST}: not a complete checkpoint"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"unreadable {MANIFEST} ({error})"
+    if saved_world != world:
+        return f"saved by {saved_world} process(es), resumed by {world}"
+    for name, size in sizes.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def find(run_dir: Path, world: int) -> tuple[list[Path], list[str]]:
+    """(the complete checkpoints, newest first; what was skipped and why, as "name (why)")."""
     root = checkpoint_dir(run_dir)
-    step = latest_step(run_dir)
-    if step is None:
-        raise FileNotFoundError(f"resume: no checkpoint in {root} (no 'latest' file)")
-    tag = f"{TAG_PREFIX}{step:06d}"
-    path, client_state = engine.load_checkpoint(str(root), tag=tag)
-    if path is None:
-        raise FileNotFoundError(f"resume: DeepSpeed could not load checkpoint {root / tag}")
-    state = torch.load(root / tag / f"rank{dist.get_rank()}.pt", weights_only=False)
-    set_rng_state(state["rng"])
-    if guide is not None:
-        guide.load_state_dict(state["guide"])
-    return int(client_state["step"])
+    usable, skipped = [], []
+    for path in sorted((p for p in root.glob(f"{TAG_PREFIX}*") if step_of(p) is not None), reverse=True):
+        why = verify(path, world)
+        (skipped.append(f"{path.name} ({why})") if why else usable.append(path))
+    if (root / PARTIAL).is_dir():
+        for path in sorted((root / PARTIAL).iterdir()):
+            skipped.append(f"{PARTIAL}/{path.name} (a save that did not finish)")
+    if (root / "latest").exists():
+        try:
+            named = (root / "latest").read_text().strip()
+        except OSError as error:
+            named = f"<unreadable: {error}>"
+        if not usable or named != usable[0].name:
+            skipped.append(
+                f"'latest' ({'empty' if not named else f'names {named}'}, not the newest complete checkpoint)"
+            )
+    return usable, skipped
+
+
+def load(engine, candidates: list[Path], skipped: list[str], guide) -> int:
+    """Restore the first of `candidates` that loads on every rank into `engine`, the RNGs and
+    `guide`; returns its step. Falls back to older ones with a warning naming what was skipped;
+    `ConfigError` when none loads (the user chooses: repair, or --overwrite)."""
+    skipped = list(skipped)
+    for path in candidates:
+        failure = None
+        try:
+            loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
+            if loaded is None:
+                raise FileNotFoundError("DeepSpeed found no model states")
+            state = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)
+        except Exception as error:  # noqa: BLE001 - whatever a damaged file raises, the checkpoint is unusable
+            failure = f"{path.name} (loading failed: {type(error).__name__}: {error})"
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f), None)
+        if failure:
+            skipped.append(failure)
+            continue
+        set_rng_state(state["rng"])
+        if guide is not None:
+            guide.load_state_dict(state["guide"])
+        if skipped and dist.get_rank() == 0:
+            print(f"sage-train: resuming from {path.name}; skipped {'; '.join(skipped)}", flush=True)
+        return int(client_state["step"])
+    raise ConfigError(
+        f"resume: no usable checkpoint in {candidates[0].parent if candidates else 'the run'}: "
+        f"{'; '.join(skipped)}. Pass --overwrite instead of --resume to start afresh"
+    )

@@ -6,6 +6,7 @@ the work to the module that owns it (`run.train`, `eval_command.run`, `sage_benc
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .config import DEFAULT_CONFIG, ConfigError, packaged_config_names, parse_args
@@ -29,9 +30,15 @@ def train_main(argv=None) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    from .distributed import RunError
     from .run import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except (ConfigError, RunError) as error:  # ConfigError: found once the run knows its world and directory
+        if os.environ.get("RANK", "0") == "0":  # every rank raises the same error; one says it
+            print(f"sage-train: {error}", flush=True)
+        return 2 if isinstance(error, ConfigError) else 1  # RunError: stopped cleanly, the message says what is kept
     # 130: stopped by a signal after its checkpoint was written (a scheduler should not read it as done).
     return 130 if summary.get("interrupted") else 0
 

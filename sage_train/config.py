@@ -12,6 +12,7 @@ algorithm preset's value (`presets.py`); `resolve` fills them in, and the resolv
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from sage_kernels import LossConfig
 from .presets import LOSS_KEYS, PresetError, apply_preset
 
 DEFAULT_CONFIG = "tiny-cpu"
+#: the experiment loggers ``report_to`` may name (`sage_train.report`)
+LOGGERS = ("tensorboard", "wandb", "trackio")
 
 
 class ConfigError(ValueError):
@@ -40,7 +43,8 @@ class RunOptions:
     name: str = "tiny-arithmetic-sage"
     output_dir: str = "runs"
     seed: int = 0
-    resume: bool = False
+    resume: bool = False  # continue the run in output_dir/name from its newest complete checkpoint
+    overwrite: bool = False  # a fresh run may delete the checkpoints and final model of a run of the same name
 
     # model: "tiny" builds a Qwen2-style model from the tiny_* keys; otherwise a hub name or local path
     model: str = "tiny"
@@ -100,6 +104,8 @@ class RunOptions:
     warmup_steps: int = 0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    # a step whose loss or gradient norm is not finite skips its optimizer step; this many in a row stop the run
+    max_nonfinite_steps: int = 3
 
     # sampling (the loss's temperature is the sampling temperature)
     rollout_engine: str = "hf"
@@ -174,7 +180,8 @@ class RunOptions:
     save_every: int = 50
     keep_checkpoints: int = 2
     plots: bool = True
-    tensorboard: bool = True
+    report_to: list = field(default_factory=list)  # experiment loggers: "tensorboard", "wandb", "trackio"
+    report_project: str = "sage"  # the wandb / trackio project (the run is `name`)
     progress: bool = True
 
     @property
@@ -227,6 +234,8 @@ def _coerce(key: str, value):
             return float(value)
         if kind is float and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
             return float(value)  # YAML 1.1 reads "1e-3" (no dot) as a string
+        if kind is float and isinstance(value, str) and value.strip().lower().lstrip("+-.") in ("nan", "inf"):
+            raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if kind in (str, bool, list, dict) and isinstance(value, kind):
@@ -324,6 +333,9 @@ def validate(cfg: TrainConfig) -> None:
         if not ok:
             raise ConfigError(f"config key {key!r} must be {expected}, got {getattr(cfg, key)!r}")
 
+    for key, value in cfg.to_dict().items():  # NaN passes no range check below
+        require(not isinstance(value, float) or math.isfinite(value), key, "a finite number")
+
     for key in (
         "steps",
         "prompts_per_step",
@@ -341,6 +353,7 @@ def validate(cfg: TrainConfig) -> None:
         "tiny_kv_heads",
         "tiny_intermediate_size",
         "sft_batch_size",
+        "max_nonfinite_steps",
     ):
         require(getattr(cfg, key) > 0, key, "a positive integer")
     for key in (
@@ -426,6 +439,13 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.chat_template or not cfg.system_prompt, "system_prompt", "'' without a chat_template")
     require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
     require(cfg.name != "" and "/" not in cfg.name, "name", "a non-empty name without '/'")
+    require(cfg.beta is None or cfg.beta >= 0, "beta", ">= 0 (0: no KL term)")
+    require(not (cfg.resume and cfg.overwrite), "overwrite", "false with resume (continue the run, or replace it)")
+    require(
+        isinstance(cfg.report_to, list) and set(cfg.report_to) <= set(LOGGERS),
+        "report_to",
+        f"a list of {', '.join(map(repr, LOGGERS))}",
+    )
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:

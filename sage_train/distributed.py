@@ -1,4 +1,5 @@
-"""Processes: ranks and devices, seeds, the host sync of each log interval, and stop signals."""
+"""Processes: ranks and devices, seeds, the host sync of each log interval, stop signals, and the
+error that stops a run cleanly."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import socket
 import numpy as np
 import torch
 import torch.distributed as dist
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (a full disk, steps that stay non-finite); the message says why and what is
+    kept. `sage-train` prints it as one line and exits 1."""
 
 
 def init_distributed():

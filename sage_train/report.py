@@ -1,16 +1,26 @@
 """What a run reports: ``metrics.jsonl`` (one row per step, TRL / official SAGE names), a
-console progress bar, optional TensorBoard, plots, and the end-of-run summary.
+console progress bar, the experiment loggers of ``report_to`` (TensorBoard, W&B, trackio), plots,
+and the end-of-run summary.
 
 Only rank 0 writes. Rows arrive already on the host: the trainer converts its metric
 tensors at log intervals only.
+
+A resumed run leaves each record with every step once: ``metrics.jsonl`` drops the rows past the
+checkpoint (and a half-written last line), TensorBoard purges its events past it, and W&B (offline)
+and trackio, which cannot take a step back, get a fresh record replaying the kept rows.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
+import shutil
 from pathlib import Path
 from typing import Optional
+
+from .distributed import RunError
 
 #: the progress bar's fields: (metric name, label, format)
 PROGRESS_FIELDS = (
@@ -34,47 +44,159 @@ PLOT_PANELS = (
 
 
 class MetricsLog:
-    """Appends rows to ``metrics.jsonl``; on resume, first drops rows past the checkpoint's step
-    (written after it by the interrupted run), so the file reads like an uninterrupted run's."""
+    """Appends rows to ``metrics.jsonl`` (fsynced: a checkpoint never gets ahead of its rows) and to
+    the experiment loggers (`make_loggers`, set as ``loggers``). On resume it first keeps only the
+    rows up to the checkpoint's step (``history``), so the file reads like an uninterrupted run's; a
+    half-written last line (a kill mid-write) is dropped and said so."""
 
-    def __init__(
-        self, path: Path, *, resume_step: Optional[int] = None, tensorboard_dir: Optional[Path] = None
-    ):
+    def __init__(self, path: Path, *, resume_step: Optional[int] = None):
         self.path = Path(path)
-        if resume_step is None:
-            self.path.write_text("")
-        elif self.path.is_file():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= resume_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self.tensorboard = _tensorboard_writer(tensorboard_dir) if tensorboard_dir else None
+        kept = []
+        if resume_step is not None and self.path.is_file():
+            kept = rows_up_to(self.path, resume_step)
+        self.path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
+        os.replace(self.path.with_suffix(".tmp"), self.path)
+        self.history = [json.loads(line) for line in kept]
+        self.loggers = []
 
     def write(self, rows: list[dict]) -> None:
-        with open(self.path, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-                if self.tensorboard is not None:
-                    for key, value in row.items():
-                        if key != "step" and isinstance(value, (int, float)):
-                            self.tensorboard.add_scalar(key, value, row["step"])
-        if self.tensorboard is not None:
-            self.tensorboard.flush()
+        try:
+            with open(self.path, "a") as f:
+                f.write("".join(json.dumps(row) + "\n" for row in rows))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as error:  # e.g. a full disk: the checkpoints so far are intact, resume drops a half line
+            why = (error.strerror or str(error)).lower()
+            raise RunError(f"writing {self.path} failed ({why}); continue with --resume") from error
+        for logger in self.loggers:
+            logger.log(rows)
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for logger in self.loggers:
+            logger.close()
 
 
-def _tensorboard_writer(folder: Path):
-    """A SummaryWriter when the tensorboard package is installed, else None (it is optional)."""
-    try:
+def rows_up_to(path: Path, step: int) -> list[str]:
+    """The lines of ``metrics.jsonl`` with steps 1..`step`, each once; a last line that is not JSON
+    (written in part) is dropped with a message, any other one is an error naming it."""
+    lines = path.read_text().split("\n")
+    by_step = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number < len(lines):  # a complete line (newline-terminated) that is not JSON: not a kill
+                raise RunError(f"{path} line {number} is not JSON: {line[:80]!r}; repair or remove it") from None
+            print(f"sage-train: dropped the half-written last line of {path} ({len(line)} characters)", flush=True)
+            continue
+        if row["step"] <= step:
+            by_step[row["step"]] = line  # a step logged twice (by an older version) is kept once
+    missing = sorted(set(range(1, step + 1)) - set(by_step))
+    if missing:
+        print(f"sage-train: {path} has no row for step(s) {missing} (lost before this resume)", flush=True)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def make_loggers(cfg, run_dir: Path, history: list[dict]) -> list:
+    """The loggers named in ``cfg.report_to``, each left holding exactly the steps of `history` (the
+    rows a resumed run keeps; empty for a fresh run), whatever an interrupted run had sent them."""
+    makers = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "trackio": TrackioLogger}
+    return [makers[name](cfg, Path(run_dir), history) for name in cfg.report_to]
+
+
+class TensorBoardLogger:
+    """Scalars under ``run_dir/tensorboard``, flushed at every write. A resumed run purges the events
+    past its checkpoint (TensorBoard's ``purge_step``); the earlier ones are already on disk."""
+
+    def __init__(self, cfg, run_dir: Path, history: list[dict]):
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(folder))
+
+        purge = history[-1]["step"] + 1 if history else None
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+
+    def log(self, rows: list[dict]) -> None:
+        for row in rows:
+            for key, value in row.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """A W&B run under ``run_dir/wandb``, named after the run. Offline (``WANDB_MODE=offline``, no
+    network; ``wandb sync`` uploads it later) a resumed run replaces the interrupted one's local
+    record, which may lack what the killed process had not flushed, by a new one replaying `history`.
+    Online it continues the same run (its id is kept in ``run_dir/wandb/run_id``) and the server
+    drops the steps it already has."""
+
+    def __init__(self, cfg, run_dir: Path, history: list[dict]):
+        import wandb
+
+        self.folder = run_dir / "wandb"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        id_file = self.folder / "run_id"
+        offline = os.environ.get("WANDB_MODE", "") in ("offline", "dryrun")
+        if history and offline:
+            shutil.rmtree(self.folder / "wandb", ignore_errors=True)
+        if offline or not (history and id_file.is_file()):
+            id_file.write_text(secrets.token_hex(4))  # wandb takes any [a-z0-9] id
+        self.run = wandb.init(
+            project=cfg.report_project,
+            name=cfg.name,
+            id=id_file.read_text(),
+            dir=str(self.folder),
+            config=cfg.to_dict(),
+            resume="allow",
+        )
+        if offline:
+            self.log(history)
+
+    def log(self, rows: list[dict]) -> None:
+        for row in rows:
+            self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TrackioLogger:
+    """A trackio run named after the run, in the project ``report_project`` (local: $TRACKIO_DIR;
+    ``trackio show`` opens it). A resumed run deletes the interrupted one's record and replays
+    `history`, so the record holds each step once, as ``metrics.jsonl`` does; ``overwrite`` deletes
+    the replaced run's record."""
+
+    def __init__(self, cfg, run_dir: Path, history: list[dict]):
+        import trackio
+
+        if history or cfg.overwrite:  # this run's record replaces the interrupted (or overwritten) one's
+            try:
+                runs = list(trackio.Api().runs(cfg.report_project))
+            except ValueError:  # no such project yet
+                runs = []
+            for run in runs:
+                if run.name == cfg.name:
+                    run.delete()
+        self.run = trackio.init(
+            project=cfg.report_project,
+            name=cfg.name,
+            config=cfg.to_dict(),
+            embed=False,  # no dashboard server from a training job
+            auto_log_cpu=False,  # its system-metrics rows would interleave with the steps
+            auto_log_gpu=False,
+        )
+        self.log(history)
+
+    def log(self, rows: list[dict]) -> None:
+        for row in rows:
+            self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -55,14 +55,14 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, report
-from .build import build_engines, build_rollout, chat_prompted, check_batch_shape, make_guide, rollout_model_path
-from .build import policy_and_reference
-from .config import ConfigError, TrainConfig
-from .distributed import InterruptFlag, init_distributed, reduce_rows, seed_everything
+from .build import build_engines, build_rollout, chat_prompted, make_guide, policy_and_reference
+from .build import rollout_model_path
+from .config import TrainConfig
+from .distributed import InterruptFlag, RunError, init_distributed, reduce_rows, seed_everything
 from .evaluate import evaluate_engine, mean_pass_at_k
 from .lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
-from .run_dir import prepare_run_dir
+from .run_dir import Inputs, RunLock, check_inputs, prepare_run_dir
 from .sft import initial_policy
 from .step import Context, rl_step
 from .tasks import get_task
@@ -72,32 +72,26 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
     """Run `cfg` to the end (or to an interruption); returns the summary.
 
     on_step(step, row) is called on rank 0 after each logged step (tests use it to interrupt).
+    Bad input raises `ConfigError` before the run directory is touched; the directory is locked
+    for the run's life (`sage_train.run_dir`).
     """
     run_start = time.time()
     rank, world, device = init_distributed()
-    check_batch_shape(cfg, world)
+    inputs = check_inputs(cfg, world)
+    with RunLock(cfg.run_dir, rank):
+        return run_locked(cfg, inputs, on_step, rank, world, device, run_start)
+
+
+def run_locked(cfg: TrainConfig, inputs: Inputs, on_step, rank: int, world: int, device, run_start: float) -> dict:
     if device.type == "cpu" and cfg.cpu_threads:
         torch.set_num_threads(cfg.cpu_threads)  # tiny models run fastest on one thread per process
     run_dir = cfg.run_dir
-    resume_step = prepare_run_dir(cfg, run_dir, rank)
+    resume_from, skipped = prepare_run_dir(cfg, run_dir, rank, world)
     seed_everything(cfg.seed + rank)
 
     # models: the warm-started policy, and its frozen copy as the reference
-    task = get_task(cfg.task, **cfg.task_options)
-    sft_problems = list(task.problems("train", None, cfg.seed))
-    train_problems = sft_problems[: cfg.train_problems] if cfg.train_problems else sft_problems
-    if len(train_problems) < cfg.prompts_per_step * cfg.steps_per_generation:
-        raise ConfigError(
-            f"config key 'train_problems': {len(train_problems)} problems cannot fill a generation of "
-            f"prompts_per_step x steps_per_generation = {cfg.prompts_per_step * cfg.steps_per_generation}"
-        )
-    sft_task = task
-    if cfg.sft_task and cfg.warm_start:  # warm-start on another dataset's solutions
-        sft_task = get_task(cfg.sft_task)
-        sft_problems = list(sft_task.problems("train", None, cfg.seed))
-    model, tokenizer = initial_policy(
-        cfg, sft_task, sft_problems, run_dir, rank, resumed=resume_step is not None
-    )
+    task, train_problems, sft_task, sft_problems = inputs
+    model, tokenizer = initial_policy(cfg, sft_task, sft_problems, run_dir, rank, resumed=cfg.resume)
     rollout_init = rollout_model_path(cfg, model, tokenizer, run_dir, rank)
     model, reference_lm = policy_and_reference(cfg, model)
 
@@ -111,20 +105,15 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
     )
 
     first_step = 1
-    if resume_step is not None:
-        first_step = checkpoint.load(engine, run_dir, guide) + 1
+    if resume_from:
+        first_step = checkpoint.load(engine, resume_from, skipped, guide) + 1
     rollout.sync_weights(engine.module.lm)  # the engine starts from the policy being trained
     eval_before = evaluate_once(ctx, run_dir / "eval_before.json")
 
-    log = (
-        report.MetricsLog(
-            run_dir / "metrics.jsonl",
-            resume_step=first_step - 1,
-            tensorboard_dir=run_dir / "tensorboard" if cfg.tensorboard else None,
-        )
-        if rank == 0
-        else None
-    )
+    log = None
+    if rank == 0:
+        log = report.MetricsLog(run_dir / "metrics.jsonl", resume_step=first_step - 1)
+        log.loggers = report.make_loggers(cfg, run_dir, log.history)
     bar = report.progress_bar(cfg.steps, first_step - 1, cfg.progress and rank == 0)
     interrupted = InterruptFlag()
     pending: list[tuple[int, dict]] = []
@@ -135,7 +124,7 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
             bar.update(1)
             last = step == cfg.steps
             save = step % cfg.save_every == 0 or last
-            if step % cfg.log_every == 0 or save:  # rows are flushed before any checkpoint
+            if step % cfg.log_every == 0 or save or ctx.stop:  # rows are flushed before any checkpoint
                 rows = reduce_rows(pending, device)
                 pending = []
                 if rank == 0:
@@ -144,6 +133,8 @@ def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = Non
                     for row in rows:
                         if on_step is not None:
                             on_step(row["step"], row)
+                if ctx.stop:  # agreed over ranks: each step's skip decision is
+                    raise RunError(ctx.stop)
                 stop = interrupted.agreed(device)
                 if save or stop:
                     checkpoint.save(engine, run_dir, step, cfg, guide, keep=cfg.keep_checkpoints)

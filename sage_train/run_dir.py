@@ -1,63 +1,266 @@
-"""The run directory: a fresh run clears the old run's outputs; a resumed run checks its config
-against the saved one and continues from the newest checkpoint."""
+"""The run directory, in the order a run touches it: `check_inputs` (everything the run is built from,
+before anything on disk changes), `RunLock` (one run per directory), then `prepare_run_dir` (a fresh
+run, a resumed one, or an overwritten one; a previous run's checkpoints and final model are deleted
+only with ``overwrite``)."""
 
 from __future__ import annotations
 
+import fcntl
+import importlib.util
+import json
+import os
 import shutil
+import socket
+import sys
+import time
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
+import yaml
 
 from . import checkpoint
-from .config import ConfigError, TrainConfig, load_yaml, save_yaml
+from .build import check_batch_shape, deepspeed_config
+from .config import ConfigError, TrainConfig, save_yaml
+from .tasks import TASK_NAMES, get_task
 
+#: what a fresh run removes when ``overwrite`` is set (what it would otherwise refuse to lose is `KEPT`)
 FRESH_RUN_CLEARS = (
     "checkpoints",
     "sft",
     "final",
     "tensorboard",
+    "wandb",
+    "metrics.jsonl",
     "eval_before.json",
     "eval_after.json",
     "summary.json",
     "metrics.png",
 )
+#: a previous run's outputs that cost training to make: a fresh run needs ``overwrite`` to delete them
+KEPT = ("checkpoints", "final", "sft")
 RESUME_MAY_CHANGE = (
+    "output_dir",  # the run directory was moved
     "resume",
+    "overwrite",
     "progress",
     "plots",
-    "tensorboard",
+    "report_to",
+    "report_project",
     "log_every",
     "save_every",
     "keep_checkpoints",
+    "max_nonfinite_steps",
 )
+LOCK_FILE = "run.lock"
 
 
-def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int) -> Optional[int]:
-    """Create `run_dir` and save the config; with ``resume`` check the config against the saved one
-    and return the newest checkpoint's step (None for a fresh run, or when there is none yet)."""
-    step = checkpoint.latest_step(run_dir) if cfg.resume else None
-    if step is not None:
-        saved = load_yaml(run_dir / "config.yaml").to_dict()
-        changed = sorted(
-            k for k, v in cfg.to_dict().items() if saved.get(k) != v and k not in RESUME_MAY_CHANGE
+class Inputs(NamedTuple):
+    """The tasks and problems of a run, checked before the run directory is touched."""
+
+    task: object
+    train_problems: list
+    sft_task: object
+    sft_problems: list
+
+
+def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
+    """Everything `cfg` names that can be wrong: the batch shape for `world` processes, the
+    DeepSpeed file, the tasks, the loggers' packages, the model. Raises `ConfigError` naming the key."""
+    check_batch_shape(cfg, world)
+    deepspeed_config(cfg, world, 1, torch.device("cpu"))  # reads and checks the deepspeed_config file
+    task = _task("task", cfg.task, cfg.task_options)
+    sft_problems = list(task.problems("train", None, cfg.seed))
+    train_problems = sft_problems[: cfg.train_problems] if cfg.train_problems else sft_problems
+    if len(train_problems) < cfg.prompts_per_step * cfg.steps_per_generation:
+        raise ConfigError(
+            f"config key 'train_problems': {len(train_problems)} problems cannot fill a generation of "
+            f"prompts_per_step x steps_per_generation = {cfg.prompts_per_step * cfg.steps_per_generation}"
         )
-        if changed:
+    sft_task = task
+    if cfg.sft_task and cfg.warm_start:  # warm-start on another dataset's solutions
+        sft_task = _task("sft_task", cfg.sft_task, {})
+        sft_problems = list(sft_task.problems("train", None, cfg.seed))
+    if cfg.eval_task:
+        _task("eval_task", cfg.eval_task, {})
+    for logger in cfg.report_to:  # each logger is its own package, not a dependency of sage-train
+        if importlib.util.find_spec(logger) is None:
+            raise ConfigError(f"config key 'report_to': {logger!r} needs its package (pip install {logger})")
+    if cfg.model.startswith(("/", ".", "~")) and not Path(cfg.model).expanduser().is_dir():
+        raise ConfigError(f"config key 'model': no directory {cfg.model!r} (expected 'tiny', a hub id or a directory)")
+    if cfg.model != "tiny":
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(cfg.model)
+        except (OSError, ValueError) as error:
             raise ConfigError(
-                f"resume: config key(s) {changed} differ from the run's saved config.yaml "
-                f"({', '.join(f'{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}' for k in changed)})"
+                f"config key 'model': {cfg.model!r} is neither 'tiny', a local model directory nor a hub "
+                f"model ({str(error).splitlines()[0]})"
+            ) from error
+    return Inputs(task, train_problems, sft_task, sft_problems)
+
+
+def _task(key: str, name: str, options: dict):
+    try:
+        return get_task(name, **options)
+    except (TypeError, ValueError, OSError) as error:
+        problem = str(error)
+    if name not in TASK_NAMES:
+        if options:
+            try:  # the name, not its options, may be what is wrong
+                get_task(name)
+            except (TypeError, ValueError, OSError) as error:
+                problem = str(error)
+        problem = f"{name!r} is not one of {', '.join(TASK_NAMES)} nor a math source: {problem}"
+    raise ConfigError(f"config key {key!r}: {problem}")
+
+
+class RunLock:
+    """One run at a time in a run directory: rank 0 holds an exclusive ``flock`` on
+    ``run_dir/run.lock`` for the run's life. The kernel drops the lock when its process dies, so a
+    lock file still holding a holder's details but no lock is a stale one (a killed run): it is
+    reported and taken over. A second run fails with `ConfigError` naming the holder."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        self.path, self.rank, self.fd = Path(run_dir) / LOCK_FILE, rank, None
+
+    def __enter__(self) -> "RunLock":
+        error = None
+        if self.rank == 0:
+            try:
+                self.acquire()
+            except ConfigError as caught:
+                error = str(caught)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)
+            error = shared[0]
+        if error:
+            raise ConfigError(error)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read(fd)
+                os.close(fd)
+                raise ConfigError(
+                    f"run directory {self.path.parent} is in use by {describe(holder)}; wait for that run "
+                    f"to end, or choose another --name"
+                ) from None
+            try:  # its previous holder may have removed the file between our open and our lock
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        stale = _read(fd)
+        if stale:
+            print(
+                f"sage-train: {self.path} was left by {describe(stale)}, which ended without releasing it "
+                f"(killed?); taking it over",
+                flush=True,
+            )
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # before unlocking: a waiting run then re-opens a new file
+        os.close(self.fd)
+        self.fd = None
+
+
+def _read(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"null") or {}
+    except ValueError:
+        return {"pid": "?", "host": "?", "started": "?", "command": "(an unreadable lock file)"}
+
+
+def describe(holder: dict) -> str:
+    return (
+        f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} (started {holder.get('started', '?')}: "
+        f"{holder.get('command', '?')})"
+    )
+
+
+def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> tuple[list[Path], list[str]]:
+    """Make `run_dir` ready and save the config (rank 0 writes; every rank checks the same files).
+
+    With ``resume``: check the config against the saved one; returns (the complete checkpoints
+    newest first, what was skipped) for `checkpoint.load` (none yet: the run starts at step 1,
+    keeping its warm start). Without: a directory holding a previous run's checkpoints, final or
+    warm-started model is refused unless ``overwrite``, which clears `FRESH_RUN_CLEARS`."""
+    usable, skipped = checkpoint.find(run_dir, world)
+    damaged = [s for s in skipped if s.startswith(checkpoint.TAG_PREFIX)]  # not a save that never finished
+    if cfg.resume:
+        if usable:
+            _check_unchanged(cfg, usable[0] / "config.yaml")
+        elif damaged:
+            raise ConfigError(
+                f"resume: no usable checkpoint in {checkpoint.checkpoint_dir(run_dir)}: {'; '.join(skipped)}. "
+                f"Pass --overwrite instead of --resume to start afresh"
+            )
+        elif (run_dir / "final").exists():
+            raise ConfigError(
+                f"resume: {run_dir} holds a final model but no checkpoint to continue from; pass "
+                f"--overwrite instead of --resume to train it afresh"
+            )
+        elif rank == 0:
+            left = f" (skipped {'; '.join(skipped)})" if skipped else ""
+            print(f"sage-train: no complete checkpoint in {run_dir} yet{left}: --resume starts at step 1", flush=True)
+    else:
+        kept = [name for name in KEPT if _has_content(run_dir / name)]
+        if kept and not cfg.overwrite:
+            raise ConfigError(
+                f"run directory {run_dir} holds a previous run ({', '.join(f'{n}/' for n in kept)}); pass "
+                f"--resume to continue it, --overwrite to replace it, or choose another --name"
             )
     if rank == 0:
-        if step is None and run_dir.is_dir():
+        if not cfg.resume:
             stale = [run_dir / name for name in FRESH_RUN_CLEARS if (run_dir / name).exists()]
-            if stale:
-                print(
-                    f"sage-train: starting {run_dir} afresh (pass --resume to continue it instead)",
-                    flush=True,
-                )
+            if stale and cfg.overwrite:
+                print(f"sage-train: --overwrite: starting {run_dir} afresh", flush=True)
             for path in stale:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_yaml(cfg, run_dir / "config.yaml")
+        save_yaml(cfg, run_dir / "config.yaml.tmp")
+        os.replace(run_dir / "config.yaml.tmp", run_dir / "config.yaml")
     dist.barrier()
-    return step
+    return (usable, skipped) if cfg.resume else ([], [])
+
+
+def _has_content(path: Path) -> bool:
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
+def _check_unchanged(cfg: TrainConfig, saved_path: Path) -> None:
+    """The resumed config must equal the checkpoint's but for `RESUME_MAY_CHANGE` (keys the saved
+    file has and this version no longer knows are ignored)."""
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    changed = sorted(k for k, v in cfg.to_dict().items() if k in saved and saved[k] != v and k not in RESUME_MAY_CHANGE)
+    if changed:
+        raise ConfigError(
+            f"resume: config key(s) {changed} differ from the run's saved config "
+            f"({', '.join(f'{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}' for k in changed)})"
+        )

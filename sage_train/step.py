@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -54,6 +55,8 @@ class Context:
     world: int
     device: torch.device
     generation: Optional["Generation"] = None  # the rollouts the current optimizer steps learn from
+    nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
+    stop: str = ""  # why the run must stop (set by `check_finite_steps`)
 
 
 @dataclass
@@ -104,6 +107,8 @@ def rl_step(ctx: Context, step: int) -> dict:
         log_q,
         None if gen.is_weights is None else gen.is_weights[rows],
     )
+
+    check_finite_steps(ctx, step, totals.skipped)
 
     # 6b. the next generation (or the final evaluation) samples from the updated weights (hf: the
     # live model already)
@@ -168,6 +173,24 @@ def generate(ctx: Context, first_step: int) -> Generation:
     return Generation(first_step, batch, advantages, old_logp, ref_logp, is_weights, order.to(ctx.device), metrics)
 
 
+def check_finite_steps(ctx: Context, step: int, skipped: list[str]) -> None:
+    """Say which optimizer steps were skipped; after ``max_nonfinite_steps`` RL steps in a row with
+    one, set ``ctx.stop`` (the loop logs the step, then stops: the weights are still those of the
+    last good step, which the last checkpoint holds)."""
+    if not skipped:
+        ctx.nonfinite_in_a_row = 0
+        return
+    ctx.nonfinite_in_a_row += 1
+    if ctx.rank == 0:
+        print(f"sage-train: step {step}: optimizer step skipped ({', '.join(skipped)})", flush=True)
+    if ctx.nonfinite_in_a_row >= ctx.cfg.max_nonfinite_steps:
+        ctx.stop = (
+            f"steps {step - ctx.nonfinite_in_a_row + 1}..{step} all had a non-finite loss or gradient "
+            f"(max_nonfinite_steps={ctx.cfg.max_nonfinite_steps}); stopped with the weights of the last good "
+            f"step, which the last checkpoint holds. Lower lr or beta, then continue with --resume"
+        )
+
+
 def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: Batch):
     """(is_weights [B, L] or None, metrics): truncated importance sampling between the rollout
     engine's log-probs and the trainer's (`sage_train.importance`), both of the temperature-scaled
@@ -213,6 +236,7 @@ def policy_update(
     loss_cfg, row_share = step_loss_config(ctx, batch)
     totals = LossTotals()
     for _ in range(cfg.num_iterations):
+        step_loss, why = 0.0, None
         for start_row in range(0, batch.rows, mb):
             rows = slice(start_row, start_row + mb)
             loss_inputs = {
@@ -227,11 +251,63 @@ def policy_update(
             loss, out = ctx.engine(**batch.model_inputs(rows, cfg.temperature), loss_inputs=loss_inputs)
             loss = loss * row_share(rows)
             ctx.engine.backward(loss * ctx.world, scale_wrt_gas=False)  # undo DeepSpeed's averaging
-            ctx.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+            step_loss = step_loss + loss.detach()
+            if ctx.engine.is_gradient_accumulation_boundary():
+                why = nonfinite_step(ctx, step_loss)
+            with skipped_update(ctx.engine, why is not None):
+                ctx.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
             totals.add(loss, out, batch.completion_mask[rows])
+        if not ctx.engine.was_step_applied():
+            totals.skipped.append(why or "non-finite gradient (DeepSpeed's overflow check)")
         if ctx.guide is not None:
             ctx.guide.step()
     return totals
+
+
+def nonfinite_step(ctx: Context, step_loss: torch.Tensor) -> Optional[str]:
+    """At the accumulation boundary, before the optimizer step: why that step must be skipped (a
+    non-finite loss, or gradient norm, on any rank), or None. One host sync per optimizer step.
+    The gradient norm is checked here for a plain torch optimizer (ZeRO stage 0 in float32), which
+    would apply it; DeepSpeed's own optimizers (ZeRO, bf16) check their gradients and skip the step
+    themselves (``was_step_applied()`` then reads false; a non-finite loss whose gradients they find
+    finite is applied by them, as this cannot reach into their partitioned gradients)."""
+    grads = [p.grad for p in ctx.engine.module.parameters() if p.grad is not None]
+    values = [torch.as_tensor(step_loss, device=ctx.device).float()]
+    if isinstance(ctx.engine.optimizer, torch.optim.Optimizer) and grads:
+        values.append(torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])))
+    bad = (~torch.isfinite(torch.stack(values))).float()
+    if ctx.world > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    flags = bad.tolist()
+    if flags[0]:
+        return "non-finite loss"
+    return "non-finite gradient norm" if any(flags) else None
+
+
+@contextmanager
+def skipped_update(engine, skip: bool):
+    """Around ``engine.step()``: when `skip`, the step leaves the parameters and the optimizer state
+    as they are. Its gradients are zeroed (DeepSpeed's clipping needs them present) and the optimizer's
+    ``step`` is a no-op for this call; ``overflow`` makes DeepSpeed count the step as skipped (no
+    LR-scheduler step, ``was_step_applied()`` false), as it does for its own optimizers' overflows."""
+    optimizer = engine.optimizer
+    if not skip or not isinstance(optimizer, torch.optim.Optimizer):
+        yield
+        return
+    for p in engine.module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    optimizer.overflow = True
+    wrapped = optimizer.__dict__.get("step")  # the LR scheduler's wrapper of the method, if any
+    optimizer.step = lambda closure=None: None  # for this call only
+    try:
+        yield
+    finally:
+        if wrapped is None:
+            del optimizer.step
+        else:
+            optimizer.step = wrapped
+        optimizer.overflow = False
 
 
 def collect_groups(ctx: Context, step: int):
@@ -329,6 +405,7 @@ class LossTotals:
     def __init__(self) -> None:
         self.loss, self.tokens, self.sums = 0.0, 0.0, {}
         self.q_min, self.q_max = None, None
+        self.skipped: list[str] = []  # why each skipped optimizer step was skipped
 
     def add(self, loss: torch.Tensor, out, mask: torch.Tensor) -> None:
         tokens = mask.sum().float()
@@ -343,4 +420,10 @@ class LossTotals:
     def metrics(self, iterations: int) -> dict:
         tokens = torch.as_tensor(self.tokens).clamp(min=1.0)
         means = {name: total / tokens for name, total in self.sums.items()}
-        return {"loss": self.loss / iterations, **means, "sage/q_min": self.q_min, "sage/q_max": self.q_max}
+        return {
+            "loss": self.loss / iterations,
+            **means,
+            "sage/q_min": self.q_min,
+            "sage/q_max": self.q_max,
+            "nonfinite/skipped_steps": float(len(self.skipped)),
+        }

@@ -127,3 +127,13 @@ def test_scoring_validation():
 def test_module_rejects_unknown_options():
     with pytest.raises(TypeError):
         FusedLinearSAGELoss(learning_rate=1.0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("rows, cols", [(0, L), (B, 0)])
+def test_a_batch_without_tokens_is_a_clear_error(backend, rows, cols):
+    """B = 0 or L = 0 has no loss to return (an all-masked batch, which has, gives zero)."""
+    with pytest.raises(ValueError, match=rf"B >= 1 rows and L >= 1 columns, got shape \({rows}, {cols}\)"):
+        call(hidden=torch.randn(rows, cols, D), token_ids=torch.zeros(rows, cols, dtype=torch.long),
+             mask=torch.ones(rows, cols, dtype=torch.bool), advantages=torch.randn(rows),
+             ref_logp=torch.zeros(rows, cols), backend=backend)

@@ -29,7 +29,7 @@ TINY_RUN = {
     "eval_problems": 0,
     "progress": False,
     "plots": False,
-    "tensorboard": False,
+    "report_to": [],
     "loss_backend": "auto",
     "cpu_threads": 1,
 }
