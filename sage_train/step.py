@@ -246,6 +246,7 @@ class LossTotals:
     def __init__(self) -> None:
         self.loss, self.tokens, self.sums = 0.0, 0.0, {}
         self.q_min, self.q_max = None, None
+        self.q_above_one = 0.0
 
     def add(self, loss: torch.Tensor, out, mask: torch.Tensor) -> None:
         tokens = mask.sum().float()
@@ -254,10 +255,18 @@ class LossTotals:
         for name in self.MEAN_METRICS:
             self.sums[name] = self.sums.get(name, 0.0) + out.metrics[name].float() * tokens
         q_min, q_max = out.metrics["sage/q_min"].float(), out.metrics["sage/q_max"].float()
+        # the share of tokens whose anchor the guide raises (q > 1): how much of the text it touches
+        self.q_above_one = self.q_above_one + ((out.q > 1.0) & mask).sum().float()
         self.q_min = q_min if self.q_min is None else torch.minimum(self.q_min, q_min)
         self.q_max = q_max if self.q_max is None else torch.maximum(self.q_max, q_max)
 
     def metrics(self, iterations: int) -> dict:
         tokens = torch.as_tensor(self.tokens).clamp(min=1.0)
         means = {name: total / tokens for name, total in self.sums.items()}
-        return {"loss": self.loss / iterations, **means, "sage/q_min": self.q_min, "sage/q_max": self.q_max}
+        return {
+            "loss": self.loss / iterations,
+            **means,
+            "sage/q_min": self.q_min,
+            "sage/q_max": self.q_max,
+            "sage/frac_q_gt_1": self.q_above_one / tokens,
+        }
