@@ -74,7 +74,7 @@ class Study:
     def train_args(self, arm: Arm | None, seed: int) -> list:
         """The sage-train command line of (arm, seed); arm None is the seed's starting point."""
         values = {**self.train, "seed": seed, "output_dir": str(self.out / "runs"), "resume": True}
-        values.update(progress=False, tensorboard=False)
+        values.update(progress=False, tensorboard=False, plots=False)  # the study draws its own plots
         if arm is None:  # the warm start only: one RL step (steps must be > 0), no evaluation
             values.update(name=f"{START}-s{seed}", steps=1, eval_problems=0)
         else:

@@ -66,7 +66,7 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys):
 def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--algorithms", "grpo,sage-branch", "--seeds", "0,1", "--steps", "2", "--eval-n", "4",
-            "--eval-problems", "5", "--jobs", "2", "--out", str(out), "--sft_steps=10", "--prompts_per_step=4",
+            "--eval-problems", "5", "--jobs", "2", "--out", str(out), "--sft_steps=150", "--prompts_per_step=4",
             "--group_size=4", "--micro_batch_size=16", "--task_options={digits: 1}", "--max_new_tokens=4"]
     assert study_main(argv) == 0
     report = json.loads((out / "study.json").read_text())
