@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-problems", type=int, default=None, help="held-out problems (default 64)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process")
     p.add_argument("--out", default=None, help="the study directory (required)")
+    p.add_argument("--report-only", action="store_true", help="write the report from the runs finished so far")
     p.add_argument("--toy", action="store_true", help="the closed-form toy study instead (sage_train.toy)")
     return p
 
@@ -324,6 +325,11 @@ def main(argv=None) -> int:
         return toy_main(argv)
     study = parse_study(argv)
     study.out.mkdir(parents=True, exist_ok=True)
+    if "--report-only" in argv:
+        from .study_report import write_report
+
+        print(write_report(study, argv, wall_time_s=None)["summary"])
+        return 0
     state, started = {"stopping": False}, time.time()
     previous = {sig: signal.signal(sig, lambda *_: stop_workers(state)) for sig in (signal.SIGINT, signal.SIGTERM)}
     print(f"sage-study: {len(study.arms)} algorithm(s) x {len(study.seeds)} seed(s) + starting points -> {study.out}")

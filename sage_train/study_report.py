@@ -159,9 +159,9 @@ def window_mean(curve: dict, last: bool, fraction: float = 0.1) -> float:
 # ----------------------------------------------------------------------------- the files
 
 
-def write_report(study, argv: list, wall_time_s: float) -> dict:
+def write_report(study, argv: list, wall_time_s) -> dict:
     """study.json, study.md, pass_at_k.png and training_curves.png in study.out; returns the
-    report with a "summary" (the console's table)."""
+    report with a "summary" (the console's table). wall_time_s: None for --report-only."""
     arm_names = [START_NAME, *(arm.name for arm in study.arms)]
     report = {
         "command": "sage-study " + " ".join(argv),
@@ -207,6 +207,10 @@ def _run_times(study) -> float:
     return total
 
 
+def _wall(seconds) -> str:
+    return "- (--report-only)" if seconds is None else f"{seconds / 60:.1f} min for this invocation"
+
+
 def _ks_shown(n: int) -> list:
     return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
 
@@ -241,8 +245,8 @@ def markdown(report: dict, study) -> str:
         "",
         f"- command: `{report['command']}`",
         f"- commit: {report['commit']}; machine: {report['machine']}",
-        f"- wall time: {report['wall_time_s'] / 60:.1f} min for this invocation; the sage-train runs took "
-        f"{report['run_time_s'] / 60:.1f} min in all",
+        f"- wall time: {_wall(report['wall_time_s'])}; the sage-train runs took "
+        f"{report['run_time_s'] / 60:.1f} min in all (the evaluations not counted)",
         f"- held-out: {study.eval_problems} problems x {study.eval_n} samples per model; seeds {study.seeds}; "
         f"training config `{study.train_config}` with {json.dumps(study.train)}",
         f"- arms: `{START_NAME}` is the warm-started model every algorithm of a seed starts from (no RL); "
