@@ -288,7 +288,7 @@ def plot_pass_at_k(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    baseline = report["study"]["baseline"]
+    baseline, colors = report["study"]["baseline"], _colors(report["arms"])
     for arm, result in report["arms"].items():
         if not result["pass_at_k"]:
             continue
@@ -298,9 +298,9 @@ def plot_pass_at_k(report: dict, path: Path) -> None:
                 continue
             entries = [result[key][k] for k in ks]
             x = [int(k) for k in ks]
-            line = ax.plot(x, [e["mean"] for e in entries], marker="o", markersize=3, label=arm)[0]
+            ax.plot(x, [e["mean"] for e in entries], marker="o", markersize=3, label=arm, color=colors[arm])
             ax.fill_between(x, [e["ci_low"] for e in entries], [e["ci_high"] for e in entries],
-                            color=line.get_color(), alpha=0.15)
+                            color=colors[arm], alpha=0.12)
     left.set_title("held-out pass@k (95% CI)")
     right.set_title(f"difference from {baseline}, paired (95% CI)")
     right.axhline(0.0, color="black", linewidth=0.8)
@@ -321,20 +321,27 @@ def plot_curves(all_curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(CURVE_METRICS), figsize=(4 * len(CURVE_METRICS), 3.6), constrained_layout=True)
+    colors = _colors([START_NAME, *all_curves])
     for ax, metric in zip(axes, CURVE_METRICS):
         for arm, metrics in all_curves.items():
             if metric not in metrics:
                 continue
             curve = metrics[metric]
             smooth = [_smooth(curve[key]) for key in ("mean", "low", "high")]
-            line = ax.plot(curve["step"], smooth[0], label=arm, linewidth=1.2)[0]
-            ax.fill_between(curve["step"], smooth[1], smooth[2], color=line.get_color(), alpha=0.15)
-        ax.set_title(metric)
+            ax.plot(curve["step"], smooth[0], label=arm, linewidth=1.2, color=colors[arm])
+            ax.fill_between(curve["step"], smooth[1], smooth[2], color=colors[arm], alpha=0.12)
+        ax.set_title(f"{metric} ({SMOOTH_STEPS}-step mean)")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8)
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def _colors(arms) -> dict:
+    """One colour per arm, the same in every plot (the starting point first)."""
+    return {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
 
 
 def _smooth(values: list) -> list:
