@@ -79,8 +79,15 @@ def interval(matrix: np.ndarray) -> dict:
     seeds, problems = t_interval(per_seed), bootstrap_interval(matrix)
     widest = "seeds" if seeds is not None and seeds[1] - seeds[0] >= problems[1] - problems[0] else "problems"
     low, high = seeds if widest == "seeds" else problems
-    return {"mean": float(matrix.mean()), "ci_low": low, "ci_high": high, "ci_source": widest,
-            "ci_seeds": seeds, "ci_problems": problems, "per_seed": per_seed}
+    return {
+        "mean": float(matrix.mean()),
+        "ci_low": low,
+        "ci_high": high,
+        "ci_source": widest,
+        "ci_seeds": seeds,
+        "ci_problems": problems,
+        "per_seed": per_seed,
+    }
 
 
 def per_problem(counts: dict, seeds: list, k: int) -> np.ndarray:
@@ -110,8 +117,11 @@ def aggregate(study, arm_names: list) -> dict:
             arms[arm] = {"seeds": [], "pass_at_k": {}}
             continue
         matrices = {k: per_problem(counts[arm], seeds, k) for k in ks}
-        arms[arm] = {"seeds": seeds, "problems": len(counts[arm][seeds[0]]),
-                     "pass_at_k": {k: interval(matrices[k]) for k in ks}}
+        arms[arm] = {
+            "seeds": seeds,
+            "problems": len(counts[arm][seeds[0]]),
+            "pass_at_k": {k: interval(matrices[k]) for k in ks},
+        }
         paired = sorted(set(seeds) & set(counts[study.baseline]))
         if arm != study.baseline and paired:
             for seed in paired:  # the pairing by problem needs the same problems in the same order
@@ -170,9 +180,15 @@ def write_report(study, argv: list, wall_time_s) -> dict:
         f"{_cpus()} CPU cores",
         "wall_time_s": wall_time_s,
         "run_time_s": _run_times(study),
-        "study": {"arms": {arm.name: {"algorithm": arm.algorithm, **arm.overrides} for arm in study.arms},
-                  "seeds": study.seeds, "baseline": study.baseline, "eval_n": study.eval_n,
-                  "eval_problems": study.eval_problems, "train_config": study.train_config, "train": study.train},
+        "study": {
+            "arms": {arm.name: {"algorithm": arm.algorithm, **arm.overrides} for arm in study.arms},
+            "seeds": study.seeds,
+            "baseline": study.baseline,
+            "eval_n": study.eval_n,
+            "eval_problems": study.eval_problems,
+            "train_config": study.train_config,
+            "train": study.train,
+        },
         "arms": aggregate(study, arm_names),
         "curves": curves(study),
     }
@@ -186,8 +202,13 @@ def write_report(study, argv: list, wall_time_s) -> dict:
 
 def _commit() -> str:
     try:
-        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                               cwd=Path(__file__).parent, timeout=10)
+        found = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        )
         return found.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -223,8 +244,10 @@ def _cell(entry: dict, percent: bool = True, sign: bool = False) -> str:
 
 def summary_table(report: dict, study) -> str:
     """The console summary: pass@1 and pass@n per arm, and the paired differences."""
-    n, lines = study.eval_n, [f"sage-study: held-out pass@k (%), mean [95% CI], {study.eval_problems} problems x "
-                              f"{study.eval_n} samples"]
+    n, lines = (
+        study.eval_n,
+        [f"sage-study: held-out pass@k (%), mean [95% CI], {study.eval_problems} problems x {study.eval_n} samples"],
+    )
     for arm, result in report["arms"].items():
         if not result["pass_at_k"]:
             lines.append(f"  {arm:24s} (no finished evaluation)")
@@ -263,18 +286,29 @@ def markdown(report: dict, study) -> str:
     for arm, result in arms.items():
         cells = [_cell(result["pass_at_k"][k]) if result["pass_at_k"] else "-" for k in ks]
         lines.append(f"| {arm} | {len(result['seeds'])} | " + " | ".join(cells) + " |")
-    lines += ["", f"## Difference from {study.baseline} (percentage points, paired)", "",
-              "| algorithm | seeds | " + " | ".join(f"pass@{k}" for k in ks) + " |",
-              "|---|---:|" + "---:|" * len(ks)]
+    lines += [
+        "",
+        f"## Difference from {study.baseline} (percentage points, paired)",
+        "",
+        "| algorithm | seeds | " + " | ".join(f"pass@{k}" for k in ks) + " |",
+        "|---|---:|" + "---:|" * len(ks),
+    ]
     for arm, result in arms.items():
         if "diff_vs_baseline" in result:
             cells = [_cell(result["diff_vs_baseline"][k], sign=True) for k in ks]
             lines.append(f"| {arm} | {len(result['paired_seeds'])} | " + " | ".join(cells) + " |")
-    lines += ["", "## Training (mean over seeds; first and last 10% of steps)", "",
-              "| algorithm | " + " | ".join(CURVE_METRICS) + " |", "|---|" + "---:|" * len(CURVE_METRICS)]
+    lines += [
+        "",
+        "## Training (mean over seeds; first and last 10% of steps)",
+        "",
+        "| algorithm | " + " | ".join(CURVE_METRICS) + " |",
+        "|---|" + "---:|" * len(CURVE_METRICS),
+    ]
     for arm, metrics in report["curves"].items():
-        cells = [f"{window_mean(metrics[m], False):.3f} -> {window_mean(metrics[m], True):.3f}" if m in metrics
-                 else "-" for m in CURVE_METRICS]
+        cells = [
+            f"{window_mean(metrics[m], False):.3f} -> {window_mean(metrics[m], True):.3f}" if m in metrics else "-"
+            for m in CURVE_METRICS
+        ]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     lines += ["", "![pass@k](pass_at_k.png)", "", "![training curves](training_curves.png)"]
     return "\n".join(lines)
@@ -299,8 +333,9 @@ def plot_pass_at_k(report: dict, path: Path) -> None:
             entries = [result[key][k] for k in ks]
             x = [int(k) for k in ks]
             ax.plot(x, [e["mean"] for e in entries], marker="o", markersize=3, label=arm, color=colors[arm])
-            ax.fill_between(x, [e["ci_low"] for e in entries], [e["ci_high"] for e in entries],
-                            color=colors[arm], alpha=0.12)
+            ax.fill_between(
+                x, [e["ci_low"] for e in entries], [e["ci_high"] for e in entries], color=colors[arm], alpha=0.12
+            )
     left.set_title("held-out pass@k (95% CI)")
     right.set_title(f"difference from {baseline}, paired (95% CI)")
     right.axhline(0.0, color="black", linewidth=0.8)

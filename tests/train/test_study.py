@@ -45,8 +45,14 @@ def test_loss_totals_count_the_tokens_the_guide_raises():
     torch.manual_seed(0)
     B, L, H, V = 4, 6, 8, 11
     mask = torch.rand(B, L) < 0.8
-    inputs = dict(hidden=torch.randn(B, L, H), weight=torch.randn(V, H), token_ids=torch.randint(0, V, (B, L)),
-                  mask=mask, advantages=torch.randn(B), ref_logp=-torch.rand(B, L))
+    inputs = dict(
+        hidden=torch.randn(B, L, H),
+        weight=torch.randn(V, H),
+        token_ids=torch.randint(0, V, (B, L)),
+        mask=mask,
+        advantages=torch.randn(B),
+        ref_logp=-torch.rand(B, L),
+    )
     out = fused_linear_sage_loss(**inputs, config=LossConfig(guide="branch", tau=1.5), backend="reference")
     raised = ((out.entropy > 1.5) & mask).sum() / mask.sum()
     assert 0 < raised < 1  # the threshold splits these tokens
@@ -65,9 +71,28 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys):
 
 def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
     out = tmp_path / "study"
-    argv = ["--algorithms", "grpo,sage-branch", "--seeds", "0,1", "--steps", "2", "--eval-n", "4",
-            "--eval-problems", "5", "--jobs", "2", "--out", str(out), "--sft_steps=150", "--prompts_per_step=4",
-            "--group_size=4", "--micro_batch_size=16", "--task_options={digits: 1}", "--max_new_tokens=4"]
+    argv = [
+        "--algorithms",
+        "grpo,sage-branch",
+        "--seeds",
+        "0,1",
+        "--steps",
+        "2",
+        "--eval-n",
+        "4",
+        "--eval-problems",
+        "5",
+        "--jobs",
+        "2",
+        "--out",
+        str(out),
+        "--sft_steps=150",
+        "--prompts_per_step=4",
+        "--group_size=4",
+        "--micro_batch_size=16",
+        "--task_options={digits: 1}",
+        "--max_new_tokens=4",
+    ]
     assert study_main(argv) == 0
     report = json.loads((out / "study.json").read_text())
     assert {"study.md", "pass_at_k.png", "training_curves.png"} <= {p.name for p in out.iterdir()}
@@ -75,8 +100,10 @@ def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
     def per_seed(arm, k):  # pass@k of each seed straight from sage-eval's records
         values = []
         for seed in (0, 1):
-            records = [json.loads(line) for line in (out / "runs" / f"{arm}-s{seed}" / "study_eval" /
-                                                     "records.jsonl").read_text().splitlines()]
+            records = [
+                json.loads(line)
+                for line in (out / "runs" / f"{arm}-s{seed}" / "study_eval" / "records.jsonl").read_text().splitlines()
+            ]
             assert len(records) == 5 and all(r["n"] == 4 for r in records)
             values.append(statistics.fmean(pass_at_k(4, r["c"], k) for r in records))
         return values
