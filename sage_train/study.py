@@ -267,8 +267,11 @@ def _output_to(log):
 
 
 def _worker_init() -> None:
-    """Workers leave Ctrl-C to the study, which stops them with SIGTERM (`stop_workers`)."""
+    """Workers leave Ctrl-C to the study, which stops them with SIGTERM (`stop_workers`). Each is a
+    world of one on a port of its own: a launcher's (or the caller's) rank variables are dropped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
     import torch
 
     torch.set_num_threads(1)  # tiny models: one thread per worker is fastest, and --jobs shares the cores
