@@ -1,7 +1,7 @@
-"""Console entry points: `sage-train`, `sage-eval` and `sage-bench`.
+"""Console entry points: `sage-train`, `sage-eval`, `sage-study` and `sage-bench`.
 
 Each parses its arguments, exits 2 with one line naming what is wrong on bad input, and hands
-the work to the module that owns it (`run.train`, `eval_command.run`, `sage_bench.cli`).
+the work to the module that owns it (`run.train`, `eval_command.run`, `study.main`, `sage_bench.cli`).
 """
 
 from __future__ import annotations
@@ -63,6 +63,17 @@ def eval_main(argv=None) -> int:
         return main(sys.argv[1:] if argv is None else argv)
     except (ValueError, FileNotFoundError, ConfigError) as error:
         print(f"sage-eval: {error}", file=sys.stderr)
+        return 2
+
+
+def study_main(argv=None) -> int:
+    """`sage-study --algorithms ... --seeds ... --out DIR` (see `sage_train.study`); returns the exit status."""
+    from .study import StudyError, main
+
+    try:
+        return main(sys.argv[1:] if argv is None else argv)
+    except StudyError as error:
+        print(f"sage-study: {error}", file=sys.stderr)
         return 2
 
 

@@ -38,6 +38,7 @@ PLOT_PANELS = (
     ("KL to the anchor", ("kl",)),
     ("entropy (nats)", ("entropy",)),
     ("guide q", ("sage/q_mean", "sage/q_min", "sage/q_max")),
+    ("share of tokens with q > 1", ("sage/frac_q_gt_1",)),
     ("clip fractions", ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")),
     ("completion length", ("completions/mean_length",)),
 )
@@ -226,8 +227,10 @@ def reward_trend(rows: list[dict], fraction: float = 0.1) -> dict:
     }
 
 
-def plot_metrics(rows: list[dict], path: Path) -> Optional[Path]:
-    """One figure with a panel per entry of `PLOT_PANELS` against the step; None without rows."""
+def plot_metrics(rows: list[dict], path: Path, evals: Optional[dict] = None) -> Optional[Path]:
+    """One figure: first pass@k before and after RL (``evals``: {"before": eval_before.json's
+    content, "after": ...}; held-out first), then a panel per entry of `PLOT_PANELS` against the
+    step. None without rows."""
     if not rows:
         return None
     import matplotlib
@@ -235,9 +238,10 @@ def plot_metrics(rows: list[dict], path: Path) -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    fig, axes = plt.subplots(2, 4, figsize=(19, 8), constrained_layout=True)
+    _plot_evals(axes.flat[0], evals or {})
     steps = [row["step"] for row in rows]
-    for ax, (title, names) in zip(axes.flat, PLOT_PANELS):
+    for ax, (title, names) in zip(list(axes.flat)[1:], PLOT_PANELS):
         for name in names:
             values = [row.get(name, math.nan) for row in rows]
             ax.plot(steps, values, label=name, linewidth=1.2)
@@ -246,27 +250,59 @@ def plot_metrics(rows: list[dict], path: Path) -> Optional[Path]:
         if len(names) > 1:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[1 + len(PLOT_PANELS) :]:
+        ax.set_visible(False)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
 
 
+def _plot_evals(ax, evals: dict) -> None:
+    """Bars of pass@k before / after RL, held-out ("test") before the RL prompts ("train")."""
+    before, after = evals.get("before") or {}, evals.get("after") or {}
+    splits = sorted(set(before) | set(after), key=lambda s: s != "test")
+    labels, pairs = [], []
+    for split in splits:
+        keys = [k for k in (before.get(split) or after.get(split)) if k.startswith("pass@")]
+        for key in keys:
+            labels.append(f"{'held-out' if split == 'test' else split}\n{key}")
+            pairs.append(tuple((e.get(split) or {}).get(key, math.nan) for e in (before, after)))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], [p[0] for p in pairs], width=0.4, label="before RL")
+    ax.bar([i + 0.2 for i in x], [p[1] for p in pairs], width=0.4, label="after RL")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_title("pass@k before / after RL")
+    ax.grid(alpha=0.3, axis="y")
+    if labels:
+        ax.legend(fontsize=8)
+
+
 def format_summary(summary: dict) -> str:
-    """The console summary of a finished run."""
+    """The console summary of a finished run: held-out pass@k before -> after RL first (what RL is
+    for), then the RL prompts' own, then the training reward."""
     lines = [
         f"run {summary['name']} ({summary['algorithm']}): {summary['steps_done']} RL steps, "
-        f"{summary['wall_time_s']:.0f} s",
-        f"  training reward: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f} "
-        f"(mean over {summary.get('reward_window_steps', 0)} steps each)",
+        f"{summary['wall_time_s']:.0f} s"
     ]
-    for when in ("before", "after"):
-        for split, result in (summary.get(f"eval_{when}") or {}).items():
-            scores = ", ".join(
-                f"{key} {value:.3f}" for key, value in result.items() if key.startswith("pass@")
-            )
-            lines.append(
-                f"  eval {when} RL, {split} ({result['problems']} problems x {result['samples']} samples): "
-                f"{scores}"
-            )
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    labels = {"test": "held-out problems", "train": "RL prompts"}
+    for split in sorted(set(before) | set(after), key=lambda s: s != "test"):
+        first = before.get(split) or after[split]
+        scores = []
+        for key in (k for k in first if k.startswith("pass@")):
+            if split in before and split in after:
+                old, new = before[split][key], after[split][key]
+                scores.append(f"{key} {old:.3f} -> {new:.3f} ({new - old:+.3f})")
+            else:
+                scores.append(f"{key} {first[key]:.3f} ({'before' if split in before else 'after'} RL)")
+        lines.append(
+            f"  {labels.get(split, split)} ({split}, {first['problems']} problems x {first['samples']} samples): "
+            + ", ".join(scores)
+        )
+    lines.append(
+        f"  training reward: first {summary['reward_first']:.3f} -> last {summary['reward_last']:.3f} "
+        f"(mean over {summary.get('reward_window_steps', 0)} steps each)"
+    )
     lines.append(f"  outputs: {summary['run_dir']} (final model: {summary.get('final_model', '-')})")
     return "\n".join(lines)

@@ -261,7 +261,8 @@ def write_summary(
     interrupted: bool,
 ) -> dict:
     rows = report.read_metrics(run_dir / "metrics.jsonl")
-    plot = report.plot_metrics(rows, run_dir / "metrics.png") if cfg.plots else None
+    evals = {"before": eval_before, "after": eval_after}
+    plot = report.plot_metrics(rows, run_dir / "metrics.png", evals) if cfg.plots else None
     summary = {
         "name": cfg.name,
         "algorithm": cfg.algorithm,

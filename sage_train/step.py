@@ -406,6 +406,7 @@ class LossTotals:
         self.loss, self.tokens, self.sums = 0.0, 0.0, {}
         self.q_min, self.q_max = None, None
         self.skipped: list[str] = []  # why each skipped optimizer step was skipped
+        self.q_above_one = 0.0
 
     def add(self, loss: torch.Tensor, out, mask: torch.Tensor) -> None:
         tokens = mask.sum().float()
@@ -414,6 +415,8 @@ class LossTotals:
         for name in self.MEAN_METRICS:
             self.sums[name] = self.sums.get(name, 0.0) + out.metrics[name].float() * tokens
         q_min, q_max = out.metrics["sage/q_min"].float(), out.metrics["sage/q_max"].float()
+        # the share of tokens whose anchor the guide raises (q > 1): how much of the text it touches
+        self.q_above_one = self.q_above_one + ((out.q > 1.0) & mask).sum().float()
         self.q_min = q_min if self.q_min is None else torch.minimum(self.q_min, q_min)
         self.q_max = q_max if self.q_max is None else torch.maximum(self.q_max, q_max)
 
@@ -426,4 +429,5 @@ class LossTotals:
             "sage/q_min": self.q_min,
             "sage/q_max": self.q_max,
             "nonfinite/skipped_steps": float(len(self.skipped)),
+            "sage/frac_q_gt_1": self.q_above_one / tokens,
         }

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sage_kernels.guides import TokenGuide, branch_guide
+from sage_kernels.guides import branch_guide
 from sage_train.advantages import STD_EPS
 
 DTYPE = torch.float64
@@ -140,11 +140,13 @@ def branch_log_q(logits: torch.Tensor, *, gamma: float, tau: float, q_min: float
 
 
 def token_log_q(ref_logits: torch.Tensor, *, gamma: float, tau: float, q_min: float, q_max: float) -> torch.Tensor:
-    """A fixed token-dependent guide [P, N, V]: the package's surprisal guide applied to pi_ref's own
-    log-probs, q = clamp(1 + gamma (-log pi_ref(y|s) - tau)+, q_min, q_max), raising rare tokens."""
-    guide = TokenGuide(gamma=gamma, tau=tau, q_min=q_min, q_max=q_max)
-    logp = torch.log_softmax(ref_logits, dim=-1)
-    return guide(logp, torch.ones_like(logp, dtype=torch.bool)).to(DTYPE)
+    """A fixed token-dependent guide [P, N, V] from pi_ref's own surprisal,
+    q = clamp(1 + gamma (-log pi_ref(y|s) - tau)+, q_min, q_max), raising rare tokens. It is fixed
+    (no noise, no schedule) so that the optimum it defines is exact; the package's token guide
+    (`sage_kernels.guides.TokenGuide`) is the official stochastic, annealed one."""
+    surprisal = -torch.log_softmax(ref_logits.to(DTYPE), dim=-1)
+    q = (1.0 + gamma * (surprisal - tau).clamp(min=0.0)).clamp(q_min, q_max)
+    return q.log()
 
 
 def visitation(task: EnumerableTask, seq_logp: torch.Tensor) -> torch.Tensor:

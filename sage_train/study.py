@@ -1,0 +1,368 @@
+"""`sage-study`: a grid of algorithms x seeds run as ordinary `sage-train` runs, every final model
+and its starting point evaluated on the same held-out problems with `sage-eval`, and the results
+aggregated with confidence intervals (`sage_train.study_report`).
+
+    sage-study --algorithms grpo,sage-branch --seeds 0,1 --steps 10 --eval-n 16 --out DIR
+    sage-study --config study-default --jobs 2 --out /tmp/study-default     # the packaged study
+    sage-study --config study-default --out DIR --lr=1e-3                   # a training override
+
+What lands in --out:
+
+    runs/start-s{seed}/    the starting point of `seed`: a sage-train run of the base config (one RL
+                           step, not evaluated) whose warm start `sft/` every algorithm of that seed
+                           starts from (--model=.../sft --sft_steps=0), so the algorithms of one seed
+                           differ only in RL: the pairing of the paired differences
+    runs/{arm}-s{seed}/    one algorithm ("arm": an algorithm preset plus overrides, e.g. a tau) and seed
+    runs/*/study_eval/     sage-eval's records of that run's model (the start's: its sft/)
+    logs/                  each subprocess's output
+    study.json, study.md, pass_at_k.png, training_curves.png
+
+Resumable: a run whose summary.json says it finished is reused; an unfinished one continues from
+its newest checkpoint (every run is launched with --resume); sage-eval resumes from its records.
+Killing the study (Ctrl-C, SIGTERM) stops the runs in flight (at a checkpoint when in the RL loop);
+the same command then finishes the grid. With --jobs N, N worker processes run at once, one torch
+thread each; each run is `sage_train.run.train` of its sage-train command line, in a worker (so
+torch and DeepSpeed are imported once per worker, not once per run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from pathlib import Path
+
+import yaml
+
+from .config import ConfigError, parse_args, read_yaml
+
+START = "start"  # the arm name of the starting point (the warm-started model, no RL)
+STUDY_KEYS = ("algorithms", "seeds", "baseline", "eval_n", "eval_problems", "train_config", "train")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One algorithm of the study: a preset and the training overrides that set it apart."""
+
+    name: str
+    algorithm: str
+    overrides: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Study:
+    arms: list
+    seeds: list
+    baseline: str  # the arm the paired differences are taken against
+    eval_n: int
+    eval_problems: int
+    train_config: str  # the sage-train config every run starts from (a path or a packaged name)
+    train: dict  # sage-train overrides common to every run
+    out: Path
+    jobs: int = 1
+
+    def run_dir(self, arm: str, seed: int) -> Path:
+        return self.out / "runs" / f"{arm}-s{seed}"
+
+    def train_args(self, arm: Arm | None, seed: int) -> list:
+        """The sage-train command line of (arm, seed); arm None is the seed's starting point."""
+        values = {**self.train, "seed": seed, "output_dir": str(self.out / "runs"), "resume": True}
+        values.update(progress=False, tensorboard=False, plots=False)  # the study draws its own plots
+        if arm is None:  # the warm start only: one RL step (steps must be > 0), no evaluation
+            values.update(name=f"{START}-s{seed}", steps=1, eval_problems=0)
+        else:
+            start = self.run_dir(START, seed) / "sft"
+            values.update(arm.overrides, algorithm=arm.algorithm, name=f"{arm.name}-s{seed}")
+            values.update(model=str(start), sft_steps=0, eval_problems=0)
+        return ["--config", self.train_config] + [f"--{k}={_yaml_scalar(v)}" for k, v in values.items()]
+
+
+def _yaml_scalar(value) -> str:
+    """A value as sage-train reads it back (`yaml.safe_load` of the text after `=`; YAML reads JSON)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+class StudyError(ValueError):
+    """Bad study arguments or study file (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2 (through cli.study_main), not argparse's usage block
+        raise StudyError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="sage-study", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=None, help="a study YAML (path or packaged name, e.g. study-default)")
+    p.add_argument("--algorithms", default=None, help="comma-separated presets, e.g. grpo,sage-branch")
+    p.add_argument("--seeds", default=None, help="comma-separated training seeds, e.g. 0,1,2")
+    p.add_argument("--baseline", default=None, help="the arm differences are taken against (default: the first)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (a training override)")
+    p.add_argument("--task", default=None, help="the task (a training override; resets task_options)")
+    p.add_argument("--eval-n", type=int, default=None, help="samples per held-out problem (default 16)")
+    p.add_argument("--eval-problems", type=int, default=None, help="held-out problems (default 64)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process")
+    p.add_argument("--out", default=None, help="the study directory (required)")
+    p.add_argument("--report-only", action="store_true", help="write the report from the runs finished so far")
+    p.add_argument("--toy", action="store_true", help="the closed-form toy study instead (sage_train.toy)")
+    return p
+
+
+def parse_study(argv: list) -> Study:
+    """A Study from the command line: the study file's keys, then the flags, then --key=value."""
+    args, rest = build_parser().parse_known_args(argv)
+    if args.out is None:
+        raise StudyError("--out DIR is required")
+    values = read_study_file(args.config) if args.config else {}
+    train = dict(values.get("train") or {})
+    for arg in rest:  # training overrides pass through to every sage-train run
+        key, has_value, text = arg.partition("=")
+        if not key.startswith("--") or not has_value:
+            raise StudyError(f"unexpected argument {arg!r}; training overrides are --key=value")
+        train[key[2:].replace("-", "_")] = yaml.safe_load(text) if text else ""
+    if args.steps is not None:
+        train["steps"] = args.steps
+    if args.task is not None:  # another task's options would not fit it: its defaults unless given
+        if args.task != train.get("task") and not any(arg.startswith("--task_options=") for arg in rest):
+            train["task_options"] = {}
+        train["task"] = args.task
+    arms = parse_arms(args.algorithms.split(",") if args.algorithms else values.get("algorithms") or ["grpo"])
+    seeds = _ints(args.seeds, "--seeds") if args.seeds else values.get("seeds", [0])
+    study = Study(
+        arms=arms,
+        seeds=seeds,
+        baseline=args.baseline or values.get("baseline") or arms[0].name,
+        eval_n=values.get("eval_n", 16) if args.eval_n is None else args.eval_n,
+        eval_problems=values.get("eval_problems", 64) if args.eval_problems is None else args.eval_problems,
+        train_config=values.get("train_config", "tiny-cpu"),
+        train=train,
+        out=Path(args.out),
+        jobs=args.jobs,
+    )
+    check_study(study)
+    return study
+
+
+def read_study_file(name: str) -> dict:
+    try:
+        values = read_yaml(name)
+    except ConfigError as error:
+        raise StudyError(str(error).replace("config file", "--config")) from None
+    unknown = sorted(set(values) - set(STUDY_KEYS))
+    if unknown:
+        raise StudyError(f"--config {name!r}: unknown study key(s) {unknown}; known: {list(STUDY_KEYS)}")
+    return values
+
+
+def parse_arms(entries: list) -> list:
+    """Arms from names ("grpo") or mappings ({name: sage-branch-tau0.3, algorithm: sage-branch, tau: 0.3})."""
+    arms = []
+    for entry in entries:
+        if isinstance(entry, str) and entry.strip():
+            arms.append(Arm(entry.strip(), entry.strip()))
+        elif isinstance(entry, dict) and {"name", "algorithm"} <= set(entry):
+            overrides = {k: v for k, v in entry.items() if k not in ("name", "algorithm")}
+            arms.append(Arm(str(entry["name"]), str(entry["algorithm"]), overrides))
+        else:
+            raise StudyError(f"algorithms: expected a preset name or {{name, algorithm, key: value}}, got {entry!r}")
+    names = [arm.name for arm in arms]
+    if len(set(names)) < len(names) or START in names:
+        raise StudyError(f"algorithms: names must be distinct and not {START!r}, got {names}")
+    return arms
+
+
+def check_study(study: Study) -> None:
+    """Every value in range, and every run's sage-train config valid, before anything starts."""
+    if not study.seeds or not all(isinstance(s, int) and s >= 0 for s in study.seeds):
+        raise StudyError(f"seeds must be integers >= 0, got {study.seeds!r}")
+    if len(set(study.seeds)) < len(study.seeds):
+        raise StudyError(f"seeds: a seed is given twice: {study.seeds}")
+    for key in ("eval_n", "eval_problems", "jobs"):
+        value = getattr(study, key)
+        if not isinstance(value, int) or value < 1:
+            raise StudyError(f"{key.replace('_', '-')} must be an integer >= 1, got {value!r}")
+    if study.baseline not in [arm.name for arm in study.arms] + [START]:
+        raise StudyError(f"baseline {study.baseline!r} is not one of the algorithms {[a.name for a in study.arms]}")
+    for arm in [None, *study.arms]:
+        try:
+            parse_args(study.train_args(arm, study.seeds[0]))
+        except ConfigError as error:
+            raise StudyError(f"{arm.name if arm else 'the starting-point run'}: {error}") from None
+
+
+def _ints(text: str, what: str) -> list:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise StudyError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+# ----------------------------------------------------------------------------- running the grid
+
+
+def run_task(study: Study, arm: Arm | None, seed: int) -> str:
+    """Train (arm, seed) unless finished, then evaluate its model; runs in a worker process, its
+    output going to logs/{run}.log. arm None is the seed's starting point (its sft/ is evaluated)."""
+    run_dir = study.run_dir(arm.name if arm else START, seed)
+    log_path = study.out / "logs" / f"{run_dir.name}.log"
+    with open(log_path, "a") as log, _output_to(log):
+        if not finished(run_dir):
+            from .run import train
+
+            summary = train(parse_args(study.train_args(arm, seed)))
+            if not finished(run_dir):
+                return f"sage-train {'stopped' if summary and summary.get('interrupted') else 'failed'} ({log_path})"
+        return evaluate(study, run_dir, run_dir / ("sft" if arm is None else "final"), seed)
+
+
+def evaluate(study: Study, run_dir: Path, model: Path, seed: int) -> str:
+    """sage-eval of `model` on the study's held-out problems into run_dir/study_eval (resumable)."""
+    out = run_dir / "study_eval"
+    if eval_done(out, study):
+        return "ok (reused)"
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    argv = ["--model", str(model), "--tasks", config.get("eval_task") or config["task"], "--no-progress"]
+    if not config.get("eval_task"):
+        argv += ["--task-options", json.dumps({config["task"]: config["task_options"]})]
+    argv += ["--n", str(study.eval_n), "--k", ",".join(map(str, range(1, study.eval_n + 1)))]
+    argv += ["--seeds", str(seed), "--limit", str(study.eval_problems), "--out", str(out)]
+    argv += ["--max-new-tokens", str(config.get("eval_max_new_tokens") or config["max_new_tokens"])]
+    argv += ["--temperature", str(config["eval_temperature"]), "--device", "cpu" if _cpu_only() else "cuda"]
+    from .eval_command import main as eval_main
+
+    code = eval_main(argv)
+    return "ok" if code == 0 and eval_done(out, study) else f"sage-eval exited {code}"
+
+
+def _cpu_only() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def _output_to(log):
+    """The worker's stdout and stderr (file descriptors: C++ and logging output too) into `log`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _worker_init() -> None:
+    """Workers leave Ctrl-C to the study, which stops them with SIGTERM (`stop_workers`). Each is a
+    world of one on a port of its own: a launcher's (or the caller's) rank variables are dropped."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    import torch
+
+    torch.set_num_threads(1)  # tiny models: one thread per worker is fastest, and --jobs shares the cores
+
+
+def stop_workers(state: dict) -> None:
+    """SIGTERM to the workers: a run in its RL loop saves a checkpoint and returns."""
+    state["stopping"] = True
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, signal.SIGTERM)
+
+
+def finished(run_dir: Path) -> bool:
+    summary = run_dir / "summary.json"
+    return summary.is_file() and not json.loads(summary.read_text()).get("interrupted", True)
+
+
+def eval_done(out: Path, study: Study) -> bool:
+    results = out / "results.json"
+    if not results.is_file():
+        return False
+    config = json.loads(results.read_text())["config"]
+    return config["n"] == study.eval_n and config["limit"] == study.eval_problems
+
+
+def run_grid(study: Study, state: dict, log=print) -> dict:
+    """Every start, then every (arm, seed) once its start is done, in `study.jobs` worker processes
+    (each imports torch once); returns {run name: status}."""
+    statuses, total, started = {}, len(study.seeds) * (len(study.arms) + 1), time.time()
+    (study.out / "logs").mkdir(parents=True, exist_ok=True)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(study.jobs, mp_context=context, initializer=_worker_init) as pool:
+        pending = {pool.submit(run_task, study, None, seed): (None, seed) for seed in study.seeds}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                arm, seed = pending.pop(future)
+                name = f"{arm.name if arm else START}-s{seed}"
+                try:
+                    statuses[name] = future.result()
+                except Exception as error:  # a worker killed by the stop signal, or a crash
+                    statuses[name] = f"{'stopped' if state['stopping'] else 'failed'}: {type(error).__name__}"
+                log(f"sage-study: [{len(statuses)}/{total}] {name}: {statuses[name]} ({time.time() - started:.0f} s)")
+                if arm is None and statuses[name].startswith("ok") and not state["stopping"]:
+                    for each in study.arms:
+                        pending[pool.submit(run_task, study, each, seed)] = (each, seed)
+    return statuses
+
+
+def main(argv=None) -> int:
+    """`sage-study`; returns the exit status (2: bad arguments, 1: some run failed, 130: stopped)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--toy" in argv:
+        return toy_main(argv)
+    study = parse_study(argv)
+    study.out.mkdir(parents=True, exist_ok=True)
+    if "--report-only" in argv:
+        from .study_report import write_report
+
+        print(write_report(study, argv, wall_time_s=None)["summary"])
+        return 0
+    state, started = {"stopping": False}, time.time()
+    previous = {sig: signal.signal(sig, lambda *_: stop_workers(state)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    print(f"sage-study: {len(study.arms)} algorithm(s) x {len(study.seeds)} seed(s) + starting points -> {study.out}")
+    try:
+        statuses = run_grid(study, state)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if state["stopping"]:
+        print(f"sage-study: stopped; finished runs are kept, rerun the same command to finish {study.out}")
+        return 130
+    from .study_report import write_report
+
+    report = write_report(study, argv, wall_time_s=time.time() - started)
+    print(report["summary"])
+    failed = {name: status for name, status in statuses.items() if not status.startswith("ok")}
+    for name, status in failed.items():
+        print(f"sage-study: {name}: {status}")
+    return 1 if failed else 0
+
+
+def toy_main(argv: list) -> int:
+    """`sage-study --toy --out DIR ...`: the closed-form toy study, written by `sage_train.toy`."""
+    parser = argparse.ArgumentParser(prog="sage-study --toy", add_help=False)
+    parser.add_argument("--out", default=None)
+    args, rest = parser.parse_known_args([arg for arg in argv if arg != "--toy"])
+    if args.out is None:
+        raise StudyError("--toy needs --out DIR")
+    try:
+        from . import toy
+    except ImportError:
+        raise StudyError("--toy: this install has no sage_train.toy module") from None
+    return toy.main(["--out", args.out, *rest])
