@@ -67,7 +67,8 @@ class _ChunkedLoss(torch.autograd.Function):
         for start in range(0, hidden2d.shape[0], CHUNK_TOKENS):
             part = slice(start, start + CHUNK_TOKENS)
             chunk_loss, chunk_gh, chunk_gw = loss_and_grads(
-                hidden2d[part], weight, *(t[part] for t in per_token), **settings)
+                hidden2d[part], weight, *(t[part] for t in per_token), **settings
+            )
             loss += chunk_loss
             grad_h[part] = chunk_gh
             grad_w += chunk_gw
@@ -80,9 +81,20 @@ class _ChunkedLoss(torch.autograd.Function):
         return grad_h * grad_loss, grad_w * grad_loss, None, None, None
 
 
-def chunked_grpo_loss(hidden, weight, token_ids, mask, advantages, old_logp, ref_logp, *,
-                      beta: float = 0.05, eps_low: float = 0.2, eps_high: float = 0.2,
-                      compiled: bool = True) -> torch.Tensor:
+def chunked_grpo_loss(
+    hidden,
+    weight,
+    token_ids,
+    mask,
+    advantages,
+    old_logp,
+    ref_logp,
+    *,
+    beta: float = 0.05,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    compiled: bool = True,
+) -> torch.Tensor:
     """GRPO loss of hidden [B, L, D] through weight [V, D]; gradients for hidden and weight."""
     B, L, D = hidden.shape
     m = mask.float()
@@ -95,5 +107,7 @@ def chunked_grpo_loss(hidden, weight, token_ids, mask, advantages, old_logp, ref
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLoss.apply(hidden2d, weight, per_token, settings, compiled)
     loss_only, _ = _chunk_fns(compiled)
-    return sum(loss_only(hidden2d[s:s + CHUNK_TOKENS], weight, *(t[s:s + CHUNK_TOKENS] for t in per_token),
-                         **settings) for s in range(0, B * L, CHUNK_TOKENS))
+    return sum(
+        loss_only(hidden2d[s : s + CHUNK_TOKENS], weight, *(t[s : s + CHUNK_TOKENS] for t in per_token), **settings)
+        for s in range(0, B * L, CHUNK_TOKENS)
+    )

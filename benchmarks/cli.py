@@ -12,8 +12,9 @@ COMMANDS = {"loss": f"{__package__}.loss", "profile": f"{__package__}.profile_st
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: sage-bench {{{','.join(COMMANDS)}}} [flags]   (sage-bench loss --help for flags)",
-              file=sys.stderr)
+        print(
+            f"usage: sage-bench {{{','.join(COMMANDS)}}} [flags]   (sage-bench loss --help for flags)", file=sys.stderr
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
 

@@ -37,23 +37,39 @@ def _csv(kind):
 
 def parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sage-bench loss", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cuda when available, else cpu")
-    parser.add_argument("--shapes", type=_csv(str), help=f"comma-separated, from {sorted(SHAPES)}; "
-                        "default: the device's plan")
-    parser.add_argument("--n", type=_csv(int), help="token counts N (multiples of 1024 above 1024); "
-                        "default: the plan's, or 2048 with --shapes")
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available, else cpu"
+    )
+    parser.add_argument(
+        "--shapes", type=_csv(str), help=f"comma-separated, from {sorted(SHAPES)}; default: the device's plan"
+    )
+    parser.add_argument(
+        "--n",
+        type=_csv(int),
+        help="token counts N (multiples of 1024 above 1024); default: the plan's, or 2048 with --shapes",
+    )
     parser.add_argument("--modes", type=_csv(str), help=f"from {list(MODES)}; default: both (with --shapes)")
     parser.add_argument("--masks", type=_csv(float), help="masked fractions; default: 0,0.5 (with --shapes)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: fp32 on cpu, bf16 on cuda")
-    parser.add_argument("--providers", type=_csv(str), default=list(PROVIDERS),
-                        help=f"comma-separated, from {list(PROVIDERS)}; default: all")
+    parser.add_argument(
+        "--providers",
+        type=_csv(str),
+        default=list(PROVIDERS),
+        help=f"comma-separated, from {list(PROVIDERS)}; default: all",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row at most (default 3)")
-    parser.add_argument("--budget-s", type=float, default=60.0,
-                        help="seconds of runs per row before stopping early, at least one run (default 60)")
-    parser.add_argument("--time-limit-s", type=float,
-                        help="rows not started within this many seconds are reported as skipped")
-    parser.add_argument("--out", default="benchmarks/results", help="output directory (relative to the working directory)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=60.0,
+        help="seconds of runs per row before stopping early, at least one run (default 60)",
+    )
+    parser.add_argument(
+        "--time-limit-s", type=float, help="rows not started within this many seconds are reported as skipped"
+    )
+    parser.add_argument(
+        "--out", default="benchmarks/results", help="output directory (relative to the working directory)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in args.providers:
@@ -73,11 +89,14 @@ def parse_args(argv) -> argparse.Namespace:
 def plan(args) -> list[tuple[Point, list[str]]]:
     """(point, modes) pairs: the device's default plan, or the cross product of the flags."""
     if args.shapes:
-        entries = [(shape, args.n or [2048], args.modes or list(MODES), args.masks or [0.0, 0.5])
-                   for shape in args.shapes]
+        entries = [
+            (shape, args.n or [2048], args.modes or list(MODES), args.masks or [0.0, 0.5]) for shape in args.shapes
+        ]
     else:
-        entries = [(shape, args.n or ns, args.modes or modes, args.masks or masks)
-                   for shape, ns, modes, masks in DEFAULT_PLANS[args.device]]
+        entries = [
+            (shape, args.n or ns, args.modes or modes, args.masks or masks)
+            for shape, ns, modes, masks in DEFAULT_PLANS[args.device]
+        ]
     points = []
     for shape, ns, modes, masks in entries:
         for n in ns:
@@ -90,9 +109,14 @@ def plan(args) -> list[tuple[Point, list[str]]]:
 
 def run_worker(points: list[tuple[Point, list[str]]], args, rows_path: Path) -> list[dict]:
     """Run `points` in a fresh process; rows it could not write are reported as failed."""
-    spec = {"points": [{"point": dataclasses.asdict(p), "modes": modes} for p, modes in points],
-            "providers": args.providers, "repeats": args.repeats, "budget_s": args.budget_s,
-            "seed": args.seed, "deadline": args.deadline}
+    spec = {
+        "points": [{"point": dataclasses.asdict(p), "modes": modes} for p, modes in points],
+        "providers": args.providers,
+        "repeats": args.repeats,
+        "budget_s": args.budget_s,
+        "seed": args.seed,
+        "deadline": args.deadline,
+    }
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     before = rows_path.stat().st_size
@@ -106,8 +130,12 @@ def run_worker(points: list[tuple[Point, list[str]]], args, rows_path: Path) -> 
         for provider in args.providers:
             for mode in modes:
                 if (point.shape, point.n, point.mask_fraction, provider, mode) not in done:
-                    rows.append({**base_row(point, provider, mode),
-                                 "status": f"failed: worker exited with code {proc.returncode}"})
+                    rows.append(
+                        {
+                            **base_row(point, provider, mode),
+                            "status": f"failed: worker exited with code {proc.returncode}",
+                        }
+                    )
     return rows
 
 

@@ -71,8 +71,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_runs(run: Callable[[], None], reset: Callable[[], None], device: str, *, repeats: int,
-              budget_s: float) -> dict:
+def time_runs(
+    run: Callable[[], None], reset: Callable[[], None], device: str, *, repeats: int, budget_s: float
+) -> dict:
     """Time `run` and measure its peak memory.
 
     The first full-size run is a warm-up (its compile and lazy set-up were already done on the
@@ -130,12 +131,18 @@ MACHINE_KEYS = ("cpu", "cores", "threads", "gpu", "torch", "python", "triton", "
 
 def machine(device: str) -> dict:
     """What the rows were measured on: processor, threads, accelerator, library versions, commit."""
-    info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-            "torch": torch.__version__, "python": platform.python_version()}
+    info = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     for package in ("triton", "liger_kernel"):
         try:
             from importlib.metadata import version
+
             info[package] = version(package.replace("_", "-"))
         except Exception:  # not installed: recorded as absent
             info[package] = None

@@ -80,9 +80,19 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
     from .providers import SETTINGS
 
     def loss_fn(hidden, weight):
-        return fused_linear_sage_loss(hidden, weight, inputs.token_ids, inputs.mask, inputs.advantages,
-                                      old_logp=inputs.old_logp, ref_logp=inputs.ref_logp, backend="triton",
-                                      guide="none", **SETTINGS, **PATHS[name]).loss
+        return fused_linear_sage_loss(
+            hidden,
+            weight,
+            inputs.token_ids,
+            inputs.mask,
+            inputs.advantages,
+            old_logp=inputs.old_logp,
+            ref_logp=inputs.ref_logp,
+            backend="triton",
+            guide="none",
+            **SETTINGS,
+            **PATHS[name],
+        ).loss
 
     before = three_matmul.PATHS_TAKEN.copy()
     _fwd_bwd(loss_fn, inputs)  # warm-up: compiles the kernels
@@ -103,9 +113,14 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
     names = list(dict.fromkeys(n for run in stage_runs for n in run))
     stage_ms = {n: statistics.median(run.get(n, 0.0) for run in stage_runs) for n in names}
     grads = inputs.hidden.numel() * inputs.hidden.element_size() + inputs.weight.numel() * inputs.weight.element_size()
-    return {"path": name, "path_taken": sorted(taken), "ms_total": statistics.median(totals), "stages_ms": stage_ms,
-            "peak_mem_mib": None if peak is None else peak / 2**20,
-            "extra_mem_mib": None if peak is None else max(peak - grads, 0) / 2**20}
+    return {
+        "path": name,
+        "path_taken": sorted(taken),
+        "ms_total": statistics.median(totals),
+        "stages_ms": stage_ms,
+        "peak_mem_mib": None if peak is None else peak / 2**20,
+        "extra_mem_mib": None if peak is None else max(peak - grads, 0) / 2**20,
+    }
 
 
 def profile_floor(inputs, point: Point, repeats: int) -> float:
@@ -132,22 +147,33 @@ def _with(inputs, hidden, weight):
 
 def markdown(point: Point, results: list[dict], floor_ms: float, command: str, info: dict) -> str:
     flop = 6 * point.n * point.d * point.v
-    lines = [f"Stage profile: {point.shape} (D {point.d}, V {point.v}), N {point.n}, {point.dtype}, "
-             f"{point.mask_fraction:.0%} masked, fwd+bwd, on {info.get('gpu') or info['cpu']}; torch {info['torch']}, "
-             f"triton {info['triton']}; commit {info['commit']}.", "", f"Command: `{command}`", "",
-             f"GEMM floor (three bare products): {floor_ms:.1f} ms, {flop / floor_ms / 1e9:.3g} TFLOP/s (6NDV).", "",
-             "| path | stage | ms | share | × floor |", "|---|---|---|---|---|"]
+    lines = [
+        f"Stage profile: {point.shape} (D {point.d}, V {point.v}), N {point.n}, {point.dtype}, "
+        f"{point.mask_fraction:.0%} masked, fwd+bwd, on {info.get('gpu') or info['cpu']}; torch {info['torch']}, "
+        f"triton {info['triton']}; commit {info['commit']}.",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"GEMM floor (three bare products): {floor_ms:.1f} ms, {flop / floor_ms / 1e9:.3g} TFLOP/s (6NDV).",
+        "",
+        "| path | stage | ms | share | × floor |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         for stage_name, ms in r["stages_ms"].items():
             lines.append(f"| {r['path']} | {stage_name} | {ms:.2f} | {ms / r['ms_total']:.0%} | — |")
         lines.append(f"| {r['path']} | **whole call** | {r['ms_total']:.2f} | 100% | {r['ms_total'] / floor_ms:.2f} |")
-    lines += ["", "| path | ran as | peak MiB | extra MiB (without the gradients) | TFLOP/s (6NDV) |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| path | ran as | peak MiB | extra MiB (without the gradients) | TFLOP/s (6NDV) |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         peak = "—" if r["peak_mem_mib"] is None else f"{r['peak_mem_mib']:.0f}"
         extra = "—" if r["extra_mem_mib"] is None else f"{r['extra_mem_mib']:.0f}"
-        lines.append(f"| {r['path']} | {', '.join(r['path_taken'])} | {peak} | {extra} "
-                     f"| {flop / r['ms_total'] / 1e9:.3g} |")
+        lines.append(
+            f"| {r['path']} | {', '.join(r['path_taken'])} | {peak} | {extra} | {flop / r['ms_total'] / 1e9:.3g} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -165,8 +191,20 @@ def main(argv=None) -> int:
     results = [profile_path(name, inputs, point, args.repeats) for name in args.paths]
     floor_ms = profile_floor(inputs, point, args.repeats)
     command = "python -m benchmarks.profile_stages " + " ".join(argv)
-    rows = [{**r, "shape": point.shape, "n": point.n, "d": point.d, "v": point.v, "dtype": point.dtype,
-             "mask_fraction": point.mask_fraction, "floor_ms": floor_ms, **info} for r in results]
+    rows = [
+        {
+            **r,
+            "shape": point.shape,
+            "n": point.n,
+            "d": point.d,
+            "v": point.v,
+            "dtype": point.dtype,
+            "mask_fraction": point.mask_fraction,
+            "floor_ms": floor_ms,
+            **info,
+        }
+        for r in results
+    ]
     (out / "stages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = markdown(point, results, floor_ms, command.strip(), info)
     (out / "stages.md").write_text(text)

@@ -23,8 +23,7 @@ from .shapes import Inputs
 
 #: One set of loss settings for every provider: the peers have no guide, so ours runs with the
 #: guide off too, and again with the branch guide as separate `*-branch` providers.
-SETTINGS = {"beta": 0.05, "kl": "k3", "eps_low": 0.2, "eps_high": 0.2, "loss_type": "grpo",
-            "temperature": 1.0}
+SETTINGS = {"beta": 0.05, "kl": "k3", "eps_low": 0.2, "eps_high": 0.2, "loss_type": "grpo", "temperature": 1.0}
 GEMM_CHUNK_TOKENS = 2048
 
 
@@ -39,9 +38,19 @@ class Provider:
 
 def _sage(backend: str, guide: str):
     def loss(x: Inputs) -> torch.Tensor:
-        return fused_linear_sage_loss(x.hidden, x.weight, x.token_ids, x.mask, x.advantages,
-                                      old_logp=x.old_logp, ref_logp=x.ref_logp, backend=backend, guide=guide,
-                                      **SETTINGS).loss
+        return fused_linear_sage_loss(
+            x.hidden,
+            x.weight,
+            x.token_ids,
+            x.mask,
+            x.advantages,
+            old_logp=x.old_logp,
+            ref_logp=x.ref_logp,
+            backend=backend,
+            guide=guide,
+            **SETTINGS,
+        ).loss
+
     return loss
 
 
@@ -63,17 +72,31 @@ def _backend_missing(backend: str, device: str) -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def _liger_module(compiled: bool):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    return LigerFusedLinearGRPOLoss(beta=SETTINGS["beta"], compiled=compiled, use_ref_model=True,
-                                    epsilon_low=SETTINGS["eps_low"], epsilon_high=SETTINGS["eps_high"],
-                                    loss_type=SETTINGS["loss_type"], temperature=SETTINGS["temperature"])
+
+    return LigerFusedLinearGRPOLoss(
+        beta=SETTINGS["beta"],
+        compiled=compiled,
+        use_ref_model=True,
+        epsilon_low=SETTINGS["eps_low"],
+        epsilon_high=SETTINGS["eps_high"],
+        loss_type=SETTINGS["loss_type"],
+        temperature=SETTINGS["temperature"],
+    )
 
 
 def _liger(compiled: bool):
     def loss(x: Inputs) -> torch.Tensor:
         value, _metrics = _liger_module(compiled)(
-            x.hidden, x.weight, x.token_ids, x.mask, x.advantages, ref_per_token_logps=x.ref_logp,
-            old_per_token_logps=x.old_logp)
+            x.hidden,
+            x.weight,
+            x.token_ids,
+            x.mask,
+            x.advantages,
+            ref_per_token_logps=x.ref_logp,
+            old_per_token_logps=x.old_logp,
+        )
         return value
+
     return loss
 
 
@@ -95,10 +118,10 @@ class _GemmFloor(torch.autograd.Function):
         grad_h = torch.empty_like(hidden2d) if with_grads else None
         grad_w = torch.zeros_like(weight) if with_grads else None
         for start in range(0, hidden2d.shape[0], GEMM_CHUNK_TOKENS):
-            h = hidden2d[start:start + GEMM_CHUNK_TOKENS]
+            h = hidden2d[start : start + GEMM_CHUNK_TOKENS]
             z = h @ weight.t()
             if with_grads:
-                torch.mm(z, weight, out=grad_h[start:start + GEMM_CHUNK_TOKENS])
+                torch.mm(z, weight, out=grad_h[start : start + GEMM_CHUNK_TOKENS])
                 grad_w.addmm_(z.t(), h)
         ctx.save_for_backward(grad_h, grad_w)
         return hidden2d.new_zeros((), dtype=torch.float32)
@@ -116,25 +139,34 @@ def _gemm_floor(x: Inputs) -> torch.Tensor:
 
 def _chunked(x: Inputs) -> torch.Tensor:
     settings = {key: SETTINGS[key] for key in ("beta", "eps_low", "eps_high")}
-    return chunked_grpo_loss(x.hidden, x.weight, x.token_ids, x.mask, x.advantages, x.old_logp, x.ref_logp,
-                             **settings)
+    return chunked_grpo_loss(x.hidden, x.weight, x.token_ids, x.mask, x.advantages, x.old_logp, x.ref_logp, **settings)
 
 
 def _always(device: str) -> Optional[str]:
     return None
 
 
-PROVIDERS = {p.name: p for p in (
-    Provider("naive", _sage("reference", "none"), "none", _always),
-    Provider("torch-compile-chunked", _chunked, "none", _always),
-    Provider("liger-compiled", _liger(True), "none", _liger_missing),
-    Provider("liger-eager", _liger(False), "none", _liger_missing),
-    Provider("gemm-floor", _gemm_floor, None, _always),
-    Provider("sage-cpu", _sage("cpu", "none"), "none", functools.partial(_backend_missing, "cpu"), ours=True),
-    Provider("sage-cpu-branch", _sage("cpu", "branch"), "branch", functools.partial(_backend_missing, "cpu"),
-             ours=True),
-    Provider("sage-triton", _sage("triton", "none"), "none", functools.partial(_backend_missing, "triton"),
-             ours=True),
-    Provider("sage-triton-branch", _sage("triton", "branch"), "branch",
-             functools.partial(_backend_missing, "triton"), ours=True),
-)}
+PROVIDERS = {
+    p.name: p
+    for p in (
+        Provider("naive", _sage("reference", "none"), "none", _always),
+        Provider("torch-compile-chunked", _chunked, "none", _always),
+        Provider("liger-compiled", _liger(True), "none", _liger_missing),
+        Provider("liger-eager", _liger(False), "none", _liger_missing),
+        Provider("gemm-floor", _gemm_floor, None, _always),
+        Provider("sage-cpu", _sage("cpu", "none"), "none", functools.partial(_backend_missing, "cpu"), ours=True),
+        Provider(
+            "sage-cpu-branch", _sage("cpu", "branch"), "branch", functools.partial(_backend_missing, "cpu"), ours=True
+        ),
+        Provider(
+            "sage-triton", _sage("triton", "none"), "none", functools.partial(_backend_missing, "triton"), ours=True
+        ),
+        Provider(
+            "sage-triton-branch",
+            _sage("triton", "branch"),
+            "branch",
+            functools.partial(_backend_missing, "triton"),
+            ours=True,
+        ),
+    )
+}

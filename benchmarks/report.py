@@ -11,13 +11,25 @@ PEERS = ("naive", "torch-compile-chunked", "liger (best)", "liger-compiled", "li
 #: bound on ours / peer). The CPU backend's memory bound against Liger is shown both with the
 #: gradients (peak memory above the inputs) and without them (extra memory).
 TARGETS = tuple(
-    [(shape, n, "fp32", "sage-cpu", peer, measure, bound)
-     for shape, n in (("cpu-small", 2048), ("qwen2.5-0.5b", 4096))
-     for peer, measure, bound in (("liger (best)", "time", 1.0), ("liger (best)", "peak memory", 0.5),
-                                  ("liger (best)", "extra memory", 0.5), ("gemm-floor", "time", 1.3))]
-    + [("qwen2.5-7b", 16384, "bf16", "sage-triton", peer, measure, bound)
-       for peer, measure, bound in (("gemm-floor", "time", 1.3), ("liger (best)", "time", 0.5),
-                                   ("naive", "extra memory", 0.01))])
+    [
+        (shape, n, "fp32", "sage-cpu", peer, measure, bound)
+        for shape, n in (("cpu-small", 2048), ("qwen2.5-0.5b", 4096))
+        for peer, measure, bound in (
+            ("liger (best)", "time", 1.0),
+            ("liger (best)", "peak memory", 0.5),
+            ("liger (best)", "extra memory", 0.5),
+            ("gemm-floor", "time", 1.3),
+        )
+    ]
+    + [
+        ("qwen2.5-7b", 16384, "bf16", "sage-triton", peer, measure, bound)
+        for peer, measure, bound in (
+            ("gemm-floor", "time", 1.3),
+            ("liger (best)", "time", 0.5),
+            ("naive", "extra memory", 0.01),
+        )
+    ]
+)
 MEASURES = {"time": "ms_p50", "peak memory": "peak_mem_mib", "extra memory": "extra_mem_mib"}
 
 
@@ -32,10 +44,12 @@ def _fmt(value: Optional[float], spec: str) -> str:
 def machine_line(rows: list[dict]) -> str:
     row = rows[0]
     gpu = row.get("gpu") or "no GPU"
-    return (f"{row['cpu']}, {row['cores']} cores ({row['threads']} torch threads), {gpu}; "
-            f"torch {row['torch']}, triton {row.get('triton')}, liger-kernel {row.get('liger_kernel')}, "
-            f"Python {row['python']}; "
-            f"commit {row['commit']}")
+    return (
+        f"{row['cpu']}, {row['cores']} cores ({row['threads']} torch threads), {gpu}; "
+        f"torch {row['torch']}, triton {row.get('triton')}, liger-kernel {row.get('liger_kernel')}, "
+        f"Python {row['python']}; "
+        f"commit {row['commit']}"
+    )
 
 
 def _runs(row: dict) -> str:
@@ -45,10 +59,12 @@ def _runs(row: dict) -> str:
 
 
 def results_table(rows: list[dict]) -> str:
-    lines = ["| shape | N | D | V | dtype | masked | mode | provider | p50 ms | p20–p80 ms | runs "
-             "| peak MiB | extra MiB | TFLOP/s (6NDV) | TFLOP/s (8NDV) | err loss | err d(hidden) "
-             "| err d(weight) | status |",
-             "|" + "---|" * 19]
+    lines = [
+        "| shape | N | D | V | dtype | masked | mode | provider | p50 ms | p20–p80 ms | runs "
+        "| peak MiB | extra MiB | TFLOP/s (6NDV) | TFLOP/s (8NDV) | err loss | err d(hidden) "
+        "| err d(weight) | status |",
+        "|" + "---|" * 19,
+    ]
     for r in rows:
         ok = r["status"] == "ok"
         spread = f"{r['ms_p20']:.1f}–{r['ms_p80']:.1f}" if ok else "—"
@@ -60,7 +76,8 @@ def results_table(rows: list[dict]) -> str:
             f"| {_fmt(r.get('tflops_6ndv'), '.3f')} "
             f"| {_fmt(r.get('tflops_8ndv'), '.3f')} | {_fmt(r.get('err_loss_abs'), '.1e')} "
             f"| {_fmt(r.get('err_grad_hidden_rel'), '.1e')} | {_fmt(r.get('err_grad_weight_rel'), '.1e')} "
-            f"| {r['status']} |")
+            f"| {r['status']} |"
+        )
     return "\n".join(lines)
 
 
@@ -87,8 +104,10 @@ def _ratio(ours: dict, peer: Optional[dict]) -> str:
 
 def ratio_table(rows: list[dict], ours_names: list[str]) -> str:
     """Time and memory of each of our guide-off providers divided by each peer's, per point."""
-    lines = ["| shape | N | dtype | masked | mode | ours | " + " | ".join(PEERS) + " | branch guide / off |",
-             "|" + "---|" * (len(PEERS) + 7)]
+    lines = [
+        "| shape | N | dtype | masked | mode | ours | " + " | ".join(PEERS) + " | branch guide / off |",
+        "|" + "---|" * (len(PEERS) + 7),
+    ]
     for (shape, n, dtype, mask, mode), measured in _by_point(rows).items():
         for name in ours_names:
             if name not in measured:
@@ -105,8 +124,7 @@ def targets_table(rows: list[dict]) -> str:
     """The targets at the points this run measured: ours / peer against the bound."""
     points = _by_point(rows)
     status = {(_point_key(r), r["provider"]): r["status"] for r in rows}
-    lines = ["| shape | N | dtype | ours / peer | measure | ratio | bound | verdict |",
-             "|" + "---|" * 8]
+    lines = ["| shape | N | dtype | ours / peer | measure | ratio | bound | verdict |", "|" + "---|" * 8]
     for shape, n, dtype, ours, peer, measure, bound in TARGETS:
         key = (shape, n, dtype, 0.0, "fwd+bwd")
         if not any(k == key for k, _ in status):
@@ -122,26 +140,39 @@ def targets_table(rows: list[dict]) -> str:
         else:
             ratio = f"{mine / theirs:.3f}"
             verdict = "met" if mine / theirs <= bound else "not met"
-        lines.append(f"| {shape} | {n} | {dtype} | {ours} / {peer} | {measure} | {ratio} "
-                     f"| ≤ {bound} | {verdict} |")
+        lines.append(f"| {shape} | {n} | {dtype} | {ours} / {peer} | {measure} | {ratio} | ≤ {bound} | {verdict} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def markdown(rows: list[dict], command: str, ours_names: list[str]) -> str:
     targets = targets_table(rows)
-    return "\n".join([
-        f"Machine: {machine_line(rows)}.", "", f"Command: `{command}`", "",
-        *(["Targets (fwd+bwd, nothing masked; `extra memory` excludes the gradients):", "",
-           targets, ""] if targets else []),
-        "Ratios are ours / peer, time (p50) · peak memory above the inputs; below 1 means ours is faster or "
-        "lighter. `liger (best)` is the faster of liger-compiled and liger-eager at that point.", "",
-        ratio_table(rows, ours_names), "", results_table(rows), ""])
+    return "\n".join(
+        [
+            f"Machine: {machine_line(rows)}.",
+            "",
+            f"Command: `{command}`",
+            "",
+            *(
+                ["Targets (fwd+bwd, nothing masked; `extra memory` excludes the gradients):", "", targets, ""]
+                if targets
+                else []
+            ),
+            "Ratios are ours / peer, time (p50) · peak memory above the inputs; below 1 means ours is faster or "
+            "lighter. `liger (best)` is the faster of liger-compiled and liger-eager at that point.",
+            "",
+            ratio_table(rows, ours_names),
+            "",
+            results_table(rows),
+            "",
+        ]
+    )
 
 
 def plot(rows: list[dict], path: str) -> Optional[str]:
     """Time and peak memory against N, one row of panels per (shape, dtype, mask, mode)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

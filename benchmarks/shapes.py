@@ -82,13 +82,23 @@ class Inputs:
 
     def rows(self, count: int) -> "Inputs":
         """The first `count` rows (completions): the slice used for the float64 error."""
-        return Inputs(self.hidden[:count], self.weight, *(t[:count] for t in (
-            self.token_ids, self.mask, self.advantages, self.old_logp, self.ref_logp)))
+        return Inputs(
+            self.hidden[:count],
+            self.weight,
+            *(t[:count] for t in (self.token_ids, self.mask, self.advantages, self.old_logp, self.ref_logp)),
+        )
 
     def to(self, dtype: torch.dtype) -> "Inputs":
         """A detached copy with hidden and weight in `dtype` (per-token tensors unchanged)."""
-        return Inputs(self.hidden.detach().to(dtype), self.weight.detach().to(dtype), self.token_ids,
-                      self.mask, self.advantages, self.old_logp, self.ref_logp)
+        return Inputs(
+            self.hidden.detach().to(dtype),
+            self.weight.detach().to(dtype),
+            self.token_ids,
+            self.mask,
+            self.advantages,
+            self.old_logp,
+            self.ref_logp,
+        )
 
 
 def check_point(point: Point) -> None:
@@ -113,7 +123,7 @@ def make_inputs(point: Point, seed: int = 0) -> Inputs:
     gen = torch.Generator(device=device).manual_seed(seed)
     B, L, D, V = point.n // point.seq_len, point.seq_len, point.d, point.v
     hidden = torch.randn(B, L, D, generator=gen, device=device).to(dtype)
-    weight = (torch.randn(V, D, generator=gen, device=device) * (3.0 / D ** 0.5)).to(dtype)
+    weight = (torch.randn(V, D, generator=gen, device=device) * (3.0 / D**0.5)).to(dtype)
     token_ids = torch.randint(0, V, (B, L), generator=gen, device=device)
     kept = round(L * (1.0 - point.mask_fraction))
     mask = (torch.arange(L, device=device) < kept).expand(B, L).contiguous()
@@ -124,12 +134,13 @@ def make_inputs(point: Point, seed: int = 0) -> Inputs:
 
 
 @torch.no_grad()
-def policy_logp(hidden2d: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-                chunk: int = 1024) -> torch.Tensor:
+def policy_logp(
+    hidden2d: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, chunk: int = 1024
+) -> torch.Tensor:
     """log softmax(h W^T)[y] in float32, a chunk of tokens at a time (never [N, V] at once)."""
     out = torch.empty(hidden2d.shape[0], dtype=torch.float32, device=hidden2d.device)
     for start in range(0, hidden2d.shape[0], chunk):
-        z = (hidden2d[start:start + chunk] @ weight.t()).float()
-        ids = token_ids[start:start + chunk, None]
-        out[start:start + chunk] = (z.gather(1, ids) - z.logsumexp(-1, keepdim=True)).squeeze(1)
+        z = (hidden2d[start : start + chunk] @ weight.t()).float()
+        ids = token_ids[start : start + chunk, None]
+        out[start : start + chunk] = (z.gather(1, ids) - z.logsumexp(-1, keepdim=True)).squeeze(1)
     return out

@@ -48,8 +48,15 @@ def error_slice(x: Inputs, rows: int = 2, tokens: int = ERROR_TOKENS) -> Inputs:
     def cut(t):
         return t[:rows, ::step].contiguous()
 
-    return Inputs(cut(x.hidden), x.weight, cut(x.token_ids), cut(x.mask), x.advantages[:rows].contiguous(),
-                  cut(x.old_logp), cut(x.ref_logp))
+    return Inputs(
+        cut(x.hidden),
+        x.weight,
+        cut(x.token_ids),
+        cut(x.mask),
+        x.advantages[:rows].contiguous(),
+        cut(x.old_logp),
+        cut(x.ref_logp),
+    )
 
 
 def warmup_slice(x: Inputs) -> Inputs:
@@ -60,8 +67,11 @@ def warmup_slice(x: Inputs) -> Inputs:
 
 def run_once(provider, x: Inputs, mode: str):
     """The provider's loss (and gradients for fwd+bwd) on fresh leaves of x's hidden and weight."""
-    leaves = dataclasses.replace(x, hidden=x.hidden.detach().requires_grad_(mode == "fwd+bwd"),
-                                 weight=x.weight.detach().requires_grad_(mode == "fwd+bwd"))
+    leaves = dataclasses.replace(
+        x,
+        hidden=x.hidden.detach().requires_grad_(mode == "fwd+bwd"),
+        weight=x.weight.detach().requires_grad_(mode == "fwd+bwd"),
+    )
     if mode == "fwd":
         with torch.no_grad():
             return provider.loss(leaves), None, None
@@ -73,8 +83,17 @@ def run_once(provider, x: Inputs, mode: str):
 def float64_result(x: Inputs, guide: str):
     h = x.hidden.detach().double().requires_grad_()
     w = x.weight.detach().double().requires_grad_()
-    out = fused_linear_sage_loss(h, w, x.token_ids, x.mask, x.advantages, old_logp=x.old_logp,
-                                 ref_logp=x.ref_logp, backend="reference", **{**SETTINGS, "guide": guide})
+    out = fused_linear_sage_loss(
+        h,
+        w,
+        x.token_ids,
+        x.mask,
+        x.advantages,
+        old_logp=x.old_logp,
+        ref_logp=x.ref_logp,
+        backend="reference",
+        **{**SETTINGS, "guide": guide},
+    )
     out.loss.backward()
     return out.loss.detach(), h.grad, w.grad
 
@@ -85,8 +104,9 @@ def skip_reason(provider, point: Point) -> str | None:
         need = NAIVE_LOGIT_COPIES * point.n * point.v * 4
         free = available_memory(point.device)
         if need > NAIVE_MEMORY_FRACTION * free:
-            reason = (f"needs ~{need / 2**30:.0f} GiB ({NAIVE_LOGIT_COPIES} [N, V] fp32 copies), "
-                      f"{free / 2**30:.0f} GiB free")
+            reason = (
+                f"needs ~{need / 2**30:.0f} GiB ({NAIVE_LOGIT_COPIES} [N, V] fp32 copies), {free / 2**30:.0f} GiB free"
+            )
     return reason
 
 
@@ -96,17 +116,21 @@ def slice_errors(provider, sliced: Inputs, mode: str, reference) -> dict:
     if provider.guide is None:
         return {}
     loss64, grad_h64, grad_w64 = reference(provider.guide)
-    return {"err_loss_abs": abs(loss.double().item() - loss64.item()),
-            "err_grad_hidden_rel": relative_error(grad_h, grad_h64),
-            "err_grad_weight_rel": relative_error(grad_w, grad_w64)}
+    return {
+        "err_loss_abs": abs(loss.double().item() - loss64.item()),
+        "err_grad_hidden_rel": relative_error(grad_h, grad_h64),
+        "err_grad_weight_rel": relative_error(grad_w, grad_w64),
+    }
 
 
-def measure(provider, point: Point, x: Inputs, sliced: Inputs, mode: str, reference, repeats: int,
-            budget_s: float) -> dict:
+def measure(
+    provider, point: Point, x: Inputs, sliced: Inputs, mode: str, reference, repeats: int, budget_s: float
+) -> dict:
     row = slice_errors(provider, sliced, mode, reference)
     run_once(provider, warmup_slice(x), mode)
-    leaves = dataclasses.replace(x, hidden=x.hidden.requires_grad_(mode == "fwd+bwd"),
-                                 weight=x.weight.requires_grad_(mode == "fwd+bwd"))
+    leaves = dataclasses.replace(
+        x, hidden=x.hidden.requires_grad_(mode == "fwd+bwd"), weight=x.weight.requires_grad_(mode == "fwd+bwd")
+    )
 
     def run():
         if mode == "fwd":
@@ -136,6 +160,7 @@ def measure(provider, point: Point, x: Inputs, sliced: Inputs, mode: str, refere
 def _compilations() -> int:
     """Frames torch.compile has compiled in this process so far."""
     from torch._dynamo.utils import counters
+
     return counters["frames"]["total"]
 
 
@@ -155,16 +180,19 @@ def run_point(point: Point, modes: list[str], spec: dict, rows) -> None:
         provider = PROVIDERS[name]
         reason = skip_reason(provider, point)
         for mode in modes:
-            row = {**base_row(point, name, mode), "err_tokens": sliced.token_ids.numel(), **info,
-                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            row = {
+                **base_row(point, name, mode),
+                "err_tokens": sliced.token_ids.numel(),
+                **info,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
             if spec["deadline"] is not None and time.time() > spec["deadline"]:
                 row["status"] = "skipped: past --time-limit-s"
             elif reason:
                 row["status"] = f"skipped: {reason}"
             else:
                 try:
-                    row.update(measure(provider, point, x, sliced, mode, reference, spec["repeats"],
-                                       spec["budget_s"]))
+                    row.update(measure(provider, point, x, sliced, mode, reference, spec["repeats"], spec["budget_s"]))
                     row["status"] = "ok"
                 except Exception as error:  # a provider failing is a result to report, not a crash
                     first_line = (str(error).splitlines() or [""])[0][:200]
@@ -186,13 +214,20 @@ def main(spec: dict, rows_path: str) -> None:
 
 def base_row(point: Point, provider: str, mode: str) -> dict:
     """The fields that name a row: op, provider, point (shape, N, D, V, dtype, mask, device), mode."""
-    return {"op": "sage_loss", "provider": provider, **dataclasses.asdict(point), "d": point.d, "v": point.v,
-            "mode": mode}
+    return {
+        "op": "sage_loss",
+        "provider": provider,
+        **dataclasses.asdict(point),
+        "d": point.d,
+        "v": point.v,
+        "mode": mode,
+    }
 
 
 def describe(row: dict) -> str:
-    head = (f"{row['shape']} N={row['n']} {row['dtype']} mask={row['mask_fraction']} {row['mode']:7} "
-            f"{row['provider']:22}")
+    head = (
+        f"{row['shape']} N={row['n']} {row['dtype']} mask={row['mask_fraction']} {row['mode']:7} {row['provider']:22}"
+    )
     if row["status"] != "ok":
         return f"{head} {row['status']}"
     return f"{head} {row['ms_p50']:10.1f} ms  {row['peak_mem_mib'] or 0:9.1f} MiB  runs={row['runs']}"

@@ -9,6 +9,12 @@ from .function import fused_linear_sage_loss, logprobs_and_entropy
 from .module import FusedLinearSAGELoss, fused_linear_grpo
 from .spec import LossConfig, SageLossOutput
 
-__all__ = ["fused_linear_sage_loss", "logprobs_and_entropy", "FusedLinearSAGELoss", "fused_linear_grpo",
-           "LossConfig", "SageLossOutput"]
+__all__ = [
+    "fused_linear_sage_loss",
+    "logprobs_and_entropy",
+    "FusedLinearSAGELoss",
+    "fused_linear_grpo",
+    "LossConfig",
+    "SageLossOutput",
+]
 __version__ = "0.1.0"

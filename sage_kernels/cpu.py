@@ -49,8 +49,7 @@ _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sage_cpu.cpp"
 # Instruction-set flags per torch CPU capability; the capability is part of the extension's name,
 # so a cache shared between machines never loads code built for a richer instruction set.
 _ISA_FLAGS = {
-    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-               "-mprefer-vector-width=512"],
+    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"],
     "AVX2": ["-mavx2", "-mfma"],
 }
 _native_state: dict = {}
@@ -70,22 +69,33 @@ def build_extension(source: Path, name: str, flags: list) -> bool:
 
     False, after one warning line, when it cannot (no source, no compiler or ninja, a failed build)."""
     if not source.is_file():
-        warnings.warn(f"sage_kernels: native CPU operator unavailable ({source} not found: csrc/ ships with "
-                      f"source checkouts and editable installs); using the slower chunked PyTorch path",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"sage_kernels: native CPU operator unavailable ({source} not found: csrc/ ships with "
+            f"source checkouts and editable installs); using the slower chunked PyTorch path",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=name, sources=[str(source)],
-             extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
         return True
     except Exception as error:  # no compiler, no headers, a failed build: fall back, loudly once
         lines = str(error).strip().splitlines() or [type(error).__name__]
         reason = next((line for line in lines if "error" in line.lower()), lines[-1])[:200]
-        warnings.warn(f"sage_kernels: native CPU operator unavailable ({reason}); "
-                      f"using the slower chunked PyTorch path", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"sage_kernels: native CPU operator unavailable ({reason}); using the slower chunked PyTorch path",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
 
 
@@ -97,8 +107,7 @@ def _ops_for(native: Optional[bool]):
         return _TorchBlocks
     ops = native_ops()
     if ops is None:
-        raise RuntimeError("native=True, but the sage_cpu operator could not be built "
-                           "(see the warning above)")
+        raise RuntimeError("native=True, but the sage_cpu operator could not be built (see the warning above)")
     return ops
 
 
@@ -117,8 +126,20 @@ class _TorchBlocks:
         logp.copy_(log_p.gather(1, targets[:, None]).squeeze(1))
 
     @staticmethod
-    def block_grad(logits, targets, lse, entropy, grad_logp, grad_entropy, inv_temperature, hidden, weight,
-                   grad_hidden, grad_weight, grad_bias):
+    def block_grad(
+        logits,
+        targets,
+        lse,
+        entropy,
+        grad_logp,
+        grad_entropy,
+        inv_temperature,
+        hidden,
+        weight,
+        grad_hidden,
+        grad_weight,
+        grad_bias,
+    ):
         log_p = logits.sub_(lse[:, None])
         weight_per_p = (log_p + entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None])
         d_logits = log_p.exp_().mul_(weight_per_p).neg_()  # -p (g + c (log p + H)), in the workspace
@@ -164,24 +185,40 @@ class _Sweep:
     def stats(self, block: slice) -> torch.Tensor:
         """Fill logp, entropy and lse of `block`; returns the workspace holding its logits."""
         logits = self.logits[: block.stop - block.start]
-        self.ops.block_stats(self.hidden[block], self.weight, self.bias, self.targets[block],
-                             self.inv_temperature, logits, self.logp[block], self.entropy[block],
-                             self.lse[block])
+        self.ops.block_stats(
+            self.hidden[block],
+            self.weight,
+            self.bias,
+            self.targets[block],
+            self.inv_temperature,
+            logits,
+            self.logp[block],
+            self.entropy[block],
+            self.lse[block],
+        )
         return logits
 
-    def grad(self, block: slice, logits, grad_logp, grad_entropy, grad_hidden, grad_weight,
-             grad_bias) -> None:
+    def grad(self, block: slice, logits, grad_logp, grad_entropy, grad_hidden, grad_weight, grad_bias) -> None:
         """Add the block's share of the gradients, given g and c of its rows (consumes `logits`)."""
-        self.ops.block_grad(logits, self.targets[block], self.lse[block], self.entropy[block],
-                            grad_logp[block].contiguous(), grad_entropy[block].contiguous(),
-                            self.inv_temperature, self.hidden[block], self.weight,
-                            None if grad_hidden is None else grad_hidden[block], grad_weight, grad_bias)
+        self.ops.block_grad(
+            logits,
+            self.targets[block],
+            self.lse[block],
+            self.entropy[block],
+            grad_logp[block].contiguous(),
+            grad_entropy[block].contiguous(),
+            self.inv_temperature,
+            self.hidden[block],
+            self.weight,
+            None if grad_hidden is None else grad_hidden[block],
+            grad_weight,
+            grad_bias,
+        )
 
 
 def _per_token_grad_is_local(config: LossConfig) -> bool:
     """True when dloss/dlogp_t and dloss/dH_t depend only on position t's own logp and H."""
-    return (config.importance_sampling == "token" and config.top_entropy_quantile == 1.0
-            and config.loss_type != "vespo")
+    return config.importance_sampling == "token" and config.top_entropy_quantile == 1.0 and config.loss_type != "vespo"
 
 
 def _stage_with_grads(logp, entropy, inputs, config):
@@ -203,8 +240,9 @@ def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
     N = B * L
     flat_mask = inputs.mask.reshape(N)
     rows = None if bool(flat_mask.all()) else flat_mask.nonzero().squeeze(1)
-    sweep = _Sweep(inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids.reshape(N), rows,
-                   config.temperature, ops, N)
+    sweep = _Sweep(
+        inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids.reshape(N), rows, config.temperature, ops, N
+    )
     logp = torch.zeros(N, dtype=torch.float32)
     entropy = torch.zeros(N, dtype=torch.float32)
 
@@ -230,9 +268,11 @@ def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
         loss, per_token, _, _ = stage(with_grads=False)
         return loss, logp.view(B, L), entropy.view(B, L), per_token, None
 
-    grads = {"hidden": torch.empty_like(sweep.hidden) if need["hidden"] else None,
-             "weight": torch.zeros_like(sweep.weight) if need["weight"] else None,
-             "bias": torch.zeros_like(sweep.bias) if need["bias"] else None}
+    grads = {
+        "hidden": torch.empty_like(sweep.hidden) if need["hidden"] else None,
+        "weight": torch.zeros_like(sweep.weight) if need["weight"] else None,
+        "bias": torch.zeros_like(sweep.bias) if need["bias"] else None,
+    }
     if _per_token_grad_is_local(config):
         # g and c of a block's rows are exact once its own logp and H are in: use the workspace now.
         for block in sweep.blocks:
@@ -267,8 +307,11 @@ class SageCpuLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, inputs: SageInputs, config: LossConfig, ops, side: dict):
-        need = {"hidden": ctx.needs_input_grad[0], "weight": ctx.needs_input_grad[1],
-                "bias": bias is not None and ctx.needs_input_grad[2]}
+        need = {
+            "hidden": ctx.needs_input_grad[0],
+            "weight": ctx.needs_input_grad[1],
+            "bias": bias is not None and ctx.needs_input_grad[2],
+        }
         loss, logp, entropy, per_token, grads = _run(inputs, config, ops, need)
         side.update(logp=logp, entropy=entropy, per_token=per_token)
         ctx.grads = grads
@@ -278,10 +321,14 @@ class SageCpuLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grads, ctx.grads = ctx.grads, None
         if grads is None:
-            raise RuntimeError("sage_kernels cpu backend: backward called twice on one loss "
-                               "(its gradients are formed in the forward and handed over once)")
-        scaled = [None if g is None else (g if bool(grad_loss == 1) else g * grad_loss.to(g.dtype))
-                  for g in (grads["hidden"], grads["weight"], grads["bias"])]
+            raise RuntimeError(
+                "sage_kernels cpu backend: backward called twice on one loss "
+                "(its gradients are formed in the forward and handed over once)"
+            )
+        scaled = [
+            None if g is None else (g if bool(grad_loss == 1) else g * grad_loss.to(g.dtype))
+            for g in (grads["hidden"], grads["weight"], grads["bias"])
+        ]
         return (*scaled, None, None, None, None)
 
 
@@ -290,17 +337,23 @@ def sage_loss(inputs: SageInputs, config: LossConfig, native: Optional[bool] = N
     PyTorch block loop, None (the backend interface) uses the operator unless ``SAGE_CPU_NATIVE=0``."""
     side: dict = {}
     ops = _ops_for(native)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (inputs.hidden, inputs.weight, inputs.bias)):
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias)
+    ):
         loss = SageCpuLoss.apply(inputs.hidden, inputs.weight, inputs.bias, inputs, config, ops, side)
     else:
-        loss, logp, entropy, per_token, _ = _run(inputs, config, ops, {"hidden": False, "weight": False,
-                                                                     "bias": False})
+        loss, logp, entropy, per_token, _ = _run(inputs, config, ops, {"hidden": False, "weight": False, "bias": False})
         side.update(logp=logp, entropy=entropy, per_token=per_token)
     per_token, mask = side["per_token"], inputs.mask
-    return SageLossOutput(loss=loss, logp=torch.where(mask, side["logp"], 0.0),
-                          entropy=torch.where(mask, side["entropy"], 0.0), q=per_token["q"],
-                          kl=per_token["kl"], ratio=per_token["ratio"], metrics=per_token["metrics"])
+    return SageLossOutput(
+        loss=loss,
+        logp=torch.where(mask, side["logp"], 0.0),
+        entropy=torch.where(mask, side["entropy"], 0.0),
+        q=per_token["q"],
+        kl=per_token["kl"],
+        ratio=per_token["ratio"],
+        metrics=per_token["metrics"],
+    )
 
 
 def logprobs_and_entropy(hidden2d, weight, token_ids_flat, bias, temperature, native: Optional[bool] = None):

@@ -16,8 +16,16 @@ from typing import Optional
 
 import torch
 
-from .spec import (FAST_DTYPES, OPTION_NAMES, REFERENCE_DTYPES, LossConfig, SageLossOutput, resolve_config,
-                   validate_inputs, validate_scoring_inputs)
+from .spec import (
+    FAST_DTYPES,
+    OPTION_NAMES,
+    REFERENCE_DTYPES,
+    LossConfig,
+    SageLossOutput,
+    resolve_config,
+    validate_inputs,
+    validate_scoring_inputs,
+)
 
 BACKENDS = ("reference", "cpu", "triton")
 _BACKEND_MODULES = {"reference": ".reference_backend", "cpu": ".cpu", "triton": ".triton"}
@@ -36,12 +44,22 @@ def _backend_module(name: str):
     return importlib.import_module(_BACKEND_MODULES[name], __package__)
 
 
-def fused_linear_sage_loss(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-                           mask: torch.Tensor, advantages: torch.Tensor, *,
-                           bias: Optional[torch.Tensor] = None, old_logp: Optional[torch.Tensor] = None,
-                           ref_logp: Optional[torch.Tensor] = None, is_weights: Optional[torch.Tensor] = None,
-                           log_q: Optional[torch.Tensor] = None, config: Optional[LossConfig] = None,
-                           backend: str = "auto", **options) -> SageLossOutput:
+def fused_linear_sage_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    old_logp: Optional[torch.Tensor] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    is_weights: Optional[torch.Tensor] = None,
+    log_q: Optional[torch.Tensor] = None,
+    config: Optional[LossConfig] = None,
+    backend: str = "auto",
+    **options,
+) -> SageLossOutput:
     """The SAGE loss (``docs/loss.md``) from hidden states and the LM head.
 
     Args:
@@ -66,18 +84,35 @@ def fused_linear_sage_loss(hidden: torch.Tensor, weight: torch.Tensor, token_ids
     """
     config = resolve_config(config, options)
     name = resolve_backend(backend, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
-    inputs = validate_inputs(hidden, weight, token_ids, mask, advantages, bias=bias, old_logp=old_logp,
-                             ref_logp=ref_logp, is_weights=is_weights, log_q=log_q, config=config,
-                             allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES)
+    inputs = validate_inputs(
+        hidden,
+        weight,
+        token_ids,
+        mask,
+        advantages,
+        bias=bias,
+        old_logp=old_logp,
+        ref_logp=ref_logp,
+        is_weights=is_weights,
+        log_q=log_q,
+        config=config,
+        allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
+    )
     return _backend_module(name).sage_loss(inputs, config)
 
 
 fused_linear_sage_loss.__doc__ = fused_linear_sage_loss.__doc__.replace("{options}", ", ".join(OPTION_NAMES))
 
 
-def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, *,
-                         bias: Optional[torch.Tensor] = None, temperature: float = 1.0,
-                         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each token and the entropy (nats) of its next-token distribution, in float32.
 
     For reference-model and behaviour-policy scoring: no gradient, no [N, V] logits on the
@@ -86,8 +121,13 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, token_ids: 
     """
     name = resolve_backend(backend, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
     hidden2d, ids, lead = validate_scoring_inputs(
-        hidden, weight, token_ids, bias=bias, temperature=temperature,
-        allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES)
+        hidden,
+        weight,
+        token_ids,
+        bias=bias,
+        temperature=temperature,
+        allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
+    )
     with torch.no_grad():
         logp, entropy = _backend_module(name).logprobs_and_entropy(hidden2d, weight, ids, bias, temperature)
     return logp.view(lead), entropy.view(lead)

@@ -35,8 +35,14 @@ from .spec import LossConfig
 _DEFAULTS = LossConfig()
 
 
-def branch_guide(entropy: torch.Tensor, *, gamma: float = _DEFAULTS.gamma, tau: float = _DEFAULTS.tau,
-                 q_min: float = _DEFAULTS.q_min, q_max: float = _DEFAULTS.q_max) -> torch.Tensor:
+def branch_guide(
+    entropy: torch.Tensor,
+    *,
+    gamma: float = _DEFAULTS.gamma,
+    tau: float = _DEFAULTS.tau,
+    q_min: float = _DEFAULTS.q_min,
+    q_max: float = _DEFAULTS.q_max,
+) -> torch.Tensor:
     """q = clamp(1 + gamma * max(H - tau, 0), q_min, q_max), with H in nats. No gradient."""
     return (1.0 + gamma * (entropy.detach() - tau).clamp(min=0.0)).clamp(q_min, q_max)
 
@@ -51,8 +57,17 @@ class CosineAnnealingScheduler:
     multiplied by ``decay_rate`` (the lower bounds stay).
     """
 
-    def __init__(self, max_steps: int, ub_a: float, lb_a: float, ub_b: float, lb_b: float, *,
-                 num_cycles: int = 8, decay_rate: float = 0.9) -> None:
+    def __init__(
+        self,
+        max_steps: int,
+        ub_a: float,
+        lb_a: float,
+        ub_b: float,
+        lb_b: float,
+        *,
+        num_cycles: int = 8,
+        decay_rate: float = 0.9,
+    ) -> None:
         if not (isinstance(max_steps, int) and max_steps > 0):
             raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
         if not (isinstance(num_cycles, int) and num_cycles > 0):
@@ -136,14 +151,26 @@ class TokenGuide:
     over ``max_steps``; `step` once per optimizer step.
     """
 
-    def __init__(self, *, max_steps: int, alpha_max: float = 0.3, alpha_min: float = 0.1,
-                 sigma_max: float = 0.25, sigma_min: float = 0.1, normalization: str = "minmax",
-                 num_cycles: int = 8, decay_rate: float = 0.9, q_min: float = _DEFAULTS.q_min,
-                 q_max: float = _DEFAULTS.q_max, seed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        max_steps: int,
+        alpha_max: float = 0.3,
+        alpha_min: float = 0.1,
+        sigma_max: float = 0.25,
+        sigma_min: float = 0.1,
+        normalization: str = "minmax",
+        num_cycles: int = 8,
+        decay_rate: float = 0.9,
+        q_min: float = _DEFAULTS.q_min,
+        q_max: float = _DEFAULTS.q_max,
+        seed: int = 0,
+    ) -> None:
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-        self.schedule = CosineAnnealingScheduler(max_steps, alpha_max, alpha_min, sigma_max, sigma_min,
-                                                 num_cycles=num_cycles, decay_rate=decay_rate)
+        self.schedule = CosineAnnealingScheduler(
+            max_steps, alpha_max, alpha_min, sigma_max, sigma_min, num_cycles=num_cycles, decay_rate=decay_rate
+        )
         self.normalization, self.q_min, self.q_max = normalization, q_min, q_max
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -174,12 +201,23 @@ class RandomGuide:
     once per optimizer step.
     """
 
-    def __init__(self, *, max_steps: int, eps_max: float = 0.1, eps_min: float = 0.0,
-                 sigma_max: float = 0.15, sigma_min: float = 0.05, num_cycles: int = 8,
-                 decay_rate: float = 0.9, q_min: float = _DEFAULTS.q_min, q_max: float = _DEFAULTS.q_max,
-                 seed: int = 0) -> None:
-        self.schedule = CosineAnnealingScheduler(max_steps, eps_max, eps_min, sigma_max, sigma_min,
-                                                 num_cycles=num_cycles, decay_rate=decay_rate)
+    def __init__(
+        self,
+        *,
+        max_steps: int,
+        eps_max: float = 0.1,
+        eps_min: float = 0.0,
+        sigma_max: float = 0.15,
+        sigma_min: float = 0.05,
+        num_cycles: int = 8,
+        decay_rate: float = 0.9,
+        q_min: float = _DEFAULTS.q_min,
+        q_max: float = _DEFAULTS.q_max,
+        seed: int = 0,
+    ) -> None:
+        self.schedule = CosineAnnealingScheduler(
+            max_steps, eps_max, eps_min, sigma_max, sigma_min, num_cycles=num_cycles, decay_rate=decay_rate
+        )
         self.q_min, self.q_max = q_min, q_max
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -63,13 +63,30 @@ class FusedLinearSAGELoss(nn.Module):
         self.use_ref_model = use_ref_model
 
     @classmethod
-    def from_liger(cls, beta: float = 0.04, compiled: bool = True, use_ref_model: bool = True, chunk_size: int = 1,
-                   epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_type: str = "dapo",
-                   max_completion_length: Optional[int] = None, importance_sampling_level: str = "token",
-                   sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
-                   delta: Optional[float] = None, use_bias_correction_kl: bool = False, vespo_k_pos: float = 2.0,
-                   vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, *,
-                   backend: str = "auto", **options) -> "FusedLinearSAGELoss":
+    def from_liger(
+        cls,
+        beta: float = 0.04,
+        compiled: bool = True,
+        use_ref_model: bool = True,
+        chunk_size: int = 1,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        loss_type: str = "dapo",
+        max_completion_length: Optional[int] = None,
+        importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        temperature: float = 1.0,
+        delta: Optional[float] = None,
+        use_bias_correction_kl: bool = False,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        *,
+        backend: str = "auto",
+        **options,
+    ) -> "FusedLinearSAGELoss":
         """A module computing what ``LigerFusedLinearGRPOLoss(...)`` computes with the same arguments.
 
         `compiled` and `chunk_size` are Liger's execution knobs (torch.compile of its loss maths,
@@ -79,20 +96,48 @@ class FusedLinearSAGELoss(nn.Module):
         """
         del compiled, chunk_size
         options = {"guide": "none", "kl": "k3", **options}
-        return cls(backend=backend, use_ref_model=use_ref_model, **_liger_options(
-            beta, epsilon_low, epsilon_high, loss_type, max_completion_length, importance_sampling_level,
-            sapo_temperature_pos, sapo_temperature_neg, temperature, delta, use_bias_correction_kl, vespo_k_pos,
-            vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg), **options)
+        return cls(
+            backend=backend,
+            use_ref_model=use_ref_model,
+            **_liger_options(
+                beta,
+                epsilon_low,
+                epsilon_high,
+                loss_type,
+                max_completion_length,
+                importance_sampling_level,
+                sapo_temperature_pos,
+                sapo_temperature_neg,
+                temperature,
+                delta,
+                use_bias_correction_kl,
+                vespo_k_pos,
+                vespo_lambda_pos,
+                vespo_k_neg,
+                vespo_lambda_neg,
+            ),
+            **options,
+        )
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, use_ref_model={self.use_ref_model}, config={self.config}"
 
-    def forward(self, _input: torch.Tensor, lin_weight: torch.Tensor, selected_token_ids: torch.Tensor,
-                attention_mask: torch.Tensor, advantages: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                ref_per_token_logps: Optional[torch.Tensor] = None,
-                old_per_token_logps: Optional[torch.Tensor] = None, ref_input: Optional[torch.Tensor] = None,
-                ref_weight: Optional[torch.Tensor] = None, ref_bias: Optional[torch.Tensor] = None,
-                vllm_is_ratio: Optional[torch.Tensor] = None, num_items_in_batch=None):
+    def forward(
+        self,
+        _input: torch.Tensor,
+        lin_weight: torch.Tensor,
+        selected_token_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        ref_per_token_logps: Optional[torch.Tensor] = None,
+        old_per_token_logps: Optional[torch.Tensor] = None,
+        ref_input: Optional[torch.Tensor] = None,
+        ref_weight: Optional[torch.Tensor] = None,
+        ref_bias: Optional[torch.Tensor] = None,
+        vllm_is_ratio: Optional[torch.Tensor] = None,
+        num_items_in_batch=None,
+    ):
         """Liger's arguments: `_input` [B, T, D] hidden states, `lin_weight` [V, D], the sampled
         `selected_token_ids` [B, T], `attention_mask` [B, T] (completion mask), `advantages` [B].
         Reference log-probs come from `ref_per_token_logps`, or are computed from `ref_input`
@@ -100,14 +145,19 @@ class FusedLinearSAGELoss(nn.Module):
         `vllm_is_ratio` ([B], [B, 1] or [B, T]) multiplies the PG term."""
         config = self.config
         if config.importance_sampling == "sequence" and config.loss_type in LIGER_TOKEN_ONLY_LOSS_TYPES:
-            raise ValueError(f"Sequence-level importance sampling is not supported for loss_type="
-                             f"{config.loss_type!r} (as in Liger); use importance_sampling_level='token'")
+            raise ValueError(
+                f"Sequence-level importance sampling is not supported for loss_type="
+                f"{config.loss_type!r} (as in Liger); use importance_sampling_level='token'"
+            )
         if config.loss_type == "dr_grpo" and config.max_completion_length is None:
             raise ValueError("max_completion_length is required for loss_type 'dr_grpo', as in Liger")
         if self.use_ref_model:
             if ref_per_token_logps is not None and ref_input is not None:
-                warnings.warn("both ref_per_token_logps and ref_input are given; using ref_per_token_logps",
-                              UserWarning, stacklevel=2)
+                warnings.warn(
+                    "both ref_per_token_logps and ref_input are given; using ref_per_token_logps",
+                    UserWarning,
+                    stacklevel=2,
+                )
         else:
             # Liger then anchors to the policy itself: the KL is 0 with zero gradient.
             ref_per_token_logps = ref_input = None
@@ -119,15 +169,28 @@ class FusedLinearSAGELoss(nn.Module):
         if ref_per_token_logps is None and ref_input is not None and config.beta != 0:
             head = lin_weight if ref_weight is None else ref_weight
             ref_per_token_logps, _ = logprobs_and_entropy(
-                ref_input.detach(), head.detach(), selected_token_ids,
+                ref_input.detach(),
+                head.detach(),
+                selected_token_ids,
                 bias=None if ref_bias is None else ref_bias.detach(),
-                temperature=config.temperature, backend=self.backend)
+                temperature=config.temperature,
+                backend=self.backend,
+            )
         if vllm_is_ratio is not None:
             vllm_is_ratio = vllm_is_ratio.reshape(vllm_is_ratio.shape[0], -1).expand_as(selected_token_ids)
         out = fused_linear_sage_loss(
-            _input, lin_weight, selected_token_ids, attention_mask, advantages, bias=bias,
-            old_logp=old_per_token_logps, ref_logp=ref_per_token_logps, is_weights=vllm_is_ratio,
-            config=config, backend=self.backend)
+            _input,
+            lin_weight,
+            selected_token_ids,
+            attention_mask,
+            advantages,
+            bias=bias,
+            old_logp=old_per_token_logps,
+            ref_logp=ref_per_token_logps,
+            is_weights=vllm_is_ratio,
+            config=config,
+            backend=self.backend,
+        )
         values = [out.metrics["kl"]] if self.config.beta != 0 else []
         values.append(_liger_clip_fraction(out.ratio, advantages, attention_mask, config))
         return out.loss, SageMetrics(values, out.metrics)
@@ -146,8 +209,9 @@ def _liger_dapo_normaliser(mask: torch.Tensor, num_items_in_batch) -> torch.Tens
     return (total / world_size).clamp(min=1.0)
 
 
-def _liger_clip_fraction(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                         config: LossConfig) -> torch.Tensor:
+def _liger_clip_fraction(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig
+) -> torch.Tensor:
     """Fraction of unmasked tokens whose ratio (before the delta cap) is clipped in the advantage's sign."""
     A = advantages.detach()
     A = A[:, None] if A.dim() == 1 else A
@@ -161,40 +225,124 @@ def _liger_clip_fraction(ratio: torch.Tensor, advantages: torch.Tensor, mask: to
     return (clipped.float() * m).sum() / m.sum().clamp(min=1.0)
 
 
-def _liger_options(beta, epsilon_low, epsilon_high, loss_type, max_completion_length, importance_sampling_level,
-                   sapo_temperature_pos, sapo_temperature_neg, temperature, delta, use_bias_correction_kl,
-                   vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg) -> dict:
+def _liger_options(
+    beta,
+    epsilon_low,
+    epsilon_high,
+    loss_type,
+    max_completion_length,
+    importance_sampling_level,
+    sapo_temperature_pos,
+    sapo_temperature_neg,
+    temperature,
+    delta,
+    use_bias_correction_kl,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
+) -> dict:
     """Liger's GRPO arguments as `LossConfig` fields. The sapo and vespo parameters (and delta) are
     kept only for the loss types that read them, as Liger reads them only there."""
-    options = dict(beta=beta, eps_low=epsilon_low, eps_high=epsilon_high, loss_type=loss_type,
-                   max_completion_length=max_completion_length, importance_sampling=importance_sampling_level,
-                   temperature=float(temperature), use_bias_correction_kl=bool(use_bias_correction_kl))
+    options = dict(
+        beta=beta,
+        eps_low=epsilon_low,
+        eps_high=epsilon_high,
+        loss_type=loss_type,
+        max_completion_length=max_completion_length,
+        importance_sampling=importance_sampling_level,
+        temperature=float(temperature),
+        use_bias_correction_kl=bool(use_bias_correction_kl),
+    )
     if loss_type in CLIPPED_LOSS_TYPES:
         options["delta_clip"] = delta
     if loss_type == "sapo":
         options.update(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
     if loss_type == "vespo":
-        options.update(vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-                       vespo_lambda_neg=vespo_lambda_neg)
+        options.update(
+            vespo_k_pos=vespo_k_pos,
+            vespo_lambda_pos=vespo_lambda_pos,
+            vespo_k_neg=vespo_k_neg,
+            vespo_lambda_neg=vespo_lambda_neg,
+        )
     return options
 
 
-def fused_linear_grpo(_input, weight, selected_token_ids, attention_mask, advantages, bias=None,
-                      ref_per_token_logps=None, old_per_token_logps=None, ref_input=None, ref_weight=None,
-                      ref_bias=None, beta=0.04, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo",
-                      max_completion_length=None, importance_sampling_level="token", sapo_temperature_pos=1.0,
-                      sapo_temperature_neg=1.05, temperature=1.0, compiled=True, use_ref_model=True, chunk_size=1,
-                      vllm_is_ratio=None, delta=None, use_bias_correction_kl=False, vespo_k_pos=2.0,
-                      vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, num_items_in_batch=None, *,
-                      backend: str = "auto", **options):
+def fused_linear_grpo(
+    _input,
+    weight,
+    selected_token_ids,
+    attention_mask,
+    advantages,
+    bias=None,
+    ref_per_token_logps=None,
+    old_per_token_logps=None,
+    ref_input=None,
+    ref_weight=None,
+    ref_bias=None,
+    beta=0.04,
+    epsilon_low=0.2,
+    epsilon_high=0.2,
+    loss_type="dapo",
+    max_completion_length=None,
+    importance_sampling_level="token",
+    sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05,
+    temperature=1.0,
+    compiled=True,
+    use_ref_model=True,
+    chunk_size=1,
+    vllm_is_ratio=None,
+    delta=None,
+    use_bias_correction_kl=False,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
+    num_items_in_batch=None,
+    *,
+    backend: str = "auto",
+    **options,
+):
     """Liger's functional ``liger_fused_linear_grpo`` (same positional order and defaults), computed by
     the fused SAGE loss with the guide off: returns ``(loss, metrics)`` like `FusedLinearSAGELoss`.
     Keyword `options` are further `LossConfig` fields (guide, gamma, ...)."""
     del compiled, chunk_size
     options = {"guide": "none", "kl": "k3", **options}
-    module = FusedLinearSAGELoss(backend=backend, use_ref_model=use_ref_model, **_liger_options(
-        beta, epsilon_low, epsilon_high, loss_type, max_completion_length, importance_sampling_level,
-        sapo_temperature_pos, sapo_temperature_neg, temperature, delta, use_bias_correction_kl, vespo_k_pos,
-        vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg), **options)
-    return module(_input, weight, selected_token_ids, attention_mask, advantages, bias, ref_per_token_logps,
-                  old_per_token_logps, ref_input, ref_weight, ref_bias, vllm_is_ratio, num_items_in_batch)
+    module = FusedLinearSAGELoss(
+        backend=backend,
+        use_ref_model=use_ref_model,
+        **_liger_options(
+            beta,
+            epsilon_low,
+            epsilon_high,
+            loss_type,
+            max_completion_length,
+            importance_sampling_level,
+            sapo_temperature_pos,
+            sapo_temperature_neg,
+            temperature,
+            delta,
+            use_bias_correction_kl,
+            vespo_k_pos,
+            vespo_lambda_pos,
+            vespo_k_neg,
+            vespo_lambda_neg,
+        ),
+        **options,
+    )
+    return module(
+        _input,
+        weight,
+        selected_token_ids,
+        attention_mask,
+        advantages,
+        bias,
+        ref_per_token_logps,
+        old_per_token_logps,
+        ref_input,
+        ref_weight,
+        ref_bias,
+        vllm_is_ratio,
+        num_items_in_batch,
+    )

@@ -32,8 +32,9 @@ from .guides import branch_guide
 from .spec import LossConfig, SageInputs, SageLossOutput
 
 
-def logits_of(hidden2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              temperature: float, dtype: torch.dtype) -> torch.Tensor:
+def logits_of(
+    hidden2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], temperature: float, dtype: torch.dtype
+) -> torch.Tensor:
     """z = (h W^T + b) / T in `dtype` (the [N, V] tensor the fast paths never build)."""
     z = hidden2d.to(dtype) @ weight.to(dtype).t()
     if bias is not None:
@@ -41,8 +42,9 @@ def logits_of(hidden2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     return z / temperature
 
 
-def reference_logprobs_and_entropy(hidden2d, weight, token_ids_flat, *, bias=None, temperature=1.0,
-                                   dtype=torch.float32):
+def reference_logprobs_and_entropy(
+    hidden2d, weight, token_ids_flat, *, bias=None, temperature=1.0, dtype=torch.float32
+):
     """logp[y] and entropy H (nats) per row of `hidden2d`, differentiable."""
     z = logits_of(hidden2d, weight, bias, temperature, dtype)
     logprobs = torch.log_softmax(z, dim=-1)
@@ -132,8 +134,7 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
         "clip_ratio/high_mean": _masked_mean(high.to(q.dtype), mask),
         "clip_ratio/region_mean": _masked_mean((low | high).to(q.dtype), mask),
     }
-    per_token = {"q": q, "kl": kl.detach(), "ratio": torch.where(mask, ratio.detach(), 1.0),
-                 "metrics": metrics}
+    per_token = {"q": q, "kl": kl.detach(), "ratio": torch.where(mask, ratio.detach(), 1.0), "metrics": metrics}
     return loss, per_token
 
 
@@ -233,8 +234,13 @@ def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutpu
     B, L = inputs.shape
     dtype = inputs.compute_dtype
     logp, entropy = reference_logprobs_and_entropy(
-        inputs.hidden, inputs.weight, inputs.token_ids.reshape(-1), bias=inputs.bias,
-        temperature=config.temperature, dtype=dtype)
+        inputs.hidden,
+        inputs.weight,
+        inputs.token_ids.reshape(-1),
+        bias=inputs.bias,
+        temperature=config.temperature,
+        dtype=dtype,
+    )
     logp, entropy = logp.view(B, L), entropy.view(B, L)
     loss, per_token = token_stage(logp, entropy, inputs, config)
     mask = inputs.mask
@@ -242,4 +248,8 @@ def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutpu
         loss=loss,
         logp=torch.where(mask, logp.detach(), 0.0),
         entropy=torch.where(mask, entropy.detach(), 0.0),
-        q=per_token["q"], kl=per_token["kl"], ratio=per_token["ratio"], metrics=per_token["metrics"])
+        q=per_token["q"],
+        kl=per_token["kl"],
+        ratio=per_token["ratio"],
+        metrics=per_token["metrics"],
+    )

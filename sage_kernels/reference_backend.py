@@ -16,5 +16,4 @@ sage_loss = reference_sage_loss
 
 def logprobs_and_entropy(hidden2d, weight, token_ids, bias, temperature):
     dtype = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
-    return reference_logprobs_and_entropy(hidden2d, weight, token_ids, bias=bias, temperature=temperature,
-                                          dtype=dtype)
+    return reference_logprobs_and_entropy(hidden2d, weight, token_ids, bias=bias, temperature=temperature, dtype=dtype)

@@ -117,43 +117,63 @@ class LossConfig:
                 _require(isinstance(value, bool), item.name, "True or False", value)
         _require(self.kl in KL_CODES, "kl", f"one of {sorted(KL_CODES)}", self.kl)
         _require(self.guide in GUIDE_CODES, "guide", f"one of {sorted(GUIDE_CODES)}", self.guide)
-        _require(self.loss_type in LOSS_TYPE_CODES, "loss_type", f"one of {sorted(LOSS_TYPE_CODES)}",
-                 self.loss_type)
-        _require(self.importance_sampling in IS_LEVEL_CODES, "importance_sampling",
-                 f"one of {sorted(IS_LEVEL_CODES)}", self.importance_sampling)
+        _require(self.loss_type in LOSS_TYPE_CODES, "loss_type", f"one of {sorted(LOSS_TYPE_CODES)}", self.loss_type)
+        _require(
+            self.importance_sampling in IS_LEVEL_CODES,
+            "importance_sampling",
+            f"one of {sorted(IS_LEVEL_CODES)}",
+            self.importance_sampling,
+        )
         _require(self.temperature > 0, "temperature", "> 0", self.temperature)
         _require(self.gamma >= 0, "gamma", ">= 0", self.gamma)
         _require(0 < self.q_min <= self.q_max, "q_min", f"in (0, q_max={self.q_max}]", self.q_min)
         _require(0 <= self.eps_low < 1, "eps_low", "in [0, 1)", self.eps_low)
         _require(self.eps_high >= 0, "eps_high", ">= 0", self.eps_high)
-        _require(0 < self.top_entropy_quantile <= 1, "top_entropy_quantile", "in (0, 1]",
-                 self.top_entropy_quantile)
+        _require(0 < self.top_entropy_quantile <= 1, "top_entropy_quantile", "in (0, 1]", self.top_entropy_quantile)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             _require(getattr(self, name) > 0, name, "> 0", getattr(self, name))
         if self.kl_clamp is not None:
-            _require(_is_number(self.kl_clamp) and math.isfinite(self.kl_clamp) and self.kl_clamp > 0, "kl_clamp",
-                     "None or a finite number > 0", self.kl_clamp)
+            _require(
+                _is_number(self.kl_clamp) and math.isfinite(self.kl_clamp) and self.kl_clamp > 0,
+                "kl_clamp",
+                "None or a finite number > 0",
+                self.kl_clamp,
+            )
         if self.loss_type == "cispo":
             _require(self.eps_high > 0, "eps_high", "> 0 for loss_type 'cispo' (the cap on the ratio)", self.eps_high)
         if self.loss_type not in CLIPPED_LOSS_TYPES:
             for name in ("delta_clip", "dual_clip_c"):
-                _require(getattr(self, name) is None, name,
-                         f"None for loss_type {self.loss_type!r} (it applies to PPO clipping only)",
-                         getattr(self, name))
+                _require(
+                    getattr(self, name) is None,
+                    name,
+                    f"None for loss_type {self.loss_type!r} (it applies to PPO clipping only)",
+                    getattr(self, name),
+                )
         if self.delta_clip is not None:
-            _require(_is_number(self.delta_clip) and self.delta_clip > 1, "delta_clip",
-                     "None or a number > 1", self.delta_clip)
+            _require(
+                _is_number(self.delta_clip) and self.delta_clip > 1,
+                "delta_clip",
+                "None or a number > 1",
+                self.delta_clip,
+            )
         if self.dual_clip_c is not None:
-            _require(_is_number(self.dual_clip_c) and self.dual_clip_c > 1, "dual_clip_c",
-                     "None or a number > 1", self.dual_clip_c)
+            _require(
+                _is_number(self.dual_clip_c) and self.dual_clip_c > 1,
+                "dual_clip_c",
+                "None or a number > 1",
+                self.dual_clip_c,
+            )
         if self.max_completion_length is not None:
-            _require(isinstance(self.max_completion_length, int) and self.max_completion_length > 0,
-                     "max_completion_length", "None or a positive int", self.max_completion_length)
+            _require(
+                isinstance(self.max_completion_length, int) and self.max_completion_length > 0,
+                "max_completion_length",
+                "None or a positive int",
+                self.max_completion_length,
+            )
         n = self.num_items_in_batch
         if n is not None:
             if isinstance(n, torch.Tensor):
-                _require(n.numel() == 1, "num_items_in_batch", "a number or a one-element tensor",
-                         tuple(n.shape))
+                _require(n.numel() == 1, "num_items_in_batch", "a number or a one-element tensor", tuple(n.shape))
             else:
                 _require(_is_number(n) and n > 0, "num_items_in_batch", "None or a number > 0", n)
 
@@ -226,8 +246,7 @@ def _check_tensor(name: str, value, *, ndim=None, device=None, float_=False) -> 
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if ndim is not None and value.dim() not in ndim:
-        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, "
-                         f"got shape {tuple(value.shape)}")
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, got shape {tuple(value.shape)}")
     if device is not None and value.device != device:
         raise ValueError(f"{name} must be on {device} like hidden, got {value.device}")
     if float_ and not value.is_floating_point():
@@ -251,9 +270,21 @@ def _check_finite(name: str, value: torch.Tensor, where: Optional[torch.Tensor] 
         torch._assert_async(finite.all(), message)
 
 
-def validate_inputs(hidden, weight, token_ids, mask, advantages, *, bias=None, old_logp=None,
-                    ref_logp=None, is_weights=None, log_q=None, config: LossConfig,
-                    allowed_dtypes=FAST_DTYPES) -> SageInputs:
+def validate_inputs(
+    hidden,
+    weight,
+    token_ids,
+    mask,
+    advantages,
+    *,
+    bias=None,
+    old_logp=None,
+    ref_logp=None,
+    is_weights=None,
+    log_q=None,
+    config: LossConfig,
+    allowed_dtypes=FAST_DTYPES,
+) -> SageInputs:
     """Check everything docs/loss.md lists under "Bad input" and return canonical `SageInputs`.
 
     Raises ValueError / TypeError naming the argument and what was expected, before any
@@ -286,11 +317,12 @@ def validate_inputs(hidden, weight, token_ids, mask, advantages, *, bias=None, o
         raise TypeError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
     B, L = token_ids.shape
     if B == 0 or L == 0:  # no token: no loss to define (a batch with every token masked is fine)
-        raise ValueError(f"token_ids must have B >= 1 rows and L >= 1 columns, got shape {(B, L)}; "
-                         f"skip the loss for a batch without tokens")
+        raise ValueError(
+            f"token_ids must have B >= 1 rows and L >= 1 columns, got shape {(B, L)}; "
+            f"skip the loss for a batch without tokens"
+        )
     if hidden.dim() == 3 and tuple(hidden.shape[:2]) != (B, L):
-        raise ValueError(f"hidden must have shape [B={B}, L={L}, D] to match token_ids, "
-                         f"got {tuple(hidden.shape)}")
+        raise ValueError(f"hidden must have shape [B={B}, L={L}, D] to match token_ids, got {tuple(hidden.shape)}")
     if hidden.dim() == 2 and hidden.shape[0] != B * L:
         raise ValueError(f"hidden given as [N, D] must have N = B*L = {B * L} rows, got {hidden.shape[0]}")
 
@@ -310,8 +342,12 @@ def validate_inputs(hidden, weight, token_ids, mask, advantages, *, bias=None, o
 
     cd = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     per_token = {}
-    for name, value, neutral in (("old_logp", old_logp, 0.0), ("ref_logp", ref_logp, 0.0),
-                                 ("is_weights", is_weights, 1.0), ("log_q", log_q, 0.0)):
+    for name, value, neutral in (
+        ("old_logp", old_logp, 0.0),
+        ("ref_logp", ref_logp, 0.0),
+        ("is_weights", is_weights, 1.0),
+        ("log_q", log_q, 0.0),
+    ):
         if value is None:
             per_token[name] = None
             continue
@@ -343,19 +379,25 @@ def validate_inputs(hidden, weight, token_ids, mask, advantages, *, bias=None, o
     )
 
 
-def validate_scoring_inputs(hidden, weight, token_ids, *, bias=None, temperature=1.0,
-                            allowed_dtypes=FAST_DTYPES):
+def validate_scoring_inputs(hidden, weight, token_ids, *, bias=None, temperature=1.0, allowed_dtypes=FAST_DTYPES):
     """Checks for `logprobs_and_entropy`; returns (hidden [N, D], token_ids [N], leading shape)."""
     _require(_is_number(temperature) and temperature > 0, "temperature", "a number > 0", temperature)
     _check_tensor("hidden", hidden, float_=True)
     _check_tensor("token_ids", token_ids, ndim=(1, 2), device=hidden.device)
     lead, n = tuple(token_ids.shape), token_ids.numel()
     if hidden.dim() < 2 or tuple(hidden.shape[:-1]) not in (lead, (n,)):
-        raise ValueError(f"hidden must have shape [*{list(lead)}, D] or [{n}, D] to match token_ids, "
-                         f"got {tuple(hidden.shape)}")
+        raise ValueError(
+            f"hidden must have shape [*{list(lead)}, D] or [{n}, D] to match token_ids, got {tuple(hidden.shape)}"
+        )
     device = hidden.device
-    inputs = validate_inputs(hidden.reshape(n, hidden.shape[-1]), weight, token_ids.reshape(1, n),
-                             torch.ones(1, n, dtype=torch.bool, device=device),
-                             torch.zeros(1, device=device), bias=bias, config=LossConfig(beta=0.0),
-                             allowed_dtypes=allowed_dtypes)
+    inputs = validate_inputs(
+        hidden.reshape(n, hidden.shape[-1]),
+        weight,
+        token_ids.reshape(1, n),
+        torch.ones(1, n, dtype=torch.bool, device=device),
+        torch.zeros(1, device=device),
+        bias=bias,
+        config=LossConfig(beta=0.0),
+        allowed_dtypes=allowed_dtypes,
+    )
     return inputs.hidden, inputs.token_ids.reshape(n), lead

@@ -167,9 +167,7 @@ class RunOptions:
     cpu_threads: int = 0  # torch intra-op threads per process on CPU; 0 keeps torch's default
 
     # evaluation before and after RL
-    eval_splits: list = field(
-        default_factory=lambda: ["train", "test"]
-    )  # "train": the RL prompts; "test": held out
+    eval_splits: list = field(default_factory=lambda: ["train", "test"])  # "train": the RL prompts; "test": held out
     eval_problems: int = 32
     eval_samples: int = 8
     eval_temperature: float = 1.0
@@ -240,9 +238,7 @@ def _coerce(key: str, value):
             return value
         if kind in (str, bool, list, dict) and isinstance(value, kind):
             return value
-    raise ConfigError(
-        f"config key {key!r} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})"
-    )
+    raise ConfigError(f"config key {key!r} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
 
 
 def _check_keys(values: dict, source: str) -> None:
@@ -253,9 +249,7 @@ def _check_keys(values: dict, source: str) -> None:
 
 def packaged_config_path(name: str):
     """The packaged YAML `name` (with or without .yaml) in sage_train/configs, or None."""
-    candidate = (
-        resources.files("sage_train") / "configs" / (name if name.endswith(".yaml") else f"{name}.yaml")
-    )
+    candidate = resources.files("sage_train") / "configs" / (name if name.endswith(".yaml") else f"{name}.yaml")
     return candidate if candidate.is_file() else None
 
 
@@ -265,8 +259,7 @@ def read_yaml(name_or_path: str) -> dict:
     source = path if path.is_file() else packaged_config_path(name_or_path)
     if source is None:
         raise ConfigError(
-            f"config file {name_or_path!r} not found (a path, or one of the packaged configs "
-            f"{packaged_config_names()})"
+            f"config file {name_or_path!r} not found (a path, or one of the packaged configs {packaged_config_names()})"
         )
     values = yaml.safe_load(source.read_text()) or {}
     if not isinstance(values, dict):
@@ -304,9 +297,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
         if key == "config":
             config_file = text
             continue
-        if (
-            key == "local_rank"
-        ):  # passed by the deepspeed launcher; LOCAL_RANK in the environment says the same
+        if key == "local_rank":  # passed by the deepspeed launcher; LOCAL_RANK in the environment says the same
             continue
         _check_keys({key: None}, "the command line")
         overrides[key] = yaml.safe_load(text) if text != "" else ""
@@ -381,9 +372,7 @@ def validate(cfg: TrainConfig) -> None:
     require(cfg.top_k >= 0, "top_k", ">= 0 (0: off)")
     require(0 <= cfg.min_p < 1, "min_p", "in [0, 1) (0: off)")
     require(cfg.zero_stage in (0, 1, 2, 3), "zero_stage", "0, 1, 2 or 3")
-    require(
-        cfg.lr_schedule in ("constant", "cosine", "linear"), "lr_schedule", "'constant', 'cosine' or 'linear'"
-    )
+    require(cfg.lr_schedule in ("constant", "cosine", "linear"), "lr_schedule", "'constant', 'cosine' or 'linear'")
     require(cfg.rollout_engine in ("hf", "vllm", "openai"), "rollout_engine", "'hf', 'vllm' or 'openai'")
     require(cfg.lora_rank >= 0, "lora_rank", "an integer >= 0 (0: off)")
     require(cfg.sft_adapter in ("merge", "continue"), "sft_adapter", "'merge' or 'continue'")

@@ -29,9 +29,7 @@ def init_distributed():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        )
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
@@ -64,9 +62,7 @@ def reduce_rows(pending: list[tuple[int, dict]], device: torch.device) -> list[d
     names = sorted(pending[0][1])
     values = torch.stack(
         [
-            torch.stack(
-                [torch.as_tensor(m[name], dtype=torch.float32, device=device).reshape(()) for name in names]
-            )
+            torch.stack([torch.as_tensor(m[name], dtype=torch.float32, device=device).reshape(()) for name in names])
             for _, m in pending
         ]
     )

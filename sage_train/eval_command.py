@@ -35,8 +35,17 @@ RECORDS_FILE = "records.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 
 #: the official SAGE evaluation (`--protocol official`): defaults of the options it sets
-OFFICIAL = {"temperature": 0.3, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "max_new_tokens": 6144, "n": 64,
-            "tasks": "aime,amc23,math500", "system_prompt": "official", "chat_template": "tokenizer"}
+OFFICIAL = {
+    "temperature": 0.3,
+    "top_p": 0.95,
+    "top_k": 0,
+    "min_p": 0.0,
+    "max_new_tokens": 6144,
+    "n": 64,
+    "tasks": "aime,amc23,math500",
+    "system_prompt": "official",
+    "chat_template": "tokenizer",
+}
 #: the official task options of each math set, and the sets its average is over
 OFFICIAL_TASK_OPTIONS = {"template": "official", "gold_parsing": "bare"}
 AVERAGED = ("aime", "amc23", "math500")
@@ -65,11 +74,11 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
             config = yaml.safe_load((path / "config.yaml").read_text()) or {}
             resolved.append((path.resolve().name, str(path / "final"), config))
         elif (path / "config.yaml").is_file() and not (path / "config.json").is_file():
-            raise ValueError(f"--model {given!r} is a run directory without a final model "
-                             f"({path / 'final'}); did the run finish?")
+            raise ValueError(
+                f"--model {given!r} is a run directory without a final model ({path / 'final'}); did the run finish?"
+            )
         elif path.exists() and not path.is_dir():
-            raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory "
-                             "or a hub name")
+            raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory or a hub name")
         else:
             name = path.resolve().name if path.is_dir() else given
             if name == "final" and path.is_dir():  # runs/<name>/final: call it by the run's name
@@ -162,8 +171,10 @@ def check_sampling(out: Path, sampling: dict) -> None:
         changed = {k: (previous.get(k), sampling[k]) for k in sampling if previous.get(k) != sampling[k]}
         if changed:
             details = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in changed.items())
-            raise ValueError(f"--out {out} holds samples drawn with other settings ({details}); "
-                             "use another --out or the same settings")
+            raise ValueError(
+                f"--out {out} holds samples drawn with other settings ({details}); "
+                "use another --out or the same settings"
+            )
     else:
         path.write_text(json.dumps(sampling, indent=1) + "\n")
 
@@ -176,25 +187,48 @@ def parse_ints(text: str, what: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sage-eval", description=evaluate.__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", action="append", required=True,
-                   help="a run directory (loads <run>/final), an HF model directory or a hub name; "
-                        "repeatable")
-    p.add_argument("--tasks", default="",
-                   help="comma-separated task names (math500, aime24, aime25, amc23, minerva, a .jsonl path, "
-                        "arithmetic, countdown, knights); default: the first run directory's task")
-    p.add_argument("--task-options", default="{}",
-                   help='JSON options per task, e.g. \'{"arithmetic": {"digits": 3}}\' '
-                        "(default: a run directory's task_options for its task)")
-    p.add_argument("--protocol", default="", choices=("", "official"),
-                   help="'official': the official SAGE evaluation's settings (module docstring) as defaults")
-    p.add_argument("--chat-template", default=None, choices=("", "tokenizer", "official"),
-                   help="prompts through a chat template: '' none, 'tokenizer' the model's own, 'official' the "
-                        "official SAGE base-model template (default: what the model was trained with)")
-    p.add_argument("--system-prompt", default=None,
-                   help="a system prompt name (sage, official) or text (default: what the model was trained "
-                        "with; needs a chat template)")
+    p = argparse.ArgumentParser(
+        prog="sage-eval",
+        description=evaluate.__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="a run directory (loads <run>/final), an HF model directory or a hub name; repeatable",
+    )
+    p.add_argument(
+        "--tasks",
+        default="",
+        help="comma-separated task names (math500, aime24, aime25, amc23, minerva, a .jsonl path, "
+        "arithmetic, countdown, knights); default: the first run directory's task",
+    )
+    p.add_argument(
+        "--task-options",
+        default="{}",
+        help='JSON options per task, e.g. \'{"arithmetic": {"digits": 3}}\' '
+        "(default: a run directory's task_options for its task)",
+    )
+    p.add_argument(
+        "--protocol",
+        default="",
+        choices=("", "official"),
+        help="'official': the official SAGE evaluation's settings (module docstring) as defaults",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        choices=("", "tokenizer", "official"),
+        help="prompts through a chat template: '' none, 'tokenizer' the model's own, 'official' the "
+        "official SAGE base-model template (default: what the model was trained with)",
+    )
+    p.add_argument(
+        "--system-prompt",
+        default=None,
+        help="a system prompt name (sage, official) or text (default: what the model was trained "
+        "with; needs a chat template)",
+    )
     p.add_argument("--n", type=int, default=None, help="samples per problem and seed (default 16; official 64)")
     p.add_argument("--k", default="", help="comma-separated ks (default: 1, 2, 4, ... up to n)")
     p.add_argument("--seeds", default="0", help="comma-separated sampling seeds")
@@ -205,18 +239,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="default 1.0 (official: 0.95)")
     p.add_argument("--top-k", type=int, default=None, help="default 0: off")
     p.add_argument("--min-p", type=float, default=None, help="default 0.0: off")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default: a run directory's eval_max_new_tokens or max_new_tokens, else 1024 "
-                        "(official: 6144)")
-    p.add_argument("--stop", action="append", default=None,
-                   help="a stop string; repeatable (default: a run directory's; official: none)")
-    p.add_argument("--problems-per-call", type=int, default=1,
-                   help="prompts per generate call (more is faster with the hf engine and small n; "
-                        "1 makes each problem's samples independent of the others)")
-    p.add_argument("--samples-per-call", type=int, default=None,
-                   help="split each problem's n samples into generate calls of this many")
-    p.add_argument("--save-completions", action="store_true",
-                   help=f"also write every completion and its score to {COMPLETIONS_FILE}")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="default: a run directory's eval_max_new_tokens or max_new_tokens, else 1024 (official: 6144)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        help="a stop string; repeatable (default: a run directory's; official: none)",
+    )
+    p.add_argument(
+        "--problems-per-call",
+        type=int,
+        default=1,
+        help="prompts per generate call (more is faster with the hf engine and small n; "
+        "1 makes each problem's samples independent of the others)",
+    )
+    p.add_argument(
+        "--samples-per-call",
+        type=int,
+        default=None,
+        help="split each problem's n samples into generate calls of this many",
+    )
+    p.add_argument(
+        "--save-completions",
+        action="store_true",
+        help=f"also write every completion and its score to {COMPLETIONS_FILE}",
+    )
     p.add_argument("--out", default=None, help="output directory (default: <first run dir>/eval, else eval)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -229,8 +281,7 @@ def resolve_tasks(args, models: Sequence[ModelSpec]) -> list[tuple[str, dict]]:
     except json.JSONDecodeError as e:
         raise ValueError(f"--task-options is not valid JSON ({e}): {args.task_options!r}") from None
     if not isinstance(options, dict):
-        raise ValueError(f"--task-options must be a JSON object keyed by task name, "
-                         f"got {args.task_options!r}")
+        raise ValueError(f"--task-options must be a JSON object keyed by task name, got {args.task_options!r}")
     tasks = args.tasks or (OFFICIAL["tasks"] if args.protocol == "official" else "")
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if len(set(names)) < len(names):
@@ -263,6 +314,7 @@ class RecordWriter:
 
     def writer_for(self, model: str, task: str) -> Callable[[dict, list[str], list[float]], None]:
         """An `on_record` callback for `evaluate_engine` that tags records with model and task."""
+
         def write(record: dict, completions: list[str], scores: list[float]) -> None:
             keyed = {"model": model, "task": task} | record
             if self.completions is not None:  # first, so that a record implies its completions
@@ -271,6 +323,7 @@ class RecordWriter:
                 self.completions.flush()
             self.records.write(json.dumps(keyed) + "\n")
             self.records.flush()
+
         return write
 
     def close(self) -> None:
@@ -291,15 +344,22 @@ def main(argv=None) -> int:
             setattr(args, key, defaults[key])
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
-    max_new_tokens = args.max_new_tokens or (OFFICIAL["max_new_tokens"] if official else None) \
-        or run_config.get("eval_max_new_tokens") or run_config.get("max_new_tokens") or 1024
+    max_new_tokens = (
+        args.max_new_tokens
+        or (OFFICIAL["max_new_tokens"] if official else None)
+        or run_config.get("eval_max_new_tokens")
+        or run_config.get("max_new_tokens")
+        or 1024
+    )
     stop = tuple(args.stop if args.stop is not None else () if official else run_config.get("stop") or ())
     formats = {m.label: prompt_format(args, m) for m in models}
     for label, (template, system) in formats.items():
         if system and not template:
-            raise ValueError(f"--system-prompt needs a chat template (--chat-template tokenizer or official); "
-                             f"model {label!r} has none")
-    powers_of_two = [2 ** i for i in range(args.n.bit_length())] + [args.n]
+            raise ValueError(
+                f"--system-prompt needs a chat template (--chat-template tokenizer or official); "
+                f"model {label!r} has none"
+            )
+    powers_of_two = [2**i for i in range(args.n.bit_length())] + [args.n]
     default_ks = sorted({1, args.n}) if official else powers_of_two
     ks = check_ks(parse_ints(args.k, "--k") if args.k else default_ks, args.n)
     seeds = parse_ints(args.seeds, "--seeds")
@@ -307,53 +367,97 @@ def main(argv=None) -> int:
         raise ValueError("--seeds is empty")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              min_p=args.min_p, max_new_tokens=max_new_tokens, stop=stop)
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+    )
     out = Path(args.out or (Path(args.model[0]) / "eval" if models[0].run_config is not None else "eval"))
     out.mkdir(parents=True, exist_ok=True)
-    check_sampling(out, {"n": args.n, "temperature": args.temperature, "top_p": args.top_p,
-                         "top_k": args.top_k, "min_p": args.min_p, "max_new_tokens": max_new_tokens,
-                         "stop": list(stop), "engine": args.engine,
-                         "prompt_format": {label: list(f) for label, f in formats.items()}})
+    check_sampling(
+        out,
+        {
+            "n": args.n,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+            "max_new_tokens": max_new_tokens,
+            "stop": list(stop),
+            "engine": args.engine,
+            "prompt_format": {label: list(f) for label, f in formats.items()},
+        },
+    )
 
     from .tasks import get_task
 
     tasks = [get_task(name, **options) for name, options in resolve_tasks(args, models)]
     problems = {task.name: list(task.problems("test", args.limit, 0)) for task in tasks}
-    config = {"models": {m.label: m.path for m in models}, "tasks": [t.name for t in tasks], "n": args.n,
-              "ks": ks, "seeds": seeds, "limit": args.limit, "engine": args.engine, "protocol": args.protocol,
-              "prompt_format": {label: {"chat_template": t, "system_prompt": s} for label, (t, s) in formats.items()},
-              "sampling": dataclasses.asdict(sampling) | {"n": args.n, "seed": None},
-              "problems_per_call": args.problems_per_call, "samples_per_call": args.samples_per_call}
+    config = {
+        "models": {m.label: m.path for m in models},
+        "tasks": [t.name for t in tasks],
+        "n": args.n,
+        "ks": ks,
+        "seeds": seeds,
+        "limit": args.limit,
+        "engine": args.engine,
+        "protocol": args.protocol,
+        "prompt_format": {label: {"chat_template": t, "system_prompt": s} for label, (t, s) in formats.items()},
+        "sampling": dataclasses.asdict(sampling) | {"n": args.n, "seed": None},
+        "problems_per_call": args.problems_per_call,
+        "samples_per_call": args.samples_per_call,
+    }
     results = {"config": config, "models": {}, "generated": 0, "resumed": 0}
     done = read_records(out)
     writer = RecordWriter(out, args.save_completions)
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(models) * len(seeds) * args.n * sum(map(len, problems.values())), unit="sample",
-               desc="sage-eval", disable=args.no_progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(models) * len(seeds) * args.n * sum(map(len, problems.values())),
+        unit="sample",
+        desc="sage-eval",
+        disable=args.no_progress,
+        dynamic_ncols=True,
+    )
     try:
         for model in models:
             engine = None  # loaded only if some problem of this model is not done yet
             results["models"][model.label] = {"path": model.path, "tasks": {}}
             for plain_task in tasks:
                 task = in_prompt_format(plain_task, model, formats[model.label])
-                mine = {(seed, pid): record for (label, name, seed, pid), record in done.items()
-                        if label == model.label and name == task.name}
+                mine = {
+                    (seed, pid): record
+                    for (label, name, seed, pid), record in done.items()
+                    if label == model.label and name == task.name
+                }
                 if engine is None and any((s, p.id) not in mine for s in seeds for p in problems[task.name]):
                     engine = build_engine(args.engine, model.path, _device(args.device))
                 bar.set_postfix_str(f"{model.label} / {task.name}")
                 result = evaluate_engine(
-                    engine, task, problems[task.name], n=args.n, ks=ks, sampling=sampling, seeds=seeds,
-                    problems_per_call=args.problems_per_call, samples_per_call=args.samples_per_call,
+                    engine,
+                    task,
+                    problems[task.name],
+                    n=args.n,
+                    ks=ks,
+                    sampling=sampling,
+                    seeds=seeds,
+                    problems_per_call=args.problems_per_call,
+                    samples_per_call=args.samples_per_call,
                     done=mine,
-                    on_record=writer.writer_for(model.label, task.name), progress=bar)
+                    on_record=writer.writer_for(model.label, task.name),
+                    progress=bar,
+                )
                 results["generated"] += result.pop("generated")
                 results["resumed"] += result.pop("resumed")
                 results["models"][model.label]["tasks"][task.name] = result
     except KeyboardInterrupt:
-        print(f"\ninterrupted: finished problems are kept in {out / RECORDS_FILE}; "
-              "rerun the same command to resume", file=sys.stderr)
+        print(
+            f"\ninterrupted: finished problems are kept in {out / RECORDS_FILE}; rerun the same command to resume",
+            file=sys.stderr,
+        )
         return 130
     finally:
         bar.close()
@@ -364,8 +468,9 @@ def main(argv=None) -> int:
     table = markdown_table(results)
     if set(AVERAGED) <= set(config["tasks"]):
         for model in results["models"].values():
-            model["average"] = {k: sum(model["tasks"][t]["pass_at_k"][k]["mean"] for t in AVERAGED) / len(AVERAGED)
-                                for k in ks}
+            model["average"] = {
+                k: sum(model["tasks"][t]["pass_at_k"][k]["mean"] for t in AVERAGED) / len(AVERAGED) for k in ks
+            }
         table += "\n\n" + average_table(results, ks)
     write_outputs(out, results)
     (out / "results.md").write_text(table + "\n")
@@ -393,8 +498,12 @@ def in_prompt_format(task, model: ModelSpec, prompt_format: tuple[str, str]):
 
 def average_table(results: dict, ks: list) -> str:
     """The unweighted mean of pass@k over `AVERAGED` (the official SAGE "Avg"), a row per model."""
-    lines = [f"### average ({', '.join(AVERAGED)})", "",
-             "| model | " + " | ".join(f"pass@{k}" for k in ks) + " |", "|---|" + "---:|" * len(ks)]
+    lines = [
+        f"### average ({', '.join(AVERAGED)})",
+        "",
+        "| model | " + " | ".join(f"pass@{k}" for k in ks) + " |",
+        "|---|" + "---:|" * len(ks),
+    ]
     for label, model in results["models"].items():
         lines.append(f"| {label} | " + " | ".join(f"{100 * model['average'][k]:.1f}" for k in ks) + " |")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ from .tasks.base import Problem, Task
 
 # ----------------------------------------------------------------------------- the estimator
 
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of one problem with `c` correct among `n` samples (requires k <= n)."""
     if n < 1:
@@ -62,9 +63,11 @@ def summarize(counts_by_seed: Mapping[int, Sequence[tuple[int, int]]], ks: Seque
     summary = {}
     for k in ks:
         per_seed = [mean_pass_at_k(counts_by_seed[s], k) for s in sorted(counts_by_seed)]
-        summary[k] = {"mean": statistics.fmean(per_seed),
-                      "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
-                      "per_seed": per_seed}
+        summary[k] = {
+            "mean": statistics.fmean(per_seed),
+            "std": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
+            "per_seed": per_seed,
+        }
     return summary
 
 
@@ -74,12 +77,12 @@ def check_ks(ks: Sequence[int], n: int) -> list[int]:
         raise ValueError("ks is empty")
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
-        raise ValueError(f"every k must be in [1, n={n}] (pass@k needs at least k samples per problem); "
-                         f"got {bad}")
+        raise ValueError(f"every k must be in [1, n={n}] (pass@k needs at least k samples per problem); got {bad}")
     return sorted(set(ks))
 
 
 # ----------------------------------------------------------------------------- sampling + grading
+
 
 def sample_seed(seed: int, problem_id: str, chunk: int) -> int:
     """The engine seed of one problem's samples in one generate call, fixed by (seed, problem,
@@ -87,12 +90,21 @@ def sample_seed(seed: int, problem_id: str, chunk: int) -> int:
     return derive_seed(seed, problem_id, chunk)
 
 
-def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Problem], *, n: int,
-                    ks: Sequence[int], sampling: SamplingParams, seeds: Sequence[int],
-                    problems_per_call: Optional[int] = None, samples_per_call: Optional[int] = None,
-                    done: Optional[Mapping[tuple[int, str], dict]] = None,
-                    on_record: Optional[Callable[[dict, list[str], list[float]], None]] = None,
-                    progress=None) -> dict:
+def evaluate_engine(
+    engine: RolloutEngine,
+    task: Task,
+    problems: Sequence[Problem],
+    *,
+    n: int,
+    ks: Sequence[int],
+    sampling: SamplingParams,
+    seeds: Sequence[int],
+    problems_per_call: Optional[int] = None,
+    samples_per_call: Optional[int] = None,
+    done: Optional[Mapping[tuple[int, str], dict]] = None,
+    on_record: Optional[Callable[[dict, list[str], list[float]], None]] = None,
+    progress=None,
+) -> dict:
     """Sample `n` completions per problem and seed, grade them with `task`, estimate pass@k.
     A sample counts as correct when the task scores it 1.0.
 
@@ -133,21 +145,21 @@ def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Proble
             for problem in problems:
                 if (seed, problem.id) in done:
                     if done[seed, problem.id]["n"] != n:
-                        raise ValueError(f"done: the record of {problem.id!r} (seed {seed}) has "
-                                         f"n={done[seed, problem.id]['n']}, not n={n}")
+                        raise ValueError(
+                            f"done: the record of {problem.id!r} (seed {seed}) has "
+                            f"n={done[seed, problem.id]['n']}, not n={n}"
+                        )
                     records[seed, problem.id] = done[seed, problem.id]
                     if progress is not None:
                         progress.update(n)
             pending = [p for p in problems if (seed, p.id) not in done]
             per_call = problems_per_call or max(1, len(pending))
             for first in range(0, len(pending), per_call):
-                batch = pending[first:first + per_call]
-                texts = sample(engine, [task.prompt(p) for p in batch], sampling, n, chunk, seed,
-                               [p.id for p in batch])
+                batch = pending[first : first + per_call]
+                texts = sample(engine, [task.prompt(p) for p in batch], sampling, n, chunk, seed, [p.id for p in batch])
                 for problem, completions in zip(batch, texts):
                     scores = grade(task, completions, problem)
-                    record = {"problem_id": problem.id, "seed": seed, "n": n,
-                              "c": sum(1 for s in scores if s == 1.0)}
+                    record = {"problem_id": problem.id, "seed": seed, "n": n, "c": sum(1 for s in scores if s == 1.0)}
                     if on_record is not None:
                         on_record(record, completions, scores)
                     records[seed, problem.id] = record
@@ -156,24 +168,41 @@ def evaluate_engine(engine: RolloutEngine, task: Task, problems: Sequence[Proble
     ordered = [records[seed, p.id] for seed in seeds for p in problems]
     counts = {s: [(r["n"], r["c"]) for r in ordered if r["seed"] == s] for s in seeds}
     resumed = sum(1 for key in records if key in done)
-    return {"problems": ordered, "pass_at_k": summarize(counts, ks),
-            "generated": len(records) - resumed, "resumed": resumed}
+    return {
+        "problems": ordered,
+        "pass_at_k": summarize(counts, ks),
+        "generated": len(records) - resumed,
+        "resumed": resumed,
+    }
 
 
-def sample(engine: RolloutEngine, prompts: list[str], sampling: SamplingParams, n: int, chunk: int,
-           seed: int, problem_ids: Sequence[str]) -> list[list[str]]:
+def sample(
+    engine: RolloutEngine,
+    prompts: list[str],
+    sampling: SamplingParams,
+    n: int,
+    chunk: int,
+    seed: int,
+    problem_ids: Sequence[str],
+) -> list[list[str]]:
     """`n` completion texts per prompt, drawn in calls of `chunk` samples per prompt, each
     prompt with its own seed (`sample_seed`)."""
     texts: list[list[str]] = [[] for _ in prompts]
     for index, start in enumerate(range(0, n, chunk)):
-        params = dataclasses.replace(sampling, n=min(chunk, n - start), seed=None, logprobs=False,
-                                     prompt_seeds=tuple(sample_seed(seed, pid, index) for pid in problem_ids))
+        params = dataclasses.replace(
+            sampling,
+            n=min(chunk, n - start),
+            seed=None,
+            logprobs=False,
+            prompt_seeds=tuple(sample_seed(seed, pid, index) for pid in problem_ids),
+        )
         for mine, completions in zip(texts, engine.generate(prompts, params)):
             mine += [c.text for c in completions]
     return texts
 
 
 # ----------------------------------------------------------------------------- outputs
+
 
 def write_outputs(out: Path, results: dict) -> None:
     """results.json, results.md and pass_at_k.png in `out`."""
@@ -188,13 +217,18 @@ def markdown_table(results: dict) -> str:
     seeds = len(results["config"]["seeds"])
     lines = [f"pass@k (%), n = {results['config']['n']}, mean ± std over {seeds} seed(s)"]
     for task in results["config"]["tasks"]:
-        lines += ["", f"### {task}", "",
-                  "| model | problems | " + " | ".join(f"pass@{k}" for k in ks) + " |",
-                  "|---|---:|" + "---:|" * len(ks)]
+        lines += [
+            "",
+            f"### {task}",
+            "",
+            "| model | problems | " + " | ".join(f"pass@{k}" for k in ks) + " |",
+            "|---|---:|" + "---:|" * len(ks),
+        ]
         for label, model in results["models"].items():
             result = model["tasks"][task]
-            cells = [f"{100 * result['pass_at_k'][k]['mean']:.1f} ± {100 * result['pass_at_k'][k]['std']:.1f}"
-                     for k in ks]
+            cells = [
+                f"{100 * result['pass_at_k'][k]['mean']:.1f} ± {100 * result['pass_at_k'][k]['std']:.1f}" for k in ks
+            ]
             problems = len(result["problems"]) // seeds
             lines.append(f"| {label} | {problems} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -213,7 +247,7 @@ def plot_curves(results: dict, path: Path) -> None:
     cols = min(3, len(tasks))
     rows = -(-len(tasks) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.6 * rows), squeeze=False)
-    for ax in axes.flat[len(tasks):]:
+    for ax in axes.flat[len(tasks) :]:
         ax.set_visible(False)
     for ax, task in zip(axes.flat, tasks):
         for label, model in results["models"].items():

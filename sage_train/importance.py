@@ -22,8 +22,9 @@ import torch
 IS_LEVELS = ("token", "sequence")
 
 
-def truncated_is_weights(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *,
-                         level: str = "token", cap: float = 2.0) -> torch.Tensor:
+def truncated_is_weights(
+    train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *, level: str = "token", cap: float = 2.0
+) -> torch.Tensor:
     """[B, L] weights min(exp(train_logp - rollout_logp), cap), 1 at masked positions; no gradient."""
     if level not in IS_LEVELS:
         raise ValueError(f"level must be one of {list(IS_LEVELS)}, got {level!r}")

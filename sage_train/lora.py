@@ -66,11 +66,7 @@ def merged_named_weights(model):
         return
     layers = {}
     for name, module in model.named_modules():
-        if (
-            hasattr(module, "base_layer")
-            and hasattr(module, "get_delta_weight")
-            and hasattr(module, "lora_A")
-        ):
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight") and hasattr(module, "lora_A"):
             layers[f"{name}.base_layer.weight"] = module
     for name, param in model.named_parameters():
         if "lora_" in name:

@@ -50,9 +50,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 def _bytes_to_unicode() -> list[str]:
     """GPT-2's byte -> printable character table (the byte-level alphabet, in byte order)."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     chars, extra = {}, 0
     for b in range(256):

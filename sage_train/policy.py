@@ -68,7 +68,11 @@ class PolicyHead(nn.Module):
             )
         if callable(loss_inputs.get("log_q")):  # a guide of the current policy's log-probs (token guide)
             logp, _ = logprobs_and_entropy(
-                hidden.detach(), head.weight, completion_ids, bias=head.bias, temperature=temperature,
+                hidden.detach(),
+                head.weight,
+                completion_ids,
+                bias=head.bias,
+                temperature=temperature,
                 backend=self.backend,
             )
             loss_inputs = {**loss_inputs, "log_q": loss_inputs["log_q"](logp, loss_inputs["mask"])}
@@ -116,9 +120,7 @@ def make_batch(completions: list, device: torch.device, pad_id: int) -> Batch:
         input_ids[row, P : P + len(completion)] = completion
         attention_mask[row, P - len(prompt) : P + len(completion)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    batch = Batch(
-        input_ids, attention_mask, position_ids, input_ids[:, P:].clone(), attention_mask[:, P:].bool(), P
-    )
+    batch = Batch(input_ids, attention_mask, position_ids, input_ids[:, P:].clone(), attention_mask[:, P:].bool(), P)
     return Batch(*(x.to(device) if isinstance(x, torch.Tensor) else x for x in dataclasses.astuple(batch)))
 
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 if TYPE_CHECKING:
     from .tasks.base import Problem, Task
 
+
 def grade(task: "Task", completions: Sequence[str], problem: "Problem") -> list[float]:
     """The task's own scores of the completions of one problem (batched when the task can)."""
     score_batch = getattr(task, "score_batch", None)
@@ -118,6 +119,7 @@ def _worker_main(read_fd: int, write_fd: int, self_destruct_s: int) -> None:
 
 # ----------------------------------------------------------------------------- parent side
 
+
 class _Worker:
     """One grading process and the parent's ends of its two pipes.
 
@@ -130,15 +132,20 @@ class _Worker:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         package_root = str(Path(__file__).resolve().parents[1])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
         self.process = subprocess.Popen(
-            [sys.executable, "-c",
-             f"from sage_train.rewards import _worker_main; "
-             f"_worker_main({to_child_r}, {from_child_w}, {math.ceil(timeout_s) + 5})"],
-            pass_fds=(to_child_r, from_child_w), env=env, stdin=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-c",
+                f"from sage_train.rewards import _worker_main; "
+                f"_worker_main({to_child_r}, {from_child_w}, {math.ceil(timeout_s) + 5})",
+            ],
+            pass_fds=(to_child_r, from_child_w),
+            env=env,
+            stdin=subprocess.DEVNULL,
             # Its own session: a Ctrl-C meant for the caller does not kill graders mid-reply.
-            start_new_session=True)
+            start_new_session=True,
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         self.requests = Connection(to_child_w, readable=False)
@@ -212,7 +219,7 @@ class GradingPool:
             try:
                 worker.wait_ready()
             except RuntimeError:
-                for other in workers[i + 1:]:
+                for other in workers[i + 1 :]:
                     self._idle.put(other)
                 self._replace(worker, "worker_errors")
                 raise

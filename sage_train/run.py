@@ -100,9 +100,7 @@ def run_locked(cfg: TrainConfig, inputs: Inputs, on_step, rank: int, world: int,
     prompts = run_prompts(cfg, task, tokenizer, train_problems)  # read only to derive vLLM's context length
     rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world, prompts)
     guide = make_guide(cfg, rank)
-    ctx = Context(
-        cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device
-    )
+    ctx = Context(cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device)
 
     first_step = 1
     if resume_from:
@@ -236,9 +234,7 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
     import deepspeed
 
     lm = engine.module.lm
-    gather = deepspeed.zero.GatheredParameters(
-        list(lm.parameters()), modifier_rank=None, enabled=cfg.zero_stage == 3
-    )
+    gather = deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None, enabled=cfg.zero_stage == 3)
     with gather:
         if rank == 0 and is_lora(lm):  # the adapter, and the merged model beside it
             lm.save_pretrained(path / "adapter")

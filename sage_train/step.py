@@ -88,8 +88,9 @@ def rl_step(ctx: Context, step: int) -> dict:
     gen = ctx.generation
     part = gen.batch.rows // spg
     rows = gen.order[(step - first) * part : (step - first + 1) * part]
-    batch = Batch(**{name: value[rows] if isinstance(value, torch.Tensor) else value
-                     for name, value in vars(gen.batch).items()})
+    batch = Batch(
+        **{name: value[rows] if isinstance(value, torch.Tensor) else value for name, value in vars(gen.batch).items()}
+    )
 
     # 5. the external guide, if any: the token guide is given the current policy's log-probs inside
     # the loss forward (`PolicyHead`); the random guide is drawn here, once per step
@@ -222,9 +223,7 @@ def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: B
     }
 
 
-def policy_update(
-    ctx: Context, batch: Batch, advantages, old_logp, ref_logp, log_q, is_weights=None
-) -> "LossTotals":
+def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, log_q, is_weights=None) -> "LossTotals":
     """``num_iterations`` optimizer steps on the batch, each accumulated over micro-batches.
     `log_q` is None, a tensor [B, L], or a guide called with the current policy's log-probs of
     each micro-batch (`PolicyHead`).
@@ -326,9 +325,7 @@ def collect_groups(ctx: Context, step: int):
     informative, uninformative = [], []
     rounds = 0
     while True:
-        problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, prompts)[
-            ctx.rank :: ctx.world
-        ]
+        problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, prompts)[ctx.rank :: ctx.world]
         params = SamplingParams(
             n=cfg.group_size,
             temperature=cfg.temperature,

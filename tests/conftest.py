@@ -10,8 +10,12 @@ if not torch.cuda.is_available():
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-settings.register_profile("default", deadline=None, max_examples=25, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("thorough", deadline=None, max_examples=300,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "default",
+    deadline=None,
+    max_examples=25,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("thorough", deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))

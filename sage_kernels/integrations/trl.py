@@ -46,12 +46,24 @@ SUPPORTED_LOSS_TYPES = tuple(LOSS_TYPE_CODES)
 #: loss types TRL divides by the generation batch's token count (already covering accumulation).
 TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
 #: TRL's option names for the `LossConfig` fields they share.
-_SHARED_OPTIONS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
-                   "vespo_k_neg", "vespo_lambda_neg", "use_bias_correction_kl")
+_SHARED_OPTIONS = (
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+    "use_bias_correction_kl",
+)
 _DEFAULTS = LossConfig()
 _VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
-_LOGIT_SCALE_KEYS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                     "logits_scaling")
+_LOGIT_SCALE_KEYS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+)
 
 
 @dataclass
@@ -76,8 +88,9 @@ class SAGEGRPOConfig(GRPOConfig):
     sage_backend: str = field(default="auto", metadata={"help": "Fused loss backend."})
     # TRL >= 1 defaults to True; the official SAGE code has no ratio-weighted KL, so the default
     # here is the loss's own (False). Set it to True for TRL's default behaviour.
-    use_bias_correction_kl: bool = field(default=_DEFAULTS.use_bias_correction_kl,
-                                         metadata={"help": "Multiply the per-token KL by the ratio (TRL's)."})
+    use_bias_correction_kl: bool = field(
+        default=_DEFAULTS.use_bias_correction_kl, metadata={"help": "Multiply the per-token KL by the ratio (TRL's)."}
+    )
     # TRL defaults to beta = 0 (no KL term); the guide acts through the KL term, so SAGE's default is kept.
     beta: float = field(default=_DEFAULTS.beta, metadata={"help": "KL coefficient (SAGE's default 0.05; TRL's is 0)."})
 
@@ -127,13 +140,25 @@ class SAGEGRPOTrainer(GRPOTrainer):
     def _loss_config(self, num_items_in_batch) -> LossConfig:
         args = self.args
         return LossConfig(
-            beta=self.beta, kl=args.sage_kl, guide=args.sage_guide, gamma=args.sage_gamma, tau=args.sage_tau,
-            q_min=args.sage_q_min, q_max=args.sage_q_max, loss_type=self.loss_type, eps_low=self.epsilon_low,
-            eps_high=self.epsilon_high, delta_clip=args.delta, dual_clip_c=args.sage_dual_clip_c,
+            beta=self.beta,
+            kl=args.sage_kl,
+            guide=args.sage_guide,
+            gamma=args.sage_gamma,
+            tau=args.sage_tau,
+            q_min=args.sage_q_min,
+            q_max=args.sage_q_max,
+            loss_type=self.loss_type,
+            eps_low=self.epsilon_low,
+            eps_high=self.epsilon_high,
+            delta_clip=args.delta,
+            dual_clip_c=args.sage_dual_clip_c,
             importance_sampling=self.importance_sampling_level,
             top_entropy_quantile=self.top_entropy_quantile,
-            temperature=self.temperature, max_completion_length=self.max_completion_length,
-            num_items_in_batch=num_items_in_batch, **{name: getattr(args, name) for name in _SHARED_OPTIONS})
+            temperature=self.temperature,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items_in_batch,
+            **{name: getattr(args, name) for name in _SHARED_OPTIONS},
+        )
 
     def _compute_loss(self, model, inputs):
         if any(key in inputs for key in _VISION_KEYS):
@@ -144,9 +169,11 @@ class SAGEGRPOTrainer(GRPOTrainer):
             mask = mask & inputs["tool_mask"].bool()
         B, L = completion_ids.shape
         with self.accelerator.autocast():
-            head = model(input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
-                         attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-                         sage_hidden_states=True)
+            head = model(
+                input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+                attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                sage_hidden_states=True,
+            )
             # The LM head runs in the autocast dtype, as TRL's fused head does, unless told to stay in fp32.
             device_type = head.weight.device.type
             dtype = head.weight.dtype
@@ -155,7 +182,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
         weight = head.weight.to(dtype)
         bias = None if head.bias is None else head.bias.to(dtype)
         # Position t predicts token t + 1: the last L + 1 positions but one predict the completion.
-        hidden = head.hidden_states[:, -L - 1:-1].to(dtype)
+        hidden = head.hidden_states[:, -L - 1 : -1].to(dtype)
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
@@ -172,10 +199,18 @@ class SAGEGRPOTrainer(GRPOTrainer):
         if ratio is not None and (self.loss_type == "vespo" or correcting):
             is_weights = ratio.reshape(B, -1).expand(B, L)
         out = fused_linear_sage_loss(
-            hidden, weight, completion_ids, mask, inputs["advantages"], bias=bias,
+            hidden,
+            weight,
+            completion_ids,
+            mask,
+            inputs["advantages"],
+            bias=bias,
             old_logp=inputs.get("old_per_token_logps"),
             ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
-            is_weights=is_weights, config=self._loss_config(num_items), backend=self.args.sage_backend)
+            is_weights=is_weights,
+            config=self._loss_config(num_items),
+            backend=self.args.sage_backend,
+        )
         # TRL scales every loss type but the token-count ones (whose divisor covers the window) for accumulation.
         loss = out.loss if self.loss_type in TOKEN_COUNT_LOSS_TYPES else out.loss / accumulation
 
@@ -197,8 +232,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
         A = inputs["advantages"]
         phi = vespo_weight(log_ratio, A[:, None] if A.dim() == 1 else A, mask, is_weights, self._loss_config(None))
         rows = phi.reshape(phi.shape[0], -1)[:, 0] if A.dim() == 1 else (phi * mask).sum(-1) / mask.sum(-1)
-        totals = self.accelerator.reduce(torch.stack([rows.sum(), torch.tensor(float(rows.numel()))]),
-                                         reduction="sum")
+        totals = self.accelerator.reduce(torch.stack([rows.sum(), torch.tensor(float(rows.numel()))]), reduction="sum")
         self._metrics[mode]["vespo/phi_seq_mean"].append((totals[0] / totals[1].clamp(min=1.0)).item())
 
     def _entropy_bonus(self, hidden, weight, bias, token_ids, kept, accumulation) -> torch.Tensor:
@@ -206,11 +240,17 @@ class SAGEGRPOTrainer(GRPOTrainer):
 
         A second fused call with zero advantages and no KL leaves only the entropy term; bnpo
         aggregation makes it the mean over `kept`."""
-        config = LossConfig(beta=0.0, guide="none", loss_type="bnpo", temperature=self.temperature,
-                            entropy_coef=self.entropy_coef / accumulation)
+        config = LossConfig(
+            beta=0.0,
+            guide="none",
+            loss_type="bnpo",
+            temperature=self.temperature,
+            entropy_coef=self.entropy_coef / accumulation,
+        )
         zeros = torch.zeros(token_ids.shape[0], device=hidden.device, dtype=torch.float32)
-        return fused_linear_sage_loss(hidden, weight, token_ids, kept, zeros, bias=bias, config=config,
-                                      backend=self.args.sage_backend).loss
+        return fused_linear_sage_loss(
+            hidden, weight, token_ids, kept, zeros, bias=bias, config=config, backend=self.args.sage_backend
+        ).loss
 
     def _log_loss_metrics(self, mode: str, out, advantages: torch.Tensor, mask: torch.Tensor) -> None:
         """TRL's loss metrics, with TRL's semantics, from the fused call's per-token outputs."""
@@ -260,19 +300,24 @@ def _check_supported(args: SAGEGRPOConfig) -> None:
     }
     for name, bad in unsupported.items():
         if bad:
-            raise ValueError(f"SAGEGRPOTrainer does not support {name}={getattr(args, name)!r} "
-                             f"(loss types: {', '.join(SUPPORTED_LOSS_TYPES)})")
+            raise ValueError(
+                f"SAGEGRPOTrainer does not support {name}={getattr(args, name)!r} "
+                f"(loss types: {', '.join(SUPPORTED_LOSS_TYPES)})"
+            )
     if args.sage_guide != "none" and args.beta == 0.0:
-        raise ValueError(f"sage_guide={args.sage_guide!r} acts through the KL term: set beta > 0, "
-                         f"or sage_guide='none' for TRL's loss")
+        raise ValueError(
+            f"sage_guide={args.sage_guide!r} acts through the KL term: set beta > 0, "
+            f"or sage_guide='none' for TRL's loss"
+        )
 
 
 def _check_model(model, aux_loss_enabled: bool) -> None:
     text_config = model.config.get_text_config()
     for key in _LOGIT_SCALE_KEYS:
         if getattr(text_config, key, None) not in (None, 1.0):
-            raise ValueError(f"SAGEGRPOTrainer does not support models whose logits are transformed "
-                             f"after the LM head ({key}={getattr(text_config, key)!r})")
+            raise ValueError(
+                f"SAGEGRPOTrainer does not support models whose logits are transformed "
+                f"after the LM head ({key}={getattr(text_config, key)!r})"
+            )
     if aux_loss_enabled:
-        raise ValueError("SAGEGRPOTrainer does not add the MoE load-balancing loss; "
-                         "set router_aux_loss_coef=0")
+        raise ValueError("SAGEGRPOTrainer does not add the MoE load-balancing loss; set router_aux_loss_coef=0")

@@ -41,8 +41,7 @@ from ..spec import LossConfig, SageInputs
 _DEFAULTS = LossConfig()
 #: rows per recomputed block in the backward of `linear_cross_entropy` (a [rows, V] float32 workspace).
 BACKWARD_BLOCK_ROWS = 1024
-AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
-                     "seq-mean-token-sum-norm")
+AGGREGATION_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -51,8 +50,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden2d, weight, labels, temperature, backend):
-        logp, entropy = logprobs_and_entropy(hidden2d.detach(), weight.detach(), labels,
-                                             temperature=temperature, backend=backend)
+        logp, entropy = logprobs_and_entropy(
+            hidden2d.detach(), weight.detach(), labels, temperature=temperature, backend=backend
+        )
         ctx.save_for_backward(hidden2d, weight, labels)
         ctx.temperature = temperature
         return logp, entropy
@@ -69,18 +69,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + BACKWARD_BLOCK_ROWS)
             with torch.enable_grad():
                 block = hidden2d[rows].detach().float().requires_grad_(need_hidden)
-                logp, entropy = reference_logprobs_and_entropy(block, weight32, labels[rows],
-                                                               temperature=ctx.temperature)
+                logp, entropy = reference_logprobs_and_entropy(
+                    block, weight32, labels[rows], temperature=ctx.temperature
+                )
                 torch.autograd.backward((logp, entropy), (grad_logp[rows], grad_entropy[rows]))
             if need_hidden:
                 grad_hidden[rows] = block.grad
-        return (None if grad_hidden is None else grad_hidden.to(hidden2d.dtype),
-                weight32.grad.to(weight.dtype) if need_weight else None, None, None, None)
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden2d.dtype),
+            weight32.grad.to(weight.dtype) if need_weight else None,
+            None,
+            None,
+            None,
+        )
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         temperature: float = 1.0, reduction: str = "none", dist_process_group=None,
-                         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group=None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's fused kernel interface: log pi(labels) and the entropy of softmax(hidden @ weight.T / T).
 
     hidden: [..., D]; weight: [V, D]; labels: [...] token ids in [0, V). Returns two float32
@@ -94,8 +106,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError("dist_process_group must be None: a vocabulary-parallel LM head is not supported")
     lead = labels.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = _LinearCrossEntropy.apply(hidden2d, weight, labels.reshape(-1).long(), float(temperature),
-                                              backend)
+    logp, entropy = _LinearCrossEntropy.apply(hidden2d, weight, labels.reshape(-1).long(), float(temperature), backend)
     return logp.view(lead), entropy.view(lead)
 
 
@@ -110,9 +121,16 @@ def patch_verl_fused_kernel() -> None:
     verl_kernel.linear_cross_entropy = linear_cross_entropy
 
 
-def sage_anchor_log_prob(ref_log_prob: torch.Tensor, entropy: torch.Tensor, response_mask: torch.Tensor, *,
-                         gamma: float = _DEFAULTS.gamma, tau: float = _DEFAULTS.tau, q_min: float = _DEFAULTS.q_min,
-                         q_max: float = _DEFAULTS.q_max) -> torch.Tensor:
+def sage_anchor_log_prob(
+    ref_log_prob: torch.Tensor,
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = _DEFAULTS.gamma,
+    tau: float = _DEFAULTS.tau,
+    q_min: float = _DEFAULTS.q_min,
+    q_max: float = _DEFAULTS.q_max,
+) -> torch.Tensor:
     """log(q * pi_ref) per token with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max),
     by default with `LossConfig`'s guide parameters.
 
@@ -127,8 +145,14 @@ def _config_value(config, name: str, default):
     return default if value is None else value
 
 
-def _aggregation_weights(mask: torch.Tensor, mode: str, dp_size: int = 1, batch_num_tokens=None,
-                         global_batch_size=None, loss_scale_factor=None) -> torch.Tensor:
+def _aggregation_weights(
+    mask: torch.Tensor,
+    mode: str,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+) -> torch.Tensor:
     """Per-token weights w with verl's ``agg_loss(l, mask, mode) == sum(w * l)`` over unmasked tokens."""
     m = mask.float()
     B, L = m.shape
@@ -150,9 +174,15 @@ def _aggregation_weights(mask: torch.Tensor, mode: str, dp_size: int = 1, batch_
     raise ValueError(f"loss_agg_mode must be one of {list(AGGREGATION_MODES)}, got {mode!r}")
 
 
-def compute_policy_loss_sage(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                             response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config=None,
-                             rollout_is_weights: Optional[torch.Tensor] = None):
+def compute_policy_loss_sage(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+):
     """verl's policy-loss signature: the SAGE PG term, aggregated with `loss_agg_mode`.
 
     Reads ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c`` (dual clip)
@@ -171,8 +201,9 @@ def compute_policy_loss_sage(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     weights = _aggregation_weights(mask, loss_agg_mode, **batch_info)
     if rollout_is_weights is not None:
         weights = weights * rollout_is_weights.float()
-    loss_config = LossConfig(beta=0.0, guide="none", loss_type="dapo", eps_low=eps_low, eps_high=eps_high,
-                             dual_clip_c=dual_clip_c)
+    loss_config = LossConfig(
+        beta=0.0, guide="none", loss_type="dapo", eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c
+    )
     loss, ratio, A = _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, loss_config)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     pg = torch.maximum(-A * ratio, -A * clipped)
@@ -184,9 +215,15 @@ def compute_policy_loss_sage(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     return loss, metrics
 
 
-def compute_policy_loss_sage_sapo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
-                                  response_mask: torch.Tensor, loss_agg_mode: str = "seq-mean-token-mean",
-                                  config=None, rollout_is_weights: Optional[torch.Tensor] = None):
+def compute_policy_loss_sage_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config=None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+):
     """verl's policy-loss signature: the sapo PG term (docs/loss.md) as verl's ``"sapo"`` aggregates it.
 
     Reads ``tau_pos``, ``tau_neg`` (verl's names for the gate temperatures, defaults 1.0 and 1.05)
@@ -201,20 +238,36 @@ def compute_policy_loss_sage_sapo(old_log_prob: torch.Tensor, log_prob: torch.Te
     weights = _aggregation_weights(mask, "seq-mean-token-mean", **batch_info)
     if rollout_is_weights is not None:
         weights = weights * rollout_is_weights.float()
-    loss_config = LossConfig(beta=0.0, guide="none", loss_type="sapo",
-                             sapo_temperature_pos=float(_config_value(config, "tau_pos", 1.0)),
-                             sapo_temperature_neg=float(_config_value(config, "tau_neg", 1.05)))
+    loss_config = LossConfig(
+        beta=0.0,
+        guide="none",
+        loss_type="sapo",
+        sapo_temperature_pos=float(_config_value(config, "tau_pos", 1.0)),
+        sapo_temperature_neg=float(_config_value(config, "tau_neg", 1.05)),
+    )
     loss, _, _ = _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, loss_config)
-    return loss, {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": _ppo_kl(old_log_prob, log_prob, mask),
-                  "actor/pg_clipfrac_lower": 0.0}
+    return loss, {
+        "actor/pg_clipfrac": 0.0,
+        "actor/ppo_kl": _ppo_kl(old_log_prob, log_prob, mask),
+        "actor/pg_clipfrac_lower": 0.0,
+    }
 
 
 def _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, config: LossConfig):
     """(sum of weights * the PG term of `config.loss_type`, the ratio, the masked advantages)."""
     A = torch.where(mask, advantages.detach().float(), 0.0)
-    inputs = SageInputs(hidden=None, weight=None, bias=None, token_ids=torch.zeros_like(mask, dtype=torch.long),
-                        mask=mask, advantages=A, old_logp=torch.where(mask, old_log_prob.detach().float(), 0.0),
-                        ref_logp=None, is_weights=None, log_q=None)
+    inputs = SageInputs(
+        hidden=None,
+        weight=None,
+        bias=None,
+        token_ids=torch.zeros_like(mask, dtype=torch.long),
+        mask=mask,
+        advantages=A,
+        old_logp=torch.where(mask, old_log_prob.detach().float(), 0.0),
+        ref_logp=None,
+        is_weights=None,
+        log_q=None,
+    )
     logp = torch.where(mask, log_prob.float(), 0.0)
     token_log_ratio = logp - inputs.old_logp
     ratio = torch.exp(token_log_ratio)

@@ -62,12 +62,35 @@ MIN_CHUNK_COLUMNS = 4096
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
 @triton.jit(do_not_specialize=["N", "V", "v_begin", "chunk_width"])  # see tiles.py
-def _dlogits_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr,
-                    lse_ptr, entropy_ptr, g_ptr, c_ptr, dz_ptr,
-                    N, V, D, v_begin, chunk_width, stride_h, stride_w, stride_dz, inv_temperature,
-                    HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+def _dlogits_kernel(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    ids_ptr,
+    rows_ptr,
+    count_ptr,
+    lse_ptr,
+    entropy_ptr,
+    g_ptr,
+    c_ptr,
+    dz_ptr,
+    N,
+    V,
+    D,
+    v_begin,
+    chunk_width,
+    stride_h,
+    stride_w,
+    stride_dz,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_v = tl.program_id(1).to(tl.int64)
     count = tl.load(count_ptr).to(tl.int64)
@@ -86,10 +109,12 @@ def _dlogits_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count_p
         for k0 in range(0, D, BLOCK_D):
             ks = k0 + tl.arange(0, BLOCK_D)
             k_ok = ks < D
-            h = tl.load(hidden_ptr + rows[:, None] * stride_h + ks[None, :],
-                        mask=valid[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :],
-                        mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            h = tl.load(
+                hidden_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
+            )
+            w = tl.load(
+                weight_ptr + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+            )
             if DOT_UPCAST:
                 h, w = h.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
@@ -119,9 +144,26 @@ def chunk_width(n_rows: int, vocab: int, element_size: int, block_v: int) -> int
     return max(block_v, cap // block_v * block_v)
 
 
-def sweep_backward(grad_loss, hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c,
-                   temperature: float, entropy_grad: bool, need_weight: bool, need_bias: bool,
-                   need_hidden: bool = True, rows_to_do: Optional[int] = None, rows_are_identity: bool = False):
+def sweep_backward(
+    grad_loss,
+    hidden,
+    weight,
+    bias,
+    token_ids,
+    rows,
+    count,
+    lse,
+    entropy,
+    g,
+    c,
+    temperature: float,
+    entropy_grad: bool,
+    need_weight: bool,
+    need_bias: bool,
+    need_hidden: bool = True,
+    rows_to_do: Optional[int] = None,
+    rows_are_identity: bool = False,
+):
     """(grad_hidden or None, grad_weight or None, grad_bias or None) in the input dtypes.
 
     `hidden` [N, D], `weight` [V, D] with unit stride along D; `rows`, `count` as from
@@ -149,22 +191,45 @@ def sweep_backward(grad_loss, hidden, weight, bias, token_ids, rows, count, lse,
         grid = (max(1, triton.cdiv(n, tiles.block_n)), triton.cdiv(cols, tiles.block_v))
         with on_device(hidden), stage("backward d(logits)"):
             _dlogits_kernel[grid](
-                hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, dz,
-                n, V, D, v0, cols, hidden.stride(0), weight.stride(0), dz.stride(0), 1.0 / temperature,
+                hidden,
+                weight,
+                bias,
+                token_ids,
+                rows,
+                count,
+                lse,
+                entropy,
+                g,
+                c,
+                dz,
+                n,
+                V,
+                D,
+                v0,
+                cols,
+                hidden.stride(0),
+                weight.stride(0),
+                dz.stride(0),
+                1.0 / temperature,
                 HAS_ENTROPY_GRAD=entropy_grad,
-                DOT_PRECISION=dot_precision(dtype), DOT_UPCAST=dot_upcast(dtype),
-                BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-        weight_chunk = weight[v0:v0 + cols]
+                DOT_PRECISION=dot_precision(dtype),
+                DOT_UPCAST=dot_upcast(dtype),
+                BLOCK_N=tiles.block_n,
+                BLOCK_V=tiles.block_v,
+                BLOCK_D=tiles.block_d,
+                num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages,
+            )
+        weight_chunk = weight[v0 : v0 + cols]
         if need_hidden:
             with stage("grad_hidden GEMM"):
                 addmm_f32_(acc, dz, weight_chunk)
         if need_weight:
             with stage("grad_weight GEMM"):
-                torch.mm(dz.t(), h_valid, out=grad_weight[v0:v0 + cols])
+                torch.mm(dz.t(), h_valid, out=grad_weight[v0 : v0 + cols])
         if need_bias:
             with stage("grad_bias"):
-                grad_bias[v0:v0 + cols] = dz.sum(0, dtype=torch.float32)
+                grad_bias[v0 : v0 + cols] = dz.sum(0, dtype=torch.float32)
     grad_hidden = None
     if need_hidden:
         if rows_are_identity:

@@ -37,11 +37,31 @@ _NEG_START = tl.constexpr(-1.0e30)
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
 @triton.jit(do_not_specialize=["N", "V", "tiles_per_split"])  # see tiles.py
-def _sweep_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr,
-                      max_ptr, sumexp_ptr, shifted_pz_ptr, target_ptr,
-                      N, V, D, stride_h, stride_w, inv_temperature, tiles_per_split,
-                      HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sweep_fwd_kernel(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    ids_ptr,
+    rows_ptr,
+    count_ptr,
+    max_ptr,
+    sumexp_ptr,
+    shifted_pz_ptr,
+    target_ptr,
+    N,
+    V,
+    D,
+    stride_h,
+    stride_w,
+    inv_temperature,
+    tiles_per_split,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid_n = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     count = tl.load(count_ptr).to(tl.int64)
@@ -64,10 +84,12 @@ def _sweep_fwd_kernel(hidden_ptr, weight_ptr, bias_ptr, ids_ptr, rows_ptr, count
             for k0 in range(0, D, BLOCK_D):
                 ks = k0 + tl.arange(0, BLOCK_D)
                 k_ok = ks < D
-                h = tl.load(hidden_ptr + rows[:, None] * stride_h + ks[None, :],
-                            mask=valid[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :],
-                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                h = tl.load(
+                    hidden_ptr + rows[:, None] * stride_h + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0
+                )
+                w = tl.load(
+                    weight_ptr + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+                )
                 if DOT_UPCAST:
                     h, w = h.to(tl.float32), w.to(tl.float32)
                 acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
@@ -124,8 +146,16 @@ def _num_splits(n_rows: int, n_tiles: int, block_n: int, device: torch.device) -
     return max(1, min(triton.cdiv(2 * sms, blocks), n_tiles // 8))
 
 
-def sweep_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, token_ids: torch.Tensor,
-                  rows: torch.Tensor, count: torch.Tensor, temperature: float, rows_to_do: Optional[int] = None):
+def sweep_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias,
+    token_ids: torch.Tensor,
+    rows: torch.Tensor,
+    count: torch.Tensor,
+    temperature: float,
+    rows_to_do: Optional[int] = None,
+):
     """lse, logp and entropy [N] in float32 for the valid rows (`rows[:count]`).
 
     Entries of other rows are unspecified (the caller masks them). `hidden` [N, D] and
@@ -145,11 +175,28 @@ def sweep_forward(hidden: torch.Tensor, weight: torch.Tensor, bias, token_ids: t
     grid = (max(1, triton.cdiv(rows_to_do, tiles.block_n)), splits)
     with on_device(hidden):
         _sweep_fwd_kernel[grid](
-            hidden, weight, bias, token_ids, rows, count, *partials,
-            N, V, D, hidden.stride(0), weight.stride(0), 1.0 / temperature, tiles_per_split,
-            DOT_PRECISION=dot_precision(hidden.dtype), DOT_UPCAST=dot_upcast(hidden.dtype),
-            BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            hidden,
+            weight,
+            bias,
+            token_ids,
+            rows,
+            count,
+            *partials,
+            N,
+            V,
+            D,
+            hidden.stride(0),
+            weight.stride(0),
+            1.0 / temperature,
+            tiles_per_split,
+            DOT_PRECISION=dot_precision(hidden.dtype),
+            DOT_UPCAST=dot_upcast(hidden.dtype),
+            BLOCK_N=tiles.block_n,
+            BLOCK_V=tiles.block_v,
+            BLOCK_D=tiles.block_d,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
     return _combine_splits(*partials)
 
 
@@ -175,7 +222,7 @@ def scoring_forward(hidden2d, weight, token_ids, bias, temperature):
     N = hidden2d.shape[0]
     rows = torch.arange(N, device=hidden2d.device)
     count = torch.full((), N, dtype=torch.int64, device=hidden2d.device)
-    _, logp, entropy = sweep_forward(hidden2d.contiguous(), weight.contiguous(), bias, token_ids, rows, count,
-                                     temperature)
+    _, logp, entropy = sweep_forward(
+        hidden2d.contiguous(), weight.contiguous(), bias, token_ids, rows, count, temperature
+    )
     return logp, entropy
-

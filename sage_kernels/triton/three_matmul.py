@@ -70,15 +70,31 @@ _DZ_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 def per_token_grad_is_local(config: LossConfig) -> bool:
     """True when the three-matmul path is exact for `config`."""
-    return (config.importance_sampling == "token" and config.top_entropy_quantile == 1.0
-            and config.loss_type in LOCAL_LOSS_TYPES)
+    return (
+        config.importance_sampling == "token"
+        and config.top_entropy_quantile == 1.0
+        and config.loss_type in LOCAL_LOSS_TYPES
+    )
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
 @triton.jit(do_not_specialize=["V", "row_begin"])  # see tiles.py
-def _row_stats_kernel(logits_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr, lse_ptr, logp_ptr, entropy_ptr,
-                      row_begin, V, stride_z, inv_temperature,
-                      HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr):
+def _row_stats_kernel(
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    rows_ptr,
+    count_ptr,
+    lse_ptr,
+    logp_ptr,
+    entropy_ptr,
+    row_begin,
+    V,
+    stride_z,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     local = tl.program_id(0).to(tl.int64)
     idx = row_begin + local
     if idx < tl.load(count_ptr):
@@ -120,10 +136,25 @@ def _row_stats_kernel(logits_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr, lse_pt
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
 @triton.jit(do_not_specialize=["V", "row_begin"])  # see tiles.py
-def _dlogits_in_place_kernel(logits_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr, lse_ptr, entropy_ptr, g_ptr,
-                             c_ptr, row_begin, V, stride_z, inv_temperature,
-                             HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, DZ: tl.constexpr,
-                             BLOCK_V: tl.constexpr):
+def _dlogits_in_place_kernel(
+    logits_ptr,
+    bias_ptr,
+    ids_ptr,
+    rows_ptr,
+    count_ptr,
+    lse_ptr,
+    entropy_ptr,
+    g_ptr,
+    c_ptr,
+    row_begin,
+    V,
+    stride_z,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    DZ: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     local = tl.program_id(0).to(tl.int64)
     idx = row_begin + local
     z_row = logits_ptr + local * stride_z
@@ -159,8 +190,9 @@ def _dlogits_in_place_kernel(logits_ptr, bias_ptr, ids_ptr, rows_ptr, count_ptr,
 def stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config):
     """`token_stage.token_stage` on the flat [N] logp and entropy seen as [B, L]."""
     B, L = mask.shape
-    return token_stage.token_stage(logp.view(B, L), entropy.view(B, L), mask, advantages, old_logp, ref_logp,
-                                   is_weights, log_q, config)
+    return token_stage.token_stage(
+        logp.view(B, L), entropy.view(B, L), mask, advantages, old_logp, ref_logp, is_weights, log_q, config
+    )
 
 
 def _weight_accumulator_dtype(dtype: torch.dtype, n_rows: int, hidden_size: int) -> torch.dtype:
@@ -184,9 +216,26 @@ def chunk_rows(total_rows: int, rows_to_do: int, vocab: int) -> int:
     return min(cap, triton.cdiv(triton.cdiv(max(rows_to_do, 1), chunks), 16) * 16)
 
 
-def fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q,
-               config: LossConfig, rows, count, rows_to_do: int, rows_are_identity: bool,
-               need_hidden: bool, need_weight: bool, need_bias: bool):
+def fused_loss(
+    hidden,
+    weight,
+    bias,
+    token_ids,
+    mask,
+    advantages,
+    old_logp,
+    ref_logp,
+    is_weights,
+    log_q,
+    config: LossConfig,
+    rows,
+    count,
+    rows_to_do: int,
+    rows_are_identity: bool,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+):
     """Loss forward with the gradients of the three-matmul path.
 
     `rows`, `count` as from `sweep_fwd.compact_rows`; `rows_to_do` the valid count read on the
@@ -195,13 +244,48 @@ def fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_
     logp and entropy are flat [N] (zero at masked rows); gradients None where not wanted.
     """
     with on_device(hidden):  # Triton launches on the current device: make it the tensors'
-        return _fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights,
-                           log_q, config, rows, count, rows_to_do, rows_are_identity, need_hidden, need_weight,
-                           need_bias)
+        return _fused_loss(
+            hidden,
+            weight,
+            bias,
+            token_ids,
+            mask,
+            advantages,
+            old_logp,
+            ref_logp,
+            is_weights,
+            log_q,
+            config,
+            rows,
+            count,
+            rows_to_do,
+            rows_are_identity,
+            need_hidden,
+            need_weight,
+            need_bias,
+        )
 
 
-def _fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, config,
-                rows, count, rows_to_do, rows_are_identity, need_hidden, need_weight, need_bias):
+def _fused_loss(
+    hidden,
+    weight,
+    bias,
+    token_ids,
+    mask,
+    advantages,
+    old_logp,
+    ref_logp,
+    is_weights,
+    log_q,
+    config,
+    rows,
+    count,
+    rows_to_do,
+    rows_are_identity,
+    need_hidden,
+    need_weight,
+    need_bias,
+):
     N, D = hidden.shape
     V = weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
@@ -228,33 +312,61 @@ def _fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref
     for begin in range(0, rows_to_do, step):
         t = min(step, rows_to_do - begin)
         with stage("logits GEMM"):
-            h = hidden[begin:begin + t] if rows_are_identity else hidden.index_select(0, rows[begin:begin + t])
+            h = hidden[begin : begin + t] if rows_are_identity else hidden.index_select(0, rows[begin : begin + t])
             z = workspace[:t]
             mm_f32(h, weight_t, out=z)
         with stage("row stats"):
-            _row_stats_kernel[(t,)](z, bias, token_ids, rows, count, lse, logp, entropy, begin, V, z.stride(0),
-                                    inv_temperature, BLOCK_V=tiles.row_block_v, num_warps=4)
+            _row_stats_kernel[(t,)](
+                z,
+                bias,
+                token_ids,
+                rows,
+                count,
+                lse,
+                logp,
+                entropy,
+                begin,
+                V,
+                z.stride(0),
+                inv_temperature,
+                BLOCK_V=tiles.row_block_v,
+                num_warps=4,
+            )
         if not want_grads:
             continue
         with stage("token stage"):
-            per_token = stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q,
-                                        config)
+            per_token = stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config)
         _, _, _, g, c, _ = per_token
         with stage("d(logits)"):
-            _dlogits_in_place_kernel[(t,)](z, bias, token_ids, rows, count, lse, entropy, g, c, begin, V,
-                                           z.stride(0), inv_temperature,
-                                           HAS_ENTROPY_GRAD=config.entropy_coef != 0.0, DZ=_DZ_DTYPES[dtype],
-                                           BLOCK_V=tiles.row_block_v, num_warps=4)
+            _dlogits_in_place_kernel[(t,)](
+                z,
+                bias,
+                token_ids,
+                rows,
+                count,
+                lse,
+                entropy,
+                g,
+                c,
+                begin,
+                V,
+                z.stride(0),
+                inv_temperature,
+                HAS_ENTROPY_GRAD=config.entropy_coef != 0.0,
+                DZ=_DZ_DTYPES[dtype],
+                BLOCK_V=tiles.row_block_v,
+                num_warps=4,
+            )
         dz = z.view(dtype)[:, :V]  # row stride 4V / itemsize elements: the fp32 row's bytes
         if need_hidden:
             with stage("grad_hidden GEMM"):
                 if grad_h_chunk is None:  # fp32, nothing masked: straight into the gradient
-                    mm_f32(dz, weight, out=grad_hidden[begin:begin + t])
+                    mm_f32(dz, weight, out=grad_hidden[begin : begin + t])
                 elif rows_are_identity:
-                    grad_hidden[begin:begin + t].copy_(mm_f32(dz, weight, out=grad_h_chunk[:t]))
+                    grad_hidden[begin : begin + t].copy_(mm_f32(dz, weight, out=grad_h_chunk[:t]))
                 else:
                     block = mm_f32(dz, weight, out=grad_h_chunk[:t])
-                    grad_hidden.index_copy_(0, rows[begin:begin + t], block.to(dtype))
+                    grad_hidden.index_copy_(0, rows[begin : begin + t], block.to(dtype))
         if need_weight:
             with stage("grad_weight GEMM"):
                 if grad_weight.dtype == dtype:
@@ -267,12 +379,10 @@ def _fused_loss(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref
     if per_token is None or not want_grads:
         # no chunk ran the stage (no gradient wanted, or no valid token): once, on everything
         with stage("token stage"):
-            per_token = stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q,
-                                        config)
+            per_token = stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config)
     q, kl, ratio, g, c, row_stats = per_token
     if grad_bias is not None:
         grad_bias = grad_bias.to(dtype)
     if grad_weight is not None:
         grad_weight = grad_weight.to(dtype)
     return logp, entropy, q, kl, ratio, g, c, row_stats, grad_hidden, grad_weight, grad_bias
-

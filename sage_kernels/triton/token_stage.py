@@ -57,8 +57,7 @@ _LOG_W_MAX = tl.constexpr(VESPO_LOG_W_MAX)
 
 
 @triton.jit
-def _log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max,
-               HAS_LOG_Q: tl.constexpr, BRANCH: tl.constexpr):
+def _log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q: tl.constexpr, BRANCH: tl.constexpr):
     """log q per token: the caller's log_q, the branch guide from the entropy, or 0."""
     if HAS_LOG_Q:
         log_q = tl.load(log_q_ptr + at, mask=m, other=0.0)
@@ -102,8 +101,9 @@ def _tie_weight(a, b):
 
 
 @triton.jit
-def _clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
-                HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+def _clipped_pg(
+    ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr
+):
     """(pg, dpg/dratio, low, high) of PPO's clipped term (low/high: the clip indicators)."""
     low = 1.0 - eps_low
     high = 1.0 + eps_high
@@ -129,9 +129,25 @@ def _clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
 
 
 @triton.jit
-def _policy_gradient(ratio, lp, adv, log_w, eps_low, eps_high, delta_clip, dual_clip_c, sapo_t_pos, sapo_t_neg,
-                     vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
-                     LOSS: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+def _policy_gradient(
+    ratio,
+    lp,
+    adv,
+    log_w,
+    eps_low,
+    eps_high,
+    delta_clip,
+    dual_clip_c,
+    sapo_t_pos,
+    sapo_t_neg,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
+    LOSS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_DUAL: tl.constexpr,
+):
     """(pg, dpg/dratio, dpg/dlogp at a fixed ratio, low, high) of the loss type's PG term."""
     d_pg_logp = tl.zeros(ratio.shape, dtype=tl.float32)
     low = d_pg_logp != 0.0
@@ -157,31 +173,73 @@ def _policy_gradient(ratio, lp, adv, log_w, eps_low, eps_high, delta_clip, dual_
         d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
         d_pg_logp = -phi * adv
     else:
-        pg, d_pg, low, high = _clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c,
-                                          HAS_DELTA, HAS_DUAL)
+        pg, d_pg, low, high = _clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c, HAS_DELTA, HAS_DUAL)
     return pg, d_pg, d_pg_logp, low, high
 
 
-@triton.heuristics({
-    "HAS_OLD": lambda args: args["old_ptr"] is not None,
-    "HAS_REF": lambda args: args["ref_ptr"] is not None,
-    "HAS_IS_WEIGHTS": lambda args: args["isw_ptr"] is not None,
-    "HAS_LOG_Q": lambda args: args["log_q_ptr"] is not None,
-    "HAS_QUANTILE": lambda args: args["threshold_ptr"] is not None,
-})
+@triton.heuristics(
+    {
+        "HAS_OLD": lambda args: args["old_ptr"] is not None,
+        "HAS_REF": lambda args: args["ref_ptr"] is not None,
+        "HAS_IS_WEIGHTS": lambda args: args["isw_ptr"] is not None,
+        "HAS_LOG_Q": lambda args: args["log_q_ptr"] is not None,
+        "HAS_QUANTILE": lambda args: args["threshold_ptr"] is not None,
+    }
+)
 @triton.jit(do_not_specialize=["B", "L"])  # see tiles.py
-def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_ptr, isw_ptr, log_q_ptr,
-                        threshold_ptr, inv_norm_ptr,
-                        q_ptr, kl_ptr, ratio_ptr, g_ptr, c_ptr, row_stats_ptr,
-                        B, L, beta, gamma, tau, q_min, q_max, eps_low, eps_high, delta_clip, dual_clip_c,
-                        entropy_coef, sapo_t_pos, sapo_t_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-                        vespo_lambda_neg, kl_clamp,
-                        KL: tl.constexpr, BRANCH: tl.constexpr, SEQUENCE: tl.constexpr, LOSS: tl.constexpr,
-                        PER_SEQUENCE_MEAN: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-                        HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_KL_CLAMP: tl.constexpr,
-                        HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_IS_WEIGHTS: tl.constexpr,
-                        HAS_LOG_Q: tl.constexpr, HAS_QUANTILE: tl.constexpr, N_STATS: tl.constexpr,
-                        BLOCK_L: tl.constexpr):
+def _token_stage_kernel(
+    logp_ptr,
+    entropy_ptr,
+    mask_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    isw_ptr,
+    log_q_ptr,
+    threshold_ptr,
+    inv_norm_ptr,
+    q_ptr,
+    kl_ptr,
+    ratio_ptr,
+    g_ptr,
+    c_ptr,
+    row_stats_ptr,
+    B,
+    L,
+    beta,
+    gamma,
+    tau,
+    q_min,
+    q_max,
+    eps_low,
+    eps_high,
+    delta_clip,
+    dual_clip_c,
+    entropy_coef,
+    sapo_t_pos,
+    sapo_t_neg,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
+    kl_clamp,
+    KL: tl.constexpr,
+    BRANCH: tl.constexpr,
+    SEQUENCE: tl.constexpr,
+    LOSS: tl.constexpr,
+    PER_SEQUENCE_MEAN: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_DUAL: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HAS_IS_WEIGHTS: tl.constexpr,
+    HAS_LOG_Q: tl.constexpr,
+    HAS_QUANTILE: tl.constexpr,
+    N_STATS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     base = row * L
     offs = tl.arange(0, BLOCK_L)
@@ -268,8 +326,24 @@ def _token_stage_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref_p
             kl_ratio_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
 
         pg, d_pg, d_pg_logp, low, high = _policy_gradient(
-            ratio, lp, adv, log_w, eps_low, eps_high, delta_clip, dual_clip_c, sapo_t_pos, sapo_t_neg,
-            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, LOSS, HAS_DELTA, HAS_DUAL)
+            ratio,
+            lp,
+            adv,
+            log_w,
+            eps_low,
+            eps_high,
+            delta_clip,
+            dual_clip_c,
+            sapo_t_pos,
+            sapo_t_neg,
+            vespo_k_pos,
+            vespo_lambda_pos,
+            vespo_k_neg,
+            vespo_lambda_neg,
+            LOSS,
+            HAS_DELTA,
+            HAS_DUAL,
+        )
         if HAS_QUANTILE:
             keep = (ent >= threshold).to(tl.float32)
             pg *= keep
@@ -372,19 +446,57 @@ def token_stage(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights,
     row_stats = new_buffer((B, N_ROW_STATS), torch.float32, device)
     block_l = min(triton.next_power_of_2(L), 128 if interpreting() else 1024)
     _token_stage_kernel[(B,)](
-        logp, entropy, mask.contiguous().view(torch.uint8), advantages, old_logp, ref_logp, is_weights, log_q,
-        threshold, inv_norm,
-        q, kl, ratio, g, c, row_stats,
-        B, L, *(float(x) for x in (config.beta, config.gamma, config.tau, config.q_min, config.q_max,
-                                   config.eps_low, config.eps_high, config.delta_clip or 0.0,
-                                   config.dual_clip_c or 0.0, config.entropy_coef, config.sapo_temperature_pos,
-                                   config.sapo_temperature_neg, config.vespo_k_pos, config.vespo_lambda_pos,
-                                   config.vespo_k_neg, config.vespo_lambda_neg, config.kl_clamp or 0.0)),
-        KL=KL_CODES[config.kl], BRANCH=config.guide == "branch",
-        SEQUENCE=config.importance_sampling == "sequence", LOSS=LOSS_TYPE_CODES[config.loss_type],
+        logp,
+        entropy,
+        mask.contiguous().view(torch.uint8),
+        advantages,
+        old_logp,
+        ref_logp,
+        is_weights,
+        log_q,
+        threshold,
+        inv_norm,
+        q,
+        kl,
+        ratio,
+        g,
+        c,
+        row_stats,
+        B,
+        L,
+        *(
+            float(x)
+            for x in (
+                config.beta,
+                config.gamma,
+                config.tau,
+                config.q_min,
+                config.q_max,
+                config.eps_low,
+                config.eps_high,
+                config.delta_clip or 0.0,
+                config.dual_clip_c or 0.0,
+                config.entropy_coef,
+                config.sapo_temperature_pos,
+                config.sapo_temperature_neg,
+                config.vespo_k_pos,
+                config.vespo_lambda_pos,
+                config.vespo_k_neg,
+                config.vespo_lambda_neg,
+                config.kl_clamp or 0.0,
+            )
+        ),
+        KL=KL_CODES[config.kl],
+        BRANCH=config.guide == "branch",
+        SEQUENCE=config.importance_sampling == "sequence",
+        LOSS=LOSS_TYPE_CODES[config.loss_type],
         PER_SEQUENCE_MEAN=config.loss_type in SEQUENCE_MEAN_LOSS_TYPES,
         BIAS_CORRECTION=config.use_bias_correction_kl,
-        HAS_DELTA=config.delta_clip is not None, HAS_DUAL=config.dual_clip_c is not None,
-        HAS_KL_CLAMP=config.kl_clamp is not None, N_STATS=N_ROW_STATS, BLOCK_L=block_l, num_warps=4)
+        HAS_DELTA=config.delta_clip is not None,
+        HAS_DUAL=config.dual_clip_c is not None,
+        HAS_KL_CLAMP=config.kl_clamp is not None,
+        N_STATS=N_ROW_STATS,
+        BLOCK_L=block_l,
+        num_warps=4,
+    )
     return q, kl, ratio, g, c, row_stats
-

@@ -127,9 +127,7 @@ class HFEngine:
         else:
             token_logprobs = torch.zeros(new_tokens.shape)
         new_tokens = new_tokens.cpu()
-        prompt_ids = [
-            ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])
-        ]
+        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
         results: list[list[Completion]] = [[] for _ in prompts]
         for row in range(new_tokens.shape[0]):
             index = row // params.n

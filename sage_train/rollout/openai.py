@@ -145,13 +145,9 @@ class OpenAIServerEngine:
 
     def sync_weights(self, model) -> None:
         if not hasattr(model, "peft_config"):
-            raise ValueError(
-                "OpenAIServerEngine syncs LoRA adapters only; set lora_rank > 0 or use engine=vllm"
-            )
+            raise ValueError("OpenAIServerEngine syncs LoRA adapters only; set lora_rank > 0 or use engine=vllm")
         if not self.shared_dir:
-            raise ValueError(
-                "OpenAIServerEngine needs shared_dir, a directory the server can read, to sync adapters"
-            )
+            raise ValueError("OpenAIServerEngine needs shared_dir, a directory the server can read, to sync adapters")
         start = time.perf_counter()
         self.version += 1
         name = f"{self.adapter_name}-{self.version}"

@@ -18,8 +18,7 @@ from .knights import KnightsTask
 SYNTHETIC_TASKS = {task.name: task for task in (ArithmeticTask, CountdownTask, KnightsTask)}
 TASK_NAMES = tuple(SYNTHETIC_TASKS)
 
-__all__ = ["TASK_NAMES", "Problem", "Task", "get_task",
-           "ArithmeticTask", "CountdownTask", "KnightsTask"]
+__all__ = ["TASK_NAMES", "Problem", "Task", "get_task", "ArithmeticTask", "CountdownTask", "KnightsTask"]
 
 
 def get_task(name: str, **options) -> Task:

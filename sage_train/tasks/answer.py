@@ -28,7 +28,7 @@ def answer_span(completion: str) -> str:
         return _brace_content(completion, start + len(_BOXED))
     marks = list(_ANSWER_MARK.finditer(completion))
     if marks:
-        return completion[marks[-1].end():].split("\n", 1)[0].strip()
+        return completion[marks[-1].end() :].split("\n", 1)[0].strip()
     return completion.lstrip().split("\n", 1)[0]
 
 

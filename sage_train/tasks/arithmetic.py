@@ -58,7 +58,7 @@ class ArithmeticTask:
         """Characters of the longest possible answer (a bound for `max_new_tokens`)."""
         # |value| <= largest_operand ** operands: products of groups of operands, summed,
         # never exceed the product of all when every factor is at most that large (>= 2).
-        return len(str((10 ** self.digits - 1) ** self.operands)) + 1
+        return len(str((10**self.digits - 1) ** self.operands)) + 1
 
     def problems(self, split: str, n: int | None, seed: int) -> list[Problem]:
         """Up to `n` distinct problems of `split` ("train" or "test"), deterministic in `seed`."""
@@ -77,12 +77,16 @@ class ArithmeticTask:
 
     def _draw(self, rng: random.Random) -> tuple[str, Callable[[], Problem]]:
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
-        numbers = [rng.randint(low, 10 ** self.digits - 1) for _ in range(self.operands)]
+        numbers = [rng.randint(low, 10**self.digits - 1) for _ in range(self.operands)]
         ops = [rng.choice(self.ops) for _ in range(self.operands - 1)]
         question = str(numbers[0]) + "".join(op + str(x) for op, x in zip(ops, numbers[1:]))
         answer = str(evaluate(numbers, ops))
-        problem = Problem(id=problem_id(self.name, question), question=question, answer=answer,
-                          meta={"sft_completion": answer, "numbers": numbers, "ops": ops})
+        problem = Problem(
+            id=problem_id(self.name, question),
+            question=question,
+            answer=answer,
+            meta={"sft_completion": answer, "numbers": numbers, "ops": ops},
+        )
         return question, lambda: problem
 
 

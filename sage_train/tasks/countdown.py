@@ -39,8 +39,8 @@ from .synthetic import problem_id, render, resolve_template, sample_problems
 _EXPRESSION_PREFIX = re.compile(r"[0-9+\-*/() ]*")
 _TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
 _MAX_EXPRESSION_CHARS = 256  # bounds the work per completion
-_MAX_DEPTH = 32              # parenthesis nesting, well below Python's recursion limit
-_ATOM = 3                    # precedence of a number (binds tightest)
+_MAX_DEPTH = 32  # parenthesis nesting, well below Python's recursion limit
+_ATOM = 3  # precedence of a number (binds tightest)
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
 
 
@@ -89,8 +89,10 @@ class CountdownTask:
         usage = "exactly once" if self.use_all else "at most once"
         return {
             "plain": "{question}\n",
-            "instruct": (f"{{question}}, using each number {usage}, + - * / and parentheses; "
-                         "divisions must be exact. Put the expression in \\boxed{}."),
+            "instruct": (
+                f"{{question}}, using each number {usage}, + - * / and parentheses; "
+                "divisions must be exact. Put the expression in \\boxed{}."
+            ),
         }
 
     def _draw(self, rng: random.Random) -> tuple[str, Callable[[], Optional[Problem]]]:
@@ -106,9 +108,12 @@ class CountdownTask:
         target = rng.choice(targets)
         solution = reachable[target]
         question = f"Make {target} with {' '.join(map(str, numbers))}"
-        return Problem(id=problem_id(self.name, f"{sorted(numbers)}->{target}"), question=question,
-                       answer=solution, meta={"sft_completion": solution, "solution": solution,
-                                              "numbers": numbers, "target": target})
+        return Problem(
+            id=problem_id(self.name, f"{sorted(numbers)}->{target}"),
+            question=question,
+            answer=solution,
+            meta={"sft_completion": solution, "solution": solution, "numbers": numbers, "target": target},
+        )
 
 
 def solve(numbers: list[int], use_all: bool = False) -> dict[int, str]:
@@ -136,7 +141,7 @@ def solve(numbers: list[int], use_all: bool = False) -> dict[int, str]:
             part = (part - 1) & mask
         tables[mask] = table
     reachable: dict[int, tuple[str, int]] = {}
-    for mask in ([full] if use_all else tables):
+    for mask in [full] if use_all else tables:
         for value, expression in tables[mask].items():
             _keep_shorter(reachable, value, expression)
     return {value: text for value, (text, _) in reachable.items()}
@@ -244,8 +249,9 @@ def _apply(op: str, a: int, b: int) -> Optional[int]:
     return a // b
 
 
-def _offer(table: dict[int, tuple[str, int]], value: int, left: tuple[str, int], op: str,
-           right: tuple[str, int]) -> None:
+def _offer(
+    table: dict[int, tuple[str, int]], value: int, left: tuple[str, int], op: str, right: tuple[str, int]
+) -> None:
     """Record `left op right` for `value` if no shorter expression is known; texts carry only
     the parentheses the parse needs (operators are left-associative, so the right operand is
     wrapped unless it binds tighter). The length is checked before any text is built."""

@@ -36,13 +36,16 @@ from .synthetic import problem_id, render, resolve_template, sample_problems
 
 TEMPLATES = {
     "plain": "{question}\n",
-    "instruct": ("Knights always tell the truth and knaves always lie. {question} "
-                 "Who is a knight and who is a knave? Answer like \\boxed{A=knight,B=knave}."),
+    "instruct": (
+        "Knights always tell the truth and knaves always lie. {question} "
+        "Who is a knight and who is a knave? Answer like \\boxed{A=knight,B=knave}."
+    ),
 }
 NAMES = "ABCDEFGH"
 KINDS = ("is", "and", "or", "same", "different")
-_PAIR = re.compile(r"(?<![a-z])([a-z])\s*(?:=|:|-|\s+is(?:\s+an?)?\s+)\s*(knight|knave)(?![a-z])",
-                   re.IGNORECASE | re.ASCII)  # ASCII: the Kelvin sign is no "k"
+_PAIR = re.compile(
+    r"(?<![a-z])([a-z])\s*(?:=|:|-|\s+is(?:\s+an?)?\s+)\s*(knight|knave)(?![a-z])", re.IGNORECASE | re.ASCII
+)  # ASCII: the Kelvin sign is no "k"
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,7 @@ class KnightsTask:
     def score(self, completion: str, problem: Problem) -> float:
         """1.0 if the completion assigns every person their role in the solution, else 0.0."""
         claimed = parse_assignment(completion, problem.meta["people"])
-        return float(claimed is not None and claimed == parse_assignment(problem.answer,
-                                                                         problem.meta["people"]))
+        return float(claimed is not None and claimed == parse_assignment(problem.answer, problem.meta["people"]))
 
     def _draw(self, rng: random.Random) -> tuple[str, Callable[[], Problem]]:
         while True:
@@ -85,9 +87,12 @@ class KnightsTask:
                 break
         question = " ".join(f"{NAMES[i]}: {statement_text(s)}." for i, s in enumerate(statements))
         answer = format_assignment(solutions[0])
-        problem = Problem(id=problem_id(self.name, question), question=question, answer=answer,
-                          meta={"sft_completion": answer, "people": self.people,
-                                "statements": [list(s) for s in statements]})
+        problem = Problem(
+            id=problem_id(self.name, question),
+            question=question,
+            answer=answer,
+            meta={"sft_completion": answer, "people": self.people, "statements": [list(s) for s in statements]},
+        )
         return question, lambda: problem
 
 
@@ -115,8 +120,7 @@ def consistent_assignments(statements: list[tuple]) -> list[tuple[bool, ...]]:
     consistent = everyone
     for speaker, statement in enumerate(statements):
         consistent &= ~(_truth(statement, columns, everyone) ^ columns[speaker])
-    return [tuple(bool(b >> i & 1) for i in range(people))
-            for b in range(1 << people) if consistent >> b & 1]
+    return [tuple(bool(b >> i & 1) for i in range(people)) for b in range(1 << people) if consistent >> b & 1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,6 +132,7 @@ def _knight_columns(people: int) -> tuple[tuple[int, ...], int]:
 
 def _truth(statement: tuple, columns: tuple[int, ...], everyone: int) -> int:
     """The assignments (as bits) in which `statement` holds."""
+
     def role(person: int, knight: bool) -> int:
         return columns[person] if knight else everyone & ~columns[person]
 
@@ -148,8 +153,7 @@ def statement_text(statement: tuple) -> str:
     if kind == "is":
         return _role_clause(statement[1], statement[2])
     if kind in ("and", "or"):
-        return (f"{_role_clause(statement[1], statement[2])} {kind} "
-                f"{_role_clause(statement[3], statement[4])}")
+        return f"{_role_clause(statement[1], statement[2])} {kind} {_role_clause(statement[3], statement[4])}"
     p, q = NAMES[statement[1]], NAMES[statement[2]]
     return f"{p} and {q} are the same kind" if kind == "same" else f"{p} and {q} are different kinds"
 

@@ -121,9 +121,7 @@ def rows_to_problems(rows, name: str, where: str) -> list[Problem]:
         meta = {k: v for k, v in row.items() if k in ("subject", "level", "type", "url", "unique_id")}
         if isinstance(row.get("generated_solution"), str) and row["generated_solution"].strip():
             meta["sft_completion"] = row["generated_solution"]
-        problems.append(
-            Problem(id=f"{name}/{i}", question=question, answer=_gold(row, f"{where} row {i}"), meta=meta)
-        )
+        problems.append(Problem(id=f"{name}/{i}", question=question, answer=_gold(row, f"{where} row {i}"), meta=meta))
     return problems
 
 
@@ -201,8 +199,7 @@ class MathTask:
     def __post_init__(self):
         if self.template not in TEMPLATES and "{question}" not in self.template:
             raise ValueError(
-                f"template must be one of {sorted(TEMPLATES)} or contain '{{question}}', "
-                f"got {self.template!r}"
+                f"template must be one of {sorted(TEMPLATES)} or contain '{{question}}', got {self.template!r}"
             )
         if self.gold_parsing not in ("boxed", "bare"):
             raise ValueError(f"gold_parsing must be 'boxed' or 'bare', got {self.gold_parsing!r}")

@@ -33,9 +33,13 @@ def problem_id(task_name: str, key: str) -> str:
     return f"{task_name}-{_digest(key):016x}"
 
 
-def sample_problems(task_name: str, split: str, n: int | None, seed: int,
-                    draw: Callable[[random.Random], tuple[str, Callable[[], Optional[Problem]]]]
-                    ) -> list[Problem]:
+def sample_problems(
+    task_name: str,
+    split: str,
+    n: int | None,
+    seed: int,
+    draw: Callable[[random.Random], tuple[str, Callable[[], Optional[Problem]]]],
+) -> list[Problem]:
     """Up to `n` distinct problems of `split`, drawn with `draw(rng) -> (split_key, build)`.
 
     `split_key` decides the split before `build()` does the costly part (a task may split on
@@ -70,8 +74,7 @@ def resolve_template(template: str, presets: dict[str, str]) -> str:
     if template in presets:
         return presets[template]
     if "{question}" not in template:
-        raise ValueError(f"template must be one of {sorted(presets)} or contain '{{question}}', "
-                         f"got {template!r}")
+        raise ValueError(f"template must be one of {sorted(presets)} or contain '{{question}}', got {template!r}")
     return template
 
 

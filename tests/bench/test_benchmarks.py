@@ -17,8 +17,26 @@ PROVIDERS = ["naive", "liger-eager", "gemm-floor", "sage-cpu", "sage-triton"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    code = bench.main(["--device", "cpu", "--shapes", "tiny", "--n", "64", "--masks", "0.5", "--repeats", "1",
-                       "--budget-s", "1", "--providers", ",".join(PROVIDERS), "--out", str(out)])
+    code = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--shapes",
+            "tiny",
+            "--n",
+            "64",
+            "--masks",
+            "0.5",
+            "--repeats",
+            "1",
+            "--budget-s",
+            "1",
+            "--providers",
+            ",".join(PROVIDERS),
+            "--out",
+            str(out),
+        ]
+    )
     rows = [json.loads(line) for line in (out / "loss.jsonl").read_text().splitlines()]
     return code, rows, out
 
@@ -27,7 +45,8 @@ def test_every_provider_and_mode_has_a_row(run):
     code, rows, _ = run
     assert code == 0
     assert sorted((r["provider"], r["mode"]) for r in rows) == sorted(
-        (p, m) for p in PROVIDERS for m in ("fwd", "fwd+bwd"))
+        (p, m) for p in PROVIDERS for m in ("fwd", "fwd+bwd")
+    )
     for r in rows:
         assert r["status"] == "ok" or r["status"].startswith("skipped: "), r["status"]
         point = (r["shape"], r["n"], r["d"], r["v"], r["dtype"], r["mask_fraction"])
@@ -67,8 +86,18 @@ def test_chunked_peer_matches_the_float64_reference():
     loss = chunked_grpo_loss(h, w, x.token_ids, x.mask, x.advantages, x.old_logp, x.ref_logp, compiled=False)
     (loss * 3.0).backward()
     h64, w64 = x.hidden.double().requires_grad_(), x.weight.double().requires_grad_()
-    ref = fused_linear_sage_loss(h64, w64, x.token_ids, x.mask, x.advantages, old_logp=x.old_logp,
-                                 ref_logp=x.ref_logp, backend="reference", guide="none", beta=0.05)
+    ref = fused_linear_sage_loss(
+        h64,
+        w64,
+        x.token_ids,
+        x.mask,
+        x.advantages,
+        old_logp=x.old_logp,
+        ref_logp=x.ref_logp,
+        backend="reference",
+        guide="none",
+        beta=0.05,
+    )
     (ref.loss * 3.0).backward()
     torch.testing.assert_close(loss.double(), ref.loss.detach(), atol=1e-5, rtol=1e-5)
     for got, want in ((h.grad, h64.grad), (w.grad, w64.grad)):
@@ -77,10 +106,10 @@ def test_chunked_peer_matches_the_float64_reference():
 
 def test_targets_table_uses_the_faster_liger_and_names_missing_peers():
     point = {"shape": "cpu-small", "n": 2048, "dtype": "fp32", "mask_fraction": 0.0, "mode": "fwd+bwd"}
-    rows = [{**point, "provider": name, "status": "ok", "ms_p50": ms, "peak_mem_mib": mib,
-             "extra_mem_mib": mib / 2}
-            for name, ms, mib in (("sage-cpu", 90.0, 40.0), ("liger-compiled", 100.0, 100.0),
-                                  ("liger-eager", 80.0, 70.0))]
+    rows = [
+        {**point, "provider": name, "status": "ok", "ms_p50": ms, "peak_mem_mib": mib, "extra_mem_mib": mib / 2}
+        for name, ms, mib in (("sage-cpu", 90.0, 40.0), ("liger-compiled", 100.0, 100.0), ("liger-eager", 80.0, 70.0))
+    ]
     rows.append({**point, "provider": "gemm-floor", "status": "skipped: test"})
     lines = report.targets_table(rows).splitlines()[2:]
     verdicts = [line.split(" | ")[-1] for line in lines]

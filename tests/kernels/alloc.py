@@ -29,5 +29,5 @@ class AllocationRecorder(TorchDispatchMode):
 
     def check(self) -> None:
         assert self.largest < self.limit, (
-            f"a tensor of {self.largest} elements was allocated by {self.largest_op} "
-            f"(limit {self.limit})")
+            f"a tensor of {self.largest} elements was allocated by {self.largest_op} (limit {self.limit})"
+        )

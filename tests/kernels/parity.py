@@ -28,17 +28,35 @@ def run(problem, config, backend, dtype=None, *, native=None, frozen=(), upstrea
     backend "cpu" with `native` True/False runs that path of the CPU backend (the csrc operator or
     the PyTorch block loop); otherwise `fused_linear_sage_loss` picks the path."""
     dtype = dtype or problem["hidden"].dtype
-    leaves = {k: None if problem[k] is None
-              else problem[k].detach().to(dtype).clone().requires_grad_(k not in frozen) for k in LEAVES}
+    leaves = {
+        k: None if problem[k] is None else problem[k].detach().to(dtype).clone().requires_grad_(k not in frozen)
+        for k in LEAVES
+    }
     optional = {k: problem[k] for k in OPTIONAL}
     if backend == "cpu" and native is not None:
-        inputs = validate_inputs(leaves["hidden"], leaves["weight"], problem["token_ids"], problem["mask"],
-                                 problem["advantages"], bias=leaves["bias"], config=config, **optional)
+        inputs = validate_inputs(
+            leaves["hidden"],
+            leaves["weight"],
+            problem["token_ids"],
+            problem["mask"],
+            problem["advantages"],
+            bias=leaves["bias"],
+            config=config,
+            **optional,
+        )
         out = cpu.sage_loss(inputs, config, native=native)
     else:
-        out = fused_linear_sage_loss(leaves["hidden"], leaves["weight"], problem["token_ids"], problem["mask"],
-                                     problem["advantages"], bias=leaves["bias"], config=config, backend=backend,
-                                     **optional)
+        out = fused_linear_sage_loss(
+            leaves["hidden"],
+            leaves["weight"],
+            problem["token_ids"],
+            problem["mask"],
+            problem["advantages"],
+            bias=leaves["bias"],
+            config=config,
+            backend=backend,
+            **optional,
+        )
     (out.loss * upstream).backward()
     return out, {k: None if v is None else v.grad for k, v in leaves.items()}
 

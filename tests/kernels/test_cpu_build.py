@@ -57,13 +57,16 @@ def test_env_switch_gives_the_same_loss_through_the_public_api(monkeypatch):
     torch.testing.assert_close(native, fallback, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("total, valid, vocab, hidden, expected", [
-    (1024, 1024, 2048, 32, 63),          # N*V/16 caps the block below N/16 rows
-    (1024, 10, 2048, 32, 10),            # never more rows than there are valid ones
-    (4096, 4096, 151936, 896, 224),      # a quarter of the LM head (Qwen2.5-0.5B)
-    (65536, 65536, 32000, 64, 131),      # the 16 MiB floor for a thin head
-    (8, 8, 100, 4, 1),                   # at least one row
-])
+@pytest.mark.parametrize(
+    "total, valid, vocab, hidden, expected",
+    [
+        (1024, 1024, 2048, 32, 63),  # N*V/16 caps the block below N/16 rows
+        (1024, 10, 2048, 32, 10),  # never more rows than there are valid ones
+        (4096, 4096, 151936, 896, 224),  # a quarter of the LM head (Qwen2.5-0.5B)
+        (65536, 65536, 32000, 64, 131),  # the 16 MiB floor for a thin head
+        (8, 8, 100, 4, 1),  # at least one row
+    ],
+)
 def test_block_rows(total, valid, vocab, hidden, expected):
     rows = cpu.block_rows(total, valid, vocab, hidden)
     assert rows == expected

@@ -43,16 +43,31 @@ OPTION_CASES = {
     "branch-tight": dict(gamma=1.0, tau=0.5, q_min=0.8, q_max=1.2),
     "cispo-bias-kl": dict(loss_type="cispo", eps_high=1.1, use_bias_correction_kl=True),
     "sapo-temperatures": dict(loss_type="sapo", sapo_temperature_pos=1.5, sapo_temperature_neg=0.7),
-    "vespo-parameters": dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=2.0,
-                             vespo_lambda_neg=1.0),
+    "vespo-parameters": dict(
+        loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=2.0, vespo_k_neg=2.0, vespo_lambda_neg=1.0
+    ),
     "luspo-sequence": dict(loss_type="luspo", importance_sampling="sequence"),
     "kl-clamp": dict(kl_clamp=0.3, kl="fk3"),
 }
 
 
-def make_case(B=3, L=37, D=96, V=1271, *, dtype=torch.float32, bias=True, seed=0, masked_rows=(1,),
-              old_logp=True, ref_logp=True, is_weights=False, log_q=False, token_advantages=False,
-              logit_scale=(0.05, 8.0)):
+def make_case(
+    B=3,
+    L=37,
+    D=96,
+    V=1271,
+    *,
+    dtype=torch.float32,
+    bias=True,
+    seed=0,
+    masked_rows=(1,),
+    old_logp=True,
+    ref_logp=True,
+    is_weights=False,
+    log_q=False,
+    token_advantages=False,
+    logit_scale=(0.05, 8.0),
+):
     """Inputs whose logits range from flat to confident (per-position scale), with garbage under the mask.
 
     Log-prob inputs are the float64 policy's own log-probs plus noise, so ratios straddle the
@@ -68,13 +83,22 @@ def make_case(B=3, L=37, D=96, V=1271, *, dtype=torch.float32, bias=True, seed=0
         mask[row] = False
     token_ids = torch.randint(0, V, (B, L), generator=gen)
     token_ids[~mask] = V + 7  # out of range: only legal because masked
-    case = dict(hidden=hidden, weight=weight, token_ids=token_ids, mask=mask,
-                bias=(0.5 * torch.randn(V, generator=gen)).to(dtype) if bias else None,
-                advantages=torch.randn((B, L) if token_advantages else (B,), generator=gen))
+    case = dict(
+        hidden=hidden,
+        weight=weight,
+        token_ids=token_ids,
+        mask=mask,
+        bias=(0.5 * torch.randn(V, generator=gen)).to(dtype) if bias else None,
+        advantages=torch.randn((B, L) if token_advantages else (B,), generator=gen),
+    )
     with torch.no_grad():
         logp64, _ = reference_logprobs_and_entropy(
-            hidden.double().reshape(B * L, D), weight.double(), token_ids.clamp(max=V - 1).reshape(-1),
-            bias=None if case["bias"] is None else case["bias"].double(), dtype=torch.float64)
+            hidden.double().reshape(B * L, D),
+            weight.double(),
+            token_ids.clamp(max=V - 1).reshape(-1),
+            bias=None if case["bias"] is None else case["bias"].double(),
+            dtype=torch.float64,
+        )
     logp64 = logp64.view(B, L).float()
 
     def noisy(sigma):
@@ -110,9 +134,20 @@ def test_low_precision_inputs(path, dtype):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("variant", ["on-policy", "no-ref-beta0", "is-weights-log-q", "token-advantages",
-                                     "no-bias-frozen-weight", "frozen-hidden-and-bias",
-                                     "v1000-all-rows-valid", "entropy-term-only", "non-contiguous-hidden"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "on-policy",
+        "no-ref-beta0",
+        "is-weights-log-q",
+        "token-advantages",
+        "no-bias-frozen-weight",
+        "frozen-hidden-and-bias",
+        "v1000-all-rows-valid",
+        "entropy-term-only",
+        "non-contiguous-hidden",
+    ],
+)
 def test_input_variants(path, variant):
     config = LossConfig()
     frozen = ()
@@ -165,9 +200,17 @@ def test_second_backward_through_one_loss_is_refused():
     case = make_case(seed=61)
     hidden = case["hidden"].clone().requires_grad_(True)
     config = LossConfig()
-    inputs = validate_inputs(hidden, case["weight"], case["token_ids"], case["mask"], case["advantages"],
-                             bias=case["bias"], old_logp=case["old_logp"], ref_logp=case["ref_logp"],
-                             config=config)
+    inputs = validate_inputs(
+        hidden,
+        case["weight"],
+        case["token_ids"],
+        case["mask"],
+        case["advantages"],
+        bias=case["bias"],
+        old_logp=case["old_logp"],
+        ref_logp=case["ref_logp"],
+        config=config,
+    )
     loss = cpu.sage_loss(inputs, config).loss
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward called twice"):
@@ -175,9 +218,15 @@ def test_second_backward_through_one_loss_is_refused():
 
 
 @settings(max_examples=12)
-@given(B=st.integers(1, 4), L=st.integers(1, 23), D=st.sampled_from([8, 33, 96]),
-       V=st.sampled_from([17, 1000, 1271]), path=st.sampled_from(PATHS),
-       options=st.sampled_from(list(OPTION_CASES.values())), seed=st.integers(0, 2**16))
+@given(
+    B=st.integers(1, 4),
+    L=st.integers(1, 23),
+    D=st.sampled_from([8, 33, 96]),
+    V=st.sampled_from([17, 1000, 1271]),
+    path=st.sampled_from(PATHS),
+    options=st.sampled_from(list(OPTION_CASES.values())),
+    seed=st.integers(0, 2**16),
+)
 def test_property_random_shapes_and_options(B, L, D, V, path, options, seed):
     case = make_case(B, L, D, V, seed=seed, masked_rows=(0,) if B > 1 else ())
     check_against_reference(case, LossConfig(**options), path, seed=seed)
@@ -192,8 +241,8 @@ def test_scoring_matches_reference(path, dtype):
     inputs = (case["hidden"].reshape(B * L, D), case["weight"], ids.reshape(-1), case["bias"], 0.8)
     logp, entropy = cpu.logprobs_and_entropy(*inputs, native=path == "native")
     ref_logp, ref_entropy = reference_logprobs_and_entropy(
-        inputs[0].double(), inputs[1].double(), inputs[2], bias=inputs[3].double(), temperature=0.8,
-        dtype=torch.float64)
+        inputs[0].double(), inputs[1].double(), inputs[2], bias=inputs[3].double(), temperature=0.8, dtype=torch.float64
+    )
     assert logp.dtype == entropy.dtype == torch.float32
     assert_close(logp, ref_logp, dtype, "token", "logp")
     assert_close(entropy, ref_entropy, dtype, "token", "entropy")
@@ -211,8 +260,9 @@ def test_auto_backend_is_cpu_for_cpu_tensors():
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("options", [{}, dict(importance_sampling="sequence", entropy_coef=0.01)],
-                         ids=["one-sweep", "two-sweeps"])
+@pytest.mark.parametrize(
+    "options", [{}, dict(importance_sampling="sequence", entropy_coef=0.01)], ids=["one-sweep", "two-sweeps"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_no_tensor_of_n_times_v_over_16(path, options, dtype):
     """Forward and backward allocate nothing of N*V/16 elements or more (D < N/16 and D < V/16 here,
@@ -221,8 +271,16 @@ def test_no_tensor_of_n_times_v_over_16(path, options, dtype):
     N, V = 8 * 128, 2048
     leaves = [case[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
     config = LossConfig(**options)
-    inputs = validate_inputs(*leaves[:2], case["token_ids"], case["mask"], case["advantages"], bias=leaves[2],
-                             old_logp=case["old_logp"], ref_logp=case["ref_logp"], config=config)
+    inputs = validate_inputs(
+        *leaves[:2],
+        case["token_ids"],
+        case["mask"],
+        case["advantages"],
+        bias=leaves[2],
+        old_logp=case["old_logp"],
+        ref_logp=case["ref_logp"],
+        config=config,
+    )
     with AllocationRecorder(limit=N * V // 16) as recorder:
         out = cpu.sage_loss(inputs, config, native=path == "native")
         out.loss.backward()

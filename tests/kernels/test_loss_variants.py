@@ -33,11 +33,15 @@ def far_batch(seed=0, *, full_mask=False):
     logp = -torch.rand(B, L, generator=g, dtype=F64) * 4
     mask = torch.ones(B, L) if full_mask else (torch.rand(B, L, generator=g) > 0.3).double()
     mask[0, 0] = 1.0
-    return dict(logp=logp, entropy=torch.rand(B, L, generator=g, dtype=F64) * 3, mask=mask,
-                advantages=ADVANTAGE_SIGNS * (0.5 + torch.rand(B, generator=g, dtype=F64)),
-                old_logp=logp + FAR * torch.randn(B, L, generator=g, dtype=F64),
-                ref_logp=logp + 0.5 * torch.randn(B, L, generator=g, dtype=F64),
-                is_weights=0.5 + torch.rand(B, L, generator=g, dtype=F64))
+    return dict(
+        logp=logp,
+        entropy=torch.rand(B, L, generator=g, dtype=F64) * 3,
+        mask=mask,
+        advantages=ADVANTAGE_SIGNS * (0.5 + torch.rand(B, generator=g, dtype=F64)),
+        old_logp=logp + FAR * torch.randn(B, L, generator=g, dtype=F64),
+        ref_logp=logp + 0.5 * torch.randn(B, L, generator=g, dtype=F64),
+        is_weights=0.5 + torch.rand(B, L, generator=g, dtype=F64),
+    )
 
 
 VARIANTS = {
@@ -59,16 +63,27 @@ def liger_loss(batch, options, *, vllm):
 
     logp = batch["logp"].clone().requires_grad_(True)
     loss, metrics = LigerFusedLinearGRPOFunction.ppo_loss_fn(
-        logp, batch["mask"], batch["advantages"], batch["mask"], ref_per_token_logps=batch["ref_logp"],
-        old_per_token_logps=batch["old_logp"], epsilon_low=0.2, epsilon_high=options.get("eps_high", 0.2),
-        beta=0.1, loss_type=options["loss_type"], importance_sampling_level=options.get("importance_sampling", "token"),
+        logp,
+        batch["mask"],
+        batch["advantages"],
+        batch["mask"],
+        ref_per_token_logps=batch["ref_logp"],
+        old_per_token_logps=batch["old_logp"],
+        epsilon_low=0.2,
+        epsilon_high=options.get("eps_high", 0.2),
+        beta=0.1,
+        loss_type=options["loss_type"],
+        importance_sampling_level=options.get("importance_sampling", "token"),
         sapo_temperature_pos=options.get("sapo_temperature_pos", 1.0),
         sapo_temperature_neg=options.get("sapo_temperature_neg", 1.05),
         vllm_is_ratio=batch["is_weights"] * batch["mask"] + (1 - batch["mask"]) if vllm else None,
         use_bias_correction_kl=options.get("use_bias_correction_kl", False),
-        vespo_k_pos=options.get("vespo_k_pos", 2.0), vespo_lambda_pos=options.get("vespo_lambda_pos", 3.0),
-        vespo_k_neg=options.get("vespo_k_neg", 3.0), vespo_lambda_neg=options.get("vespo_lambda_neg", 2.0))
-    grad, = torch.autograd.grad(loss, logp)
+        vespo_k_pos=options.get("vespo_k_pos", 2.0),
+        vespo_lambda_pos=options.get("vespo_lambda_pos", 3.0),
+        vespo_k_neg=options.get("vespo_k_neg", 3.0),
+        vespo_lambda_neg=options.get("vespo_lambda_neg", 2.0),
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
     return loss.detach(), grad, metrics
 
 
@@ -84,11 +99,19 @@ def test_reference_matches_liger_float64(name, vllm):
     # Liger sums luspo's per-token loss over padded positions too; TRL (and we) mask them: compare on full rows.
     batch = far_batch(seed=len(name), full_mask=options["loss_type"] == "luspo")
     want_loss, want_grad, want_metrics = liger_loss(batch, options, vllm=vllm)
-    loss, per_token, logp, _ = stage(batch["logp"], batch["entropy"], batch["mask"], batch["advantages"],
-                                     old_logp=batch["old_logp"], ref_logp=batch["ref_logp"],
-                                     is_weights=batch["is_weights"] if vllm else None, guide="none", beta=0.1,
-                                     **options)
-    grad, = torch.autograd.grad(loss, logp)
+    loss, per_token, logp, _ = stage(
+        batch["logp"],
+        batch["entropy"],
+        batch["mask"],
+        batch["advantages"],
+        old_logp=batch["old_logp"],
+        ref_logp=batch["ref_logp"],
+        is_weights=batch["is_weights"] if vllm else None,
+        guide="none",
+        beta=0.1,
+        **options,
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
     assert abs(loss.item() - want_loss.item()) <= 1e-12 * max(abs(want_loss.item()), 1.0)
     assert max_rel_err(grad * batch["mask"], want_grad * batch["mask"]) <= 1e-12
     assert per_token["metrics"]["kl"].item() == pytest.approx(want_metrics[0].item(), rel=1e-12)
@@ -106,8 +129,16 @@ def test_vespo_weight_is_trls():
     mask = batch["mask"].bool()
     log_ratio = torch.where(mask, batch["logp"] - batch["old_logp"], 0.0)
     A = batch["advantages"][:, None]
-    want = trl_trainer.GRPOTrainer.get_gamma_weights(A, log_ratio, batch["mask"], torch.where(
-        mask, batch["is_weights"], 1.0), k_pos=2.0, lambda_pos=3.0, k_neg=2.5, lambda_neg=2.0)
+    want = trl_trainer.GRPOTrainer.get_gamma_weights(
+        A,
+        log_ratio,
+        batch["mask"],
+        torch.where(mask, batch["is_weights"], 1.0),
+        k_pos=2.0,
+        lambda_pos=3.0,
+        k_neg=2.5,
+        lambda_neg=2.0,
+    )
     got = vespo_weight(log_ratio, A, mask, batch["is_weights"], config)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
     assert got.min() < 0.5 and got.max() > 0, "far ratios move phi well away from 1"
@@ -115,16 +146,26 @@ def test_vespo_weight_is_trls():
 
 def test_sapo_at_ratio_one_is_half_gate():
     # r = 1: sigmoid(0) = 1/2, so pg = -2 A / tau and d pg / d logp = -A (PPO's slope at r = 1).
-    loss, _, logp, _ = stage([[-1.0]], [[0.0]], [[1]], [0.8], old_logp=[[-1.0]], guide="none", beta=0.0,
-                             loss_type="sapo", sapo_temperature_pos=2.0)
+    loss, _, logp, _ = stage(
+        [[-1.0]],
+        [[0.0]],
+        [[1]],
+        [0.8],
+        old_logp=[[-1.0]],
+        guide="none",
+        beta=0.0,
+        loss_type="sapo",
+        sapo_temperature_pos=2.0,
+    )
     assert loss.item() == pytest.approx(-2 * 0.8 / 2.0, rel=1e-14)
     assert torch.autograd.grad(loss, logp)[0].item() == pytest.approx(-0.8, rel=1e-14)
 
 
 def test_cispo_caps_and_detaches_the_ratio():
     # r = e > eps_high = 1.5: weight 1.5, detached; pg = -1.5 A logp, slope -1.5 A.
-    loss, out, logp, _ = stage([[-1.0]], [[0.0]], [[1]], [2.0], old_logp=[[-2.0]], guide="none", beta=0.0,
-                               loss_type="cispo", eps_high=1.5)
+    loss, out, logp, _ = stage(
+        [[-1.0]], [[0.0]], [[1]], [2.0], old_logp=[[-2.0]], guide="none", beta=0.0, loss_type="cispo", eps_high=1.5
+    )
     assert loss.item() == pytest.approx(-1.5 * 2.0 * -1.0, rel=1e-14)
     assert torch.autograd.grad(loss, logp)[0].item() == pytest.approx(-3.0, rel=1e-14)
     assert out["metrics"]["clip_ratio/high_mean"].item() == 1.0
@@ -132,25 +173,41 @@ def test_cispo_caps_and_detaches_the_ratio():
 
 def test_luspo_sums_tokens_and_averages_sequences():
     # Two rows of 3 and 1 tokens, on-policy, A = 1: pg = -1 per token; loss = -(3 + 1) / 2.
-    loss, _, _, _ = stage([[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]], [[0.0] * 3] * 2, [[1, 1, 1], [1, 0, 0]],
-                          [1.0, 1.0], guide="none", beta=0.0, loss_type="luspo")
+    loss, _, _, _ = stage(
+        [[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]],
+        [[0.0] * 3] * 2,
+        [[1, 1, 1], [1, 0, 0]],
+        [1.0, 1.0],
+        guide="none",
+        beta=0.0,
+        loss_type="luspo",
+    )
     assert loss.item() == pytest.approx(-2.0, rel=1e-14)
 
 
 def test_bias_corrected_kl_on_policy_has_the_ratio_slope():
     # ratio = 1 with gradient: d(kl * r)/dlogp = dkl/dlogp + kl.
     ref, lp = math.log(0.25), math.log(0.5)
-    loss, out, logp, _ = stage([[lp]], [[0.0]], [[1]], [0.0], ref_logp=[[ref]], guide="none", beta=1.0,
-                               use_bias_correction_kl=True)
+    loss, out, logp, _ = stage(
+        [[lp]], [[0.0]], [[1]], [0.0], ref_logp=[[ref]], guide="none", beta=1.0, use_bias_correction_kl=True
+    )
     d = ref - lp
     kl = math.exp(d) - d - 1
     assert loss.item() == pytest.approx(kl, rel=1e-14) and out["kl"].item() == pytest.approx(kl, rel=1e-14)
     assert torch.autograd.grad(loss, logp)[0].item() == pytest.approx(-(math.exp(d) - 1) + kl, rel=1e-13)
 
 
-@pytest.mark.parametrize("options", [dict(loss_type="cispo", delta_clip=2.0), dict(loss_type="sapo", dual_clip_c=3.0),
-                                     dict(loss_type="cispo", eps_high=0.0), dict(sapo_temperature_pos=0.0),
-                                     dict(use_bias_correction_kl="yes")], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(loss_type="cispo", delta_clip=2.0),
+        dict(loss_type="sapo", dual_clip_c=3.0),
+        dict(loss_type="cispo", eps_high=0.0),
+        dict(sapo_temperature_pos=0.0),
+        dict(use_bias_correction_kl="yes"),
+    ],
+    ids=str,
+)
 def test_options_that_do_not_apply_raise(options):
     with pytest.raises(ValueError, match=next(iter(k for k in options if k != "loss_type"), "loss_type")):
         LossConfig(**options)
@@ -158,14 +215,20 @@ def test_options_that_do_not_apply_raise(options):
 
 # ---------------------------------------------------------------- the backends against the reference
 
-BACKEND_CASES = {**VARIANTS, "sapo-sequence": dict(loss_type="sapo", importance_sampling="sequence"),
-                 "cispo-sequence-quantile": dict(loss_type="cispo", importance_sampling="sequence", eps_high=1.1,
-                                                 top_entropy_quantile=0.5),
-                 "vespo-sequence-guide": dict(loss_type="vespo", importance_sampling="sequence", guide="branch",
-                                              tau=0.5, gamma=1.0),
-                 "luspo-token-entropy": dict(loss_type="luspo", entropy_coef=0.02, delta_clip=1.5)}
-PRESENT = {"far-old": {}, "is-weights-log-q-token-adv": dict(is_weights=True, log_q=True, adv_per_token=True),
-           "on-policy": dict(old=False)}
+BACKEND_CASES = {
+    **VARIANTS,
+    "sapo-sequence": dict(loss_type="sapo", importance_sampling="sequence"),
+    "cispo-sequence-quantile": dict(
+        loss_type="cispo", importance_sampling="sequence", eps_high=1.1, top_entropy_quantile=0.5
+    ),
+    "vespo-sequence-guide": dict(loss_type="vespo", importance_sampling="sequence", guide="branch", tau=0.5, gamma=1.0),
+    "luspo-token-entropy": dict(loss_type="luspo", entropy_coef=0.02, delta_clip=1.5),
+}
+PRESENT = {
+    "far-old": {},
+    "is-weights-log-q-token-adv": dict(is_weights=True, log_q=True, adv_per_token=True),
+    "on-policy": dict(old=False),
+}
 
 
 def far_problem(seed, **present):
@@ -183,33 +246,39 @@ def test_backends_match_the_reference(backend, name, present):
     problem = far_problem(len(name), **PRESENT[present])
     config = LossConfig(beta=0.2, **{"guide": "none", **BACKEND_CASES[name]})
     native = {"cpu-native": True, "cpu-torch": False}.get(backend)
-    parity.check_against_reference(problem, config, backend.split("-")[0], torch.float32, native=native,
-                                   seed=len(name))
+    parity.check_against_reference(problem, config, backend.split("-")[0], torch.float32, native=native, seed=len(name))
 
 
-variant_options = st.fixed_dictionaries({
-    "loss_type": st.sampled_from(["cispo", "sapo", "luspo", "vespo"]),
-    "use_bias_correction_kl": st.booleans(),
-    "beta": st.sampled_from([0.0, 0.1]),
-    "kl": st.sampled_from(["k1", "k3", "fk3"]),
-    "guide": st.sampled_from(["none", "branch"]),
-    "eps_high": st.floats(0.5, 3.0),
-    "sapo_temperature_pos": st.floats(0.3, 3.0),
-    "sapo_temperature_neg": st.floats(0.3, 3.0),
-    "vespo_k_pos": st.floats(0.0, 4.0),
-    "vespo_lambda_pos": st.floats(0.0, 4.0),
-    "vespo_k_neg": st.floats(0.0, 4.0),
-    "vespo_lambda_neg": st.floats(0.0, 4.0),
-    "importance_sampling": st.sampled_from(["token", "sequence"]),
-    "top_entropy_quantile": st.sampled_from([1.0, 0.6]),
-    "entropy_coef": st.sampled_from([0.0, 0.02]),
-})
+variant_options = st.fixed_dictionaries(
+    {
+        "loss_type": st.sampled_from(["cispo", "sapo", "luspo", "vespo"]),
+        "use_bias_correction_kl": st.booleans(),
+        "beta": st.sampled_from([0.0, 0.1]),
+        "kl": st.sampled_from(["k1", "k3", "fk3"]),
+        "guide": st.sampled_from(["none", "branch"]),
+        "eps_high": st.floats(0.5, 3.0),
+        "sapo_temperature_pos": st.floats(0.3, 3.0),
+        "sapo_temperature_neg": st.floats(0.3, 3.0),
+        "vespo_k_pos": st.floats(0.0, 4.0),
+        "vespo_lambda_pos": st.floats(0.0, 4.0),
+        "vespo_k_neg": st.floats(0.0, 4.0),
+        "vespo_lambda_neg": st.floats(0.0, 4.0),
+        "importance_sampling": st.sampled_from(["token", "sequence"]),
+        "top_entropy_quantile": st.sampled_from([1.0, 0.6]),
+        "entropy_coef": st.sampled_from([0.0, 0.02]),
+    }
+)
 
 
 # No shrinking: each example costs about a second under the interpreter; the failing one is printed as drawn.
 @settings(max_examples=15, phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@given(opts=variant_options, backend=st.sampled_from(["triton", "cpu"]), is_weights=st.booleans(),
-       old=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    opts=variant_options,
+    backend=st.sampled_from(["triton", "cpu"]),
+    is_weights=st.booleans(),
+    old=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_property_new_loss_types_match_the_reference(opts, backend, is_weights, old, seed):
     problem = far_problem(seed, is_weights=is_weights, old=old)
     parity.check_against_reference(problem, LossConfig(**opts), backend, torch.float32, seed=seed)

@@ -68,8 +68,11 @@ def policy_like_inputs(rows=256, length=400, seed=0):
     surprising ones) and right-padded masks of varied lengths, a few rows empty or of one token."""
     g = torch.Generator().manual_seed(seed)
     confident = torch.rand(rows, length, generator=g, dtype=torch.float64) < 0.7
-    surprisal = torch.where(confident, torch.rand(rows, length, generator=g, dtype=torch.float64) * 0.05,
-                            -torch.rand(rows, length, generator=g, dtype=torch.float64).log() / 0.7)
+    surprisal = torch.where(
+        confident,
+        torch.rand(rows, length, generator=g, dtype=torch.float64) * 0.05,
+        -torch.rand(rows, length, generator=g, dtype=torch.float64).log() / 0.7,
+    )
     lengths = torch.randint(0, length + 1, (rows,), generator=g)
     lengths[:3] = torch.tensor([0, 1, 2])
     mask = torch.arange(length)[None, :] < lengths[:, None]
@@ -97,9 +100,19 @@ def most_surprising(logp, mask):
     return top
 
 
-@pytest.mark.parametrize("step,alpha,sigma", [(0, 0.30, 0.25), (62, 0.201, 0.176), (124, 0.100, 0.100),
-                                              (125, 0.270, 0.225), (250, 0.243, 0.2025), (500, 0.197, 0.164),
-                                              (875, 0.1435, 0.1196), (999, 0.100, 0.100)])
+@pytest.mark.parametrize(
+    "step,alpha,sigma",
+    [
+        (0, 0.30, 0.25),
+        (62, 0.201, 0.176),
+        (124, 0.100, 0.100),
+        (125, 0.270, 0.225),
+        (250, 0.243, 0.2025),
+        (500, 0.197, 0.164),
+        (875, 0.1435, 0.1196),
+        (999, 0.100, 0.100),
+    ],
+)
 def test_token_schedule_reference_points(step, alpha, sigma):
     guide = TokenGuide(max_steps=MAX_STEPS)
     for _ in range(step):
@@ -163,8 +176,10 @@ def test_random_guide_reproduces_the_official_distribution(step):
 
 def test_guides_resume_the_same_stream():
     logp, mask = policy_like_inputs(rows=8, length=30, seed=8)
-    for make, call in ((lambda s: TokenGuide(max_steps=40, seed=s), lambda g: g(logp, mask)),
-                       (lambda s: RandomGuide(max_steps=40, seed=s), lambda g: g(mask))):
+    for make, call in (
+        (lambda s: TokenGuide(max_steps=40, seed=s), lambda g: g(logp, mask)),
+        (lambda s: RandomGuide(max_steps=40, seed=s), lambda g: g(mask)),
+    ):
         a = make(1)
         for _ in range(7):
             call(a), a.step()

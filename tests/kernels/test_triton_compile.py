@@ -38,11 +38,18 @@ def compile_for_sm90(kernel, types: dict, constexprs: dict, num_warps: int, num_
     signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
     unspecialised = {param.name for param in kernel.params if param.do_not_specialize}
     hint = [["tt.divisibility", 16]]
-    attrs = {(i,): hint for i, name in enumerate(kernel.arg_names)
-             if name not in constexprs and name not in unspecialised
-             and (types[name].startswith("*") or types[name] == "i32")}
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    attrs = {
+        (i,): hint
+        for i, name in enumerate(kernel.arg_names)
+        if name not in constexprs
+        and name not in unspecialised
+        and (types[name].startswith("*") or types[name] == "i32")
+    }
+    return triton.compile(
+        ASTSource(kernel, signature, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
 
 
 def compile_with_ptxas_log(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -63,20 +70,56 @@ def compile_with_ptxas_log(kernel, types: dict, constexprs: dict, num_warps: int
 
 
 def sweep_types(dtype: str, kernel: str) -> dict:
-    common = dict(hidden_ptr=f"*{dtype}", weight_ptr=f"*{dtype}", bias_ptr=f"*{dtype}", ids_ptr="*i64",
-                  rows_ptr="*i64", count_ptr="*i64", N="i32", V="i32", D="i32", stride_h="i32",
-                  stride_w="i32", inv_temperature="fp32")
+    common = dict(
+        hidden_ptr=f"*{dtype}",
+        weight_ptr=f"*{dtype}",
+        bias_ptr=f"*{dtype}",
+        ids_ptr="*i64",
+        rows_ptr="*i64",
+        count_ptr="*i64",
+        N="i32",
+        V="i32",
+        D="i32",
+        stride_h="i32",
+        stride_w="i32",
+        inv_temperature="fp32",
+    )
     if kernel == "fwd":
-        return dict(common, max_ptr="*fp32", sumexp_ptr="*fp32", shifted_pz_ptr="*fp32", target_ptr="*fp32",
-                    tiles_per_split="i32")
-    return dict(common, lse_ptr="*fp32", entropy_ptr="*fp32", g_ptr="*fp32", c_ptr="*fp32",
-                dz_ptr=f"*{dtype}", v_begin="i32", chunk_width="i32", stride_dz="i32")
+        return dict(
+            common,
+            max_ptr="*fp32",
+            sumexp_ptr="*fp32",
+            shifted_pz_ptr="*fp32",
+            target_ptr="*fp32",
+            tiles_per_split="i32",
+        )
+    return dict(
+        common,
+        lse_ptr="*fp32",
+        entropy_ptr="*fp32",
+        g_ptr="*fp32",
+        c_ptr="*fp32",
+        dz_ptr=f"*{dtype}",
+        v_begin="i32",
+        chunk_width="i32",
+        stride_dz="i32",
+    )
 
 
 def row_pass_types(dtype: str, kernel: str) -> dict:
-    common = dict(logits_ptr="*fp32", bias_ptr=f"*{dtype}", ids_ptr="*i64", rows_ptr="*i64", count_ptr="*i64",
-                  lse_ptr="*fp32", entropy_ptr="*fp32", row_begin="i32", V="i32", stride_z="i32",
-                  inv_temperature="fp32")
+    common = dict(
+        logits_ptr="*fp32",
+        bias_ptr=f"*{dtype}",
+        ids_ptr="*i64",
+        rows_ptr="*i64",
+        count_ptr="*i64",
+        lse_ptr="*fp32",
+        entropy_ptr="*fp32",
+        row_begin="i32",
+        V="i32",
+        stride_z="i32",
+        inv_temperature="fp32",
+    )
     if kernel == "stats":
         return dict(common, logp_ptr="*fp32")
     return dict(common, g_ptr="*fp32", c_ptr="*fp32")
@@ -97,12 +140,20 @@ def compile_all() -> None:
     for dtype, precision, bias in (("bf16", "tf32", True), ("fp16", "tf32", False), ("fp32", "ieee", True)):
         stages = 2 if dtype == "fp32" else 3
         no_bias = {} if bias else {"bias_ptr": None}
-        fwd, fwd_spills = compile_with_ptxas_log(sweep_fwd._sweep_fwd_kernel, sweep_types(dtype, "fwd"),
-                                                 dict(tiles, HAS_BIAS=bias, DOT_PRECISION=precision, **no_bias),
-                                                 8, stages)
-        bwd, bwd_spills = compile_with_ptxas_log(sweep_bwd._dlogits_kernel, sweep_types(dtype, "bwd"),
-                                                 dict(tiles, HAS_BIAS=bias, HAS_ENTROPY_GRAD=True,
-                                                      DOT_PRECISION=precision, **no_bias), 8, stages)
+        fwd, fwd_spills = compile_with_ptxas_log(
+            sweep_fwd._sweep_fwd_kernel,
+            sweep_types(dtype, "fwd"),
+            dict(tiles, HAS_BIAS=bias, DOT_PRECISION=precision, **no_bias),
+            8,
+            stages,
+        )
+        bwd, bwd_spills = compile_with_ptxas_log(
+            sweep_bwd._dlogits_kernel,
+            sweep_types(dtype, "bwd"),
+            dict(tiles, HAS_BIAS=bias, HAS_ENTROPY_GRAD=True, DOT_PRECISION=precision, **no_bias),
+            8,
+            stages,
+        )
         if dtype != "fp32":
             for compiled in (fwd, bwd):
                 assert "wgmma" in compiled.asm["ptx"] and "cp.async" in compiled.asm["ptx"], compiled.name
@@ -111,25 +162,87 @@ def compile_all() -> None:
         # the three-matmul path's row passes (one program per token, 4 warps, BLOCK_V 1024)
         row = dict(HAS_BIAS=bias, BLOCK_V=1024, **no_bias)
         compile_for_sm90(three_matmul._row_stats_kernel, row_pass_types(dtype, "stats"), row, 4, 3)
-        compile_for_sm90(three_matmul._dlogits_in_place_kernel, row_pass_types(dtype, "dz"),
-                         dict(row, HAS_ENTROPY_GRAD=True, DZ=dz_types[dtype]), 4, 3)
+        compile_for_sm90(
+            three_matmul._dlogits_in_place_kernel,
+            row_pass_types(dtype, "dz"),
+            dict(row, HAS_ENTROPY_GRAD=True, DZ=dz_types[dtype]),
+            4,
+            3,
+        )
 
-    types = {name: "*fp32" for name in ("logp_ptr", "entropy_ptr", "adv_ptr", "old_ptr", "ref_ptr", "isw_ptr",
-                                        "log_q_ptr", "threshold_ptr", "inv_norm_ptr", "q_ptr", "kl_ptr",
-                                        "ratio_ptr", "g_ptr", "c_ptr", "row_stats_ptr")}
-    types.update(mask_ptr="*u8", B="i32", L="i32", **{name: "fp32" for name in (
-        "beta", "gamma", "tau", "q_min", "q_max", "eps_low", "eps_high", "delta_clip", "dual_clip_c",
-        "entropy_coef", "sapo_t_pos", "sapo_t_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-        "vespo_lambda_neg", "kl_clamp")})
-    for kl, everything, loss_type in ((1, True, "grpo"), (2, False, "dapo"), (3, True, "luspo"), (3, False, "cispo"),
-                                      (4, True, "sapo"), (3, True, "vespo")):
-        flags = dict(KL=kl, BRANCH=not everything, SEQUENCE=everything, LOSS=LOSS_TYPE_CODES[loss_type],
-                     PER_SEQUENCE_MEAN=loss_type in SEQUENCE_MEAN_LOSS_TYPES, BIAS_CORRECTION=everything,
-                     HAS_DELTA=everything and loss_type in CLIPPED_LOSS_TYPES,
-                     HAS_DUAL=everything and loss_type in CLIPPED_LOSS_TYPES, HAS_KL_CLAMP=everything,
-                     HAS_OLD=everything, HAS_REF=True,
-                     HAS_IS_WEIGHTS=everything, HAS_LOG_Q=everything, HAS_QUANTILE=everything,
-                     N_STATS=token_stage.N_ROW_STATS, BLOCK_L=1024)
+    types = {
+        name: "*fp32"
+        for name in (
+            "logp_ptr",
+            "entropy_ptr",
+            "adv_ptr",
+            "old_ptr",
+            "ref_ptr",
+            "isw_ptr",
+            "log_q_ptr",
+            "threshold_ptr",
+            "inv_norm_ptr",
+            "q_ptr",
+            "kl_ptr",
+            "ratio_ptr",
+            "g_ptr",
+            "c_ptr",
+            "row_stats_ptr",
+        )
+    }
+    types.update(
+        mask_ptr="*u8",
+        B="i32",
+        L="i32",
+        **{
+            name: "fp32"
+            for name in (
+                "beta",
+                "gamma",
+                "tau",
+                "q_min",
+                "q_max",
+                "eps_low",
+                "eps_high",
+                "delta_clip",
+                "dual_clip_c",
+                "entropy_coef",
+                "sapo_t_pos",
+                "sapo_t_neg",
+                "vespo_k_pos",
+                "vespo_lambda_pos",
+                "vespo_k_neg",
+                "vespo_lambda_neg",
+                "kl_clamp",
+            )
+        },
+    )
+    for kl, everything, loss_type in (
+        (1, True, "grpo"),
+        (2, False, "dapo"),
+        (3, True, "luspo"),
+        (3, False, "cispo"),
+        (4, True, "sapo"),
+        (3, True, "vespo"),
+    ):
+        flags = dict(
+            KL=kl,
+            BRANCH=not everything,
+            SEQUENCE=everything,
+            LOSS=LOSS_TYPE_CODES[loss_type],
+            PER_SEQUENCE_MEAN=loss_type in SEQUENCE_MEAN_LOSS_TYPES,
+            BIAS_CORRECTION=everything,
+            HAS_DELTA=everything and loss_type in CLIPPED_LOSS_TYPES,
+            HAS_DUAL=everything and loss_type in CLIPPED_LOSS_TYPES,
+            HAS_KL_CLAMP=everything,
+            HAS_OLD=everything,
+            HAS_REF=True,
+            HAS_IS_WEIGHTS=everything,
+            HAS_LOG_Q=everything,
+            HAS_QUANTILE=everything,
+            N_STATS=token_stage.N_ROW_STATS,
+            BLOCK_L=1024,
+        )
         absent = {} if everything else {"old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}
         if loss_type in SEQUENCE_MEAN_LOSS_TYPES + ("luspo",):  # no token-count normaliser: no pointer
             absent["inv_norm_ptr"] = None

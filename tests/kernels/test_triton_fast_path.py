@@ -50,14 +50,19 @@ def path_of(call) -> str:
 
 # ---------------------------------------------------------------- which path runs
 
-@pytest.mark.parametrize("options, expected", [
-    ({}, THREE),
-    ({"loss_type": "bnpo", "kl": "k2", "guide": "none"}, THREE),
-    ({"loss_type": "dr_grpo", "delta_clip": 2.0, "dual_clip_c": 3.0, "entropy_coef": 0.01}, THREE),
-    ({"loss_type": "dapo", "num_items_in_batch": 11}, THREE),
-    ({"importance_sampling": "sequence"}, TWO),
-    ({"top_entropy_quantile": 0.5}, TWO),
-], ids=["default", "bnpo", "dr_grpo", "dapo", "sequence", "quantile"])
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ({}, THREE),
+        ({"loss_type": "bnpo", "kl": "k2", "guide": "none"}, THREE),
+        ({"loss_type": "dr_grpo", "delta_clip": 2.0, "dual_clip_c": 3.0, "entropy_coef": 0.01}, THREE),
+        ({"loss_type": "dapo", "num_items_in_batch": 11}, THREE),
+        ({"importance_sampling": "sequence"}, TWO),
+        ({"top_entropy_quantile": 0.5}, TWO),
+    ],
+    ids=["default", "bnpo", "dr_grpo", "dapo", "sequence", "quantile"],
+)
 def test_the_default_configuration_takes_the_three_matmul_path(options, expected):
     problem = make_problem(B=2, L=5, V=200, D=32, seed=1)
     config = LossConfig(**options)
@@ -73,6 +78,7 @@ def test_scoring_and_no_grad_calls_take_a_path_too():
 
 # ---------------------------------------------------------------- the three-matmul path against the reference
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("mask", ["random", "tail", "all"])
 def test_three_matmul_dtypes_and_masks(dtype, mask, small_chunks):
@@ -82,17 +88,25 @@ def test_three_matmul_dtypes_and_masks(dtype, mask, small_chunks):
     assert path_of(lambda: check_against_reference(problem, config, dtype)) == THREE
 
 
-@pytest.mark.parametrize("options", [
-    {"kl": "k1", "beta": 0.2, "guide": "none"},
-    {"kl": "k2", "beta": 0.2, "loss_type": "bnpo"},
-    {"kl": "fk3", "beta": 0.3, "loss_type": "dr_grpo", "max_completion_length": 20, "delta_clip": 1.5},
-    {"kl": "k3", "beta": 0.0, "loss_type": "dapo", "num_items_in_batch": 17, "entropy_coef": 0.05},
-    {"tau": 5.0, "gamma": 2.0, "eps_low": 0.1, "eps_high": 0.3, "temperature": 1.3},
-], ids=["k1-none", "k2-bnpo", "fk3-dr_grpo-delta", "dapo-n-entropy", "branch-clamped"])
-@pytest.mark.parametrize("present", [
-    {"bias": True, "old": True, "log_q": False, "adv_per_token": False},
-    {"bias": False, "old": False, "log_q": True, "adv_per_token": True},
-], ids=["bias-old", "logq-onpolicy"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kl": "k1", "beta": 0.2, "guide": "none"},
+        {"kl": "k2", "beta": 0.2, "loss_type": "bnpo"},
+        {"kl": "fk3", "beta": 0.3, "loss_type": "dr_grpo", "max_completion_length": 20, "delta_clip": 1.5},
+        {"kl": "k3", "beta": 0.0, "loss_type": "dapo", "num_items_in_batch": 17, "entropy_coef": 0.05},
+        {"tau": 5.0, "gamma": 2.0, "eps_low": 0.1, "eps_high": 0.3, "temperature": 1.3},
+    ],
+    ids=["k1-none", "k2-bnpo", "fk3-dr_grpo-delta", "dapo-n-entropy", "branch-clamped"],
+)
+@pytest.mark.parametrize(
+    "present",
+    [
+        {"bias": True, "old": True, "log_q": False, "adv_per_token": False},
+        {"bias": False, "old": False, "log_q": True, "adv_per_token": True},
+    ],
+    ids=["bias-old", "logq-onpolicy"],
+)
 def test_three_matmul_options(options, present, small_chunks):
     problem = make_problem(B=3, L=9, V=300, D=40, seed=len(options), **present)
     config = LossConfig(**options)
@@ -149,6 +163,7 @@ def test_three_matmul_everything_masked(small_chunks):
 
 # ---------------------------------------------------------------- the two-pass path, compacted
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("read_count", [True, False], ids=["count-read", "count-on-device"])
 def test_two_pass_compacted_backward(dtype, read_count, small_chunks, monkeypatch):
@@ -190,13 +205,35 @@ def test_three_matmul_stays_under_the_logits_limit(dtype):
     B, L, V, D = 4, 64, 1024, 12  # D < N/16 and V/16 keeps the gradients themselves under the limit
     problem = make_problem(B=B, L=L, V=V, D=D, dtype=dtype, mask="tail", is_weights=True)
     config = LossConfig(entropy_coef=0.01)
-    inputs = validate_inputs(problem["hidden"], problem["weight"], problem["token_ids"], problem["mask"],
-                             problem["advantages"], bias=problem["bias"], old_logp=problem["old_logp"],
-                             ref_logp=problem["ref_logp"], is_weights=problem["is_weights"], config=config)
+    inputs = validate_inputs(
+        problem["hidden"],
+        problem["weight"],
+        problem["token_ids"],
+        problem["mask"],
+        problem["advantages"],
+        bias=problem["bias"],
+        old_logp=problem["old_logp"],
+        ref_logp=problem["ref_logp"],
+        is_weights=problem["is_weights"],
+        config=config,
+    )
     with KernelMemoryRecorder(B * L * V // 16) as recorder:
-        out = ops.local_forward(inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids, inputs.mask,
-                                inputs.advantages, inputs.old_logp, inputs.ref_logp, inputs.is_weights,
-                                inputs.log_q, config, True, True, True)
+        out = ops.local_forward(
+            inputs.hidden,
+            inputs.weight,
+            inputs.bias,
+            inputs.token_ids,
+            inputs.mask,
+            inputs.advantages,
+            inputs.old_logp,
+            inputs.ref_logp,
+            inputs.is_weights,
+            inputs.log_q,
+            config,
+            True,
+            True,
+            True,
+        )
     recorder.check()
     assert recorder.largest > 0
     assert all(torch.isfinite(t).all() for t in out)
@@ -246,11 +283,27 @@ def test_opcheck_local_loss_operator():
     floats, ints, num_items = ops._pack(config)
     hidden = problem["hidden"].reshape(-1, 32).detach().requires_grad_()
     weight = problem["weight"].detach().requires_grad_()
-    args = (hidden, weight, problem["bias"], problem["token_ids"], problem["mask"],
-            problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(), problem["old_logp"],
-            problem["ref_logp"], None, None, num_items, floats, ints, [True, True, False])
-    torch.library.opcheck(torch.ops.sage_kernels.triton_sage_loss_local.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    args = (
+        hidden,
+        weight,
+        problem["bias"],
+        problem["token_ids"],
+        problem["mask"],
+        problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(),
+        problem["old_logp"],
+        problem["ref_logp"],
+        None,
+        None,
+        num_items,
+        floats,
+        ints,
+        [True, True, False],
+    )
+    torch.library.opcheck(
+        torch.ops.sage_kernels.triton_sage_loss_local.default,
+        args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
 
 
 @pytest.mark.parametrize("hidden_size, accumulator", [(16, torch.float32), (48, torch.bfloat16)])

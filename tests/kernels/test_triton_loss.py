@@ -31,8 +31,23 @@ def poisoned_buffers(monkeypatch):
     monkeypatch.setattr(tiles, "POISON_BUFFERS", True)
 
 
-def make_problem(B=3, L=13, V=1271, D=96, *, dtype=torch.float32, seed=0, bias=True, logit_scale=1.0,
-                 mask="random", adv_per_token=False, old=True, ref=True, is_weights=False, log_q=False):
+def make_problem(
+    B=3,
+    L=13,
+    V=1271,
+    D=96,
+    *,
+    dtype=torch.float32,
+    seed=0,
+    bias=True,
+    logit_scale=1.0,
+    mask="random",
+    adv_per_token=False,
+    old=True,
+    ref=True,
+    is_weights=False,
+    log_q=False,
+):
     """Inputs of one loss call on DEVICE. old/ref log-probs are the true policy log-probs
     plus noise, so ratios straddle the clip range and the KL is of realistic size."""
     gen = torch.Generator().manual_seed(seed)
@@ -53,16 +68,26 @@ def make_problem(B=3, L=13, V=1271, D=96, *, dtype=torch.float32, seed=0, bias=T
         m = torch.arange(L)[None, :] < lengths[:, None]
     else:
         m = torch.zeros(B, L, dtype=torch.bool) if mask == "none" else torch.ones(B, L, dtype=torch.bool)
-    logp, _ = reference_logprobs_and_entropy(hidden.to(F64).reshape(B * L, D), weight.to(F64),
-                                             token_ids.reshape(-1), bias=None if b is None else b.to(F64),
-                                             dtype=F64)
+    logp, _ = reference_logprobs_and_entropy(
+        hidden.to(F64).reshape(B * L, D),
+        weight.to(F64),
+        token_ids.reshape(-1),
+        bias=None if b is None else b.to(F64),
+        dtype=F64,
+    )
     logp = logp.view(B, L)
-    problem = dict(hidden=hidden, weight=weight, token_ids=token_ids, mask=m,
-                   advantages=randn(B, L) if adv_per_token else randn(B),
-                   bias=b, old_logp=(logp + 0.25 * randn(B, L)).float() if old else None,
-                   ref_logp=(logp + 0.5 * randn(B, L)).float() if ref else None,
-                   is_weights=(0.5 + torch.rand(B, L, generator=gen)).float() if is_weights else None,
-                   log_q=(0.2 * randn(B, L)).float() if log_q else None)
+    problem = dict(
+        hidden=hidden,
+        weight=weight,
+        token_ids=token_ids,
+        mask=m,
+        advantages=randn(B, L) if adv_per_token else randn(B),
+        bias=b,
+        old_logp=(logp + 0.25 * randn(B, L)).float() if old else None,
+        ref_logp=(logp + 0.5 * randn(B, L)).float() if ref else None,
+        is_weights=(0.5 + torch.rand(B, L, generator=gen)).float() if is_weights else None,
+        log_q=(0.2 * randn(B, L)).float() if log_q else None,
+    )
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in problem.items()}
 
 
@@ -72,33 +97,42 @@ def run(problem, config, backend, dtype, *, upstream=1.0):
 
 def check_against_reference(problem, config, dtype, *, frozen_weight=False, seed=0):
     """Assert the Triton backend matches the float64 reference on everything it returns."""
-    return parity.check_against_reference(problem, config, "triton", dtype,
-                                          frozen=("weight",) if frozen_weight else (), seed=seed)
+    return parity.check_against_reference(
+        problem, config, "triton", dtype, frozen=("weight",) if frozen_weight else (), seed=seed
+    )
 
 
 # ---------------------------------------------------------------- options, drawn by hypothesis
 
-options = st.fixed_dictionaries({
-    "beta": st.sampled_from([0.0, 0.05, 0.3]),
-    "kl": st.sampled_from(["k1", "k2", "k3", "fk3"]),
-    "guide": st.sampled_from(["none", "branch"]),
-    "gamma": st.floats(0.0, 1.0),
-    "tau": st.floats(0.5, 3.0),
-    "loss_type": st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo"]),
-    "eps_low": st.floats(0.05, 0.4),
-    "eps_high": st.floats(0.05, 0.5),
-    "delta_clip": st.one_of(st.none(), st.floats(1.1, 3.0)),
-    "dual_clip_c": st.one_of(st.none(), st.floats(1.5, 4.0)),
-    "importance_sampling": st.sampled_from(["token", "sequence"]),
-    "top_entropy_quantile": st.sampled_from([1.0, 0.8, 0.3]),
-    "entropy_coef": st.sampled_from([0.0, 0.02]),
-    "temperature": st.floats(0.5, 1.5),
-    "kl_clamp": st.one_of(st.none(), st.floats(0.2, 2.0)),
-})
-inputs_present = st.fixed_dictionaries({
-    "old": st.booleans(), "is_weights": st.booleans(), "log_q": st.booleans(), "bias": st.booleans(),
-    "adv_per_token": st.booleans(), "mask": st.sampled_from(["random", "tail"]),
-})
+options = st.fixed_dictionaries(
+    {
+        "beta": st.sampled_from([0.0, 0.05, 0.3]),
+        "kl": st.sampled_from(["k1", "k2", "k3", "fk3"]),
+        "guide": st.sampled_from(["none", "branch"]),
+        "gamma": st.floats(0.0, 1.0),
+        "tau": st.floats(0.5, 3.0),
+        "loss_type": st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo"]),
+        "eps_low": st.floats(0.05, 0.4),
+        "eps_high": st.floats(0.05, 0.5),
+        "delta_clip": st.one_of(st.none(), st.floats(1.1, 3.0)),
+        "dual_clip_c": st.one_of(st.none(), st.floats(1.5, 4.0)),
+        "importance_sampling": st.sampled_from(["token", "sequence"]),
+        "top_entropy_quantile": st.sampled_from([1.0, 0.8, 0.3]),
+        "entropy_coef": st.sampled_from([0.0, 0.02]),
+        "temperature": st.floats(0.5, 1.5),
+        "kl_clamp": st.one_of(st.none(), st.floats(0.2, 2.0)),
+    }
+)
+inputs_present = st.fixed_dictionaries(
+    {
+        "old": st.booleans(),
+        "is_weights": st.booleans(),
+        "log_q": st.booleans(),
+        "bias": st.booleans(),
+        "adv_per_token": st.booleans(),
+        "mask": st.sampled_from(["random", "tail"]),
+    }
+)
 
 
 # No shrinking: each example costs seconds under the interpreter; the failing one is printed as drawn.
@@ -128,10 +162,16 @@ def test_guides(guide):
         assert out.metrics["sage/q_max"] > 1.0
 
 
-@pytest.mark.parametrize("loss_type, extra", [
-    ("grpo", {}), ("bnpo", {}), ("dr_grpo", {"max_completion_length": 20}), ("dapo", {}),
-    ("dapo", {"num_items_in_batch": 17}),
-])
+@pytest.mark.parametrize(
+    "loss_type, extra",
+    [
+        ("grpo", {}),
+        ("bnpo", {}),
+        ("dr_grpo", {"max_completion_length": 20}),
+        ("dapo", {}),
+        ("dapo", {"num_items_in_batch": 17}),
+    ],
+)
 def test_loss_types_and_normalisers(loss_type, extra):
     problem = make_problem(B=3, L=11, V=200, D=32, seed=5, mask="tail")
     check_against_reference(problem, LossConfig(loss_type=loss_type, **extra), torch.float32)
@@ -144,6 +184,7 @@ def test_num_items_as_a_device_tensor():
 
 
 # ---------------------------------------------------------------- dtypes and hostile shapes
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("V, D", [(1000, 96), (1271, 96), (1271, 40)])
@@ -168,8 +209,9 @@ def test_flat_logits_have_entropy_log_v():
 
 def test_all_positions_masked_give_zero_loss_and_zero_gradient():
     problem = make_problem(B=2, L=6, V=300, D=32, mask="none")
-    out, grads = run(problem, LossConfig(entropy_coef=0.1, top_entropy_quantile=0.5), "triton",
-                     torch.float32, upstream=1.3)
+    out, grads = run(
+        problem, LossConfig(entropy_coef=0.1, top_entropy_quantile=0.5), "triton", torch.float32, upstream=1.3
+    )
     assert out.loss.item() == 0.0
     assert torch.equal(out.logp, torch.zeros_like(out.logp))
     assert torch.equal(out.q, torch.ones_like(out.q)) and torch.equal(out.ratio, torch.ones_like(out.ratio))
@@ -184,16 +226,16 @@ def test_vocab_splits_token_blocks_and_backward_chunks(monkeypatch):
     monkeypatch.setitem(tiles.TILE_OVERRIDE, "splits", 3)
     monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_v", 2 * tile.block_v)
     problem = make_problem(B=5, L=15, V=1271, D=72, seed=2, mask="tail")
-    check_against_reference(problem, LossConfig(entropy_coef=0.02, importance_sampling="sequence"),
-                            torch.float32)
+    check_against_reference(problem, LossConfig(entropy_coef=0.02, importance_sampling="sequence"), torch.float32)
 
 
 def test_temperature_and_beta_are_runtime_scalars():
     # The same kernels serve every value; each value still matches the reference.
     problem = make_problem(B=2, L=8, V=300, D=32, seed=9)
     for temperature, beta, gamma, tau in ((0.6, 0.0, 0.3, 1.2), (1.3, 0.2, 0.7, 0.4)):
-        check_against_reference(problem, LossConfig(temperature=temperature, beta=beta, gamma=gamma, tau=tau),
-                                torch.float32)
+        check_against_reference(
+            problem, LossConfig(temperature=temperature, beta=beta, gamma=gamma, tau=tau), torch.float32
+        )
 
 
 def test_poisoned_buffers_are_enabled():

@@ -51,17 +51,50 @@ def narrow_vocab_tiles(monkeypatch):
 def test_forward_and_backward_stay_under_the_limit(dtype):
     problem = make_problem(B=B, L=L, V=V, D=D, dtype=dtype, mask="tail", is_weights=True)
     config = LossConfig(entropy_coef=0.01, top_entropy_quantile=0.5, importance_sampling="sequence")
-    inputs = validate_inputs(problem["hidden"], problem["weight"], problem["token_ids"], problem["mask"],
-                             problem["advantages"], bias=problem["bias"], old_logp=problem["old_logp"],
-                             ref_logp=problem["ref_logp"], is_weights=problem["is_weights"], config=config)
+    inputs = validate_inputs(
+        problem["hidden"],
+        problem["weight"],
+        problem["token_ids"],
+        problem["mask"],
+        problem["advantages"],
+        bias=problem["bias"],
+        old_logp=problem["old_logp"],
+        ref_logp=problem["ref_logp"],
+        is_weights=problem["is_weights"],
+        config=config,
+    )
     with KernelMemoryRecorder(LIMIT) as recorder:
-        out = ops.loss_forward(inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids, inputs.mask,
-                               inputs.advantages, inputs.old_logp, inputs.ref_logp, inputs.is_weights,
-                               inputs.log_q, config)
+        out = ops.loss_forward(
+            inputs.hidden,
+            inputs.weight,
+            inputs.bias,
+            inputs.token_ids,
+            inputs.mask,
+            inputs.advantages,
+            inputs.old_logp,
+            inputs.ref_logp,
+            inputs.is_weights,
+            inputs.log_q,
+            config,
+        )
         _, _, entropy, _, _, _, _, lse, g, c, rows, count = out
-        grads = ops.loss_backward(torch.tensor(1.5, device=DEVICE), inputs.hidden, inputs.weight, inputs.bias,
-                                  inputs.token_ids, rows, count, lse, entropy, g, c, config.temperature,
-                                  True, True, True)
+        grads = ops.loss_backward(
+            torch.tensor(1.5, device=DEVICE),
+            inputs.hidden,
+            inputs.weight,
+            inputs.bias,
+            inputs.token_ids,
+            rows,
+            count,
+            lse,
+            entropy,
+            g,
+            c,
+            config.temperature,
+            True,
+            True,
+            True,
+        )
     recorder.check()
     assert recorder.largest > 0
     assert all(torch.isfinite(grad).all() for grad in grads)
@@ -70,8 +103,9 @@ def test_forward_and_backward_stay_under_the_limit(dtype):
 def test_scoring_stays_under_the_limit():
     problem = make_problem(B=B, L=L, V=V, D=D, old=False, ref=False)
     with KernelMemoryRecorder(LIMIT) as recorder:
-        logp, _ = logprobs_and_entropy(problem["hidden"], problem["weight"], problem["token_ids"],
-                                       bias=problem["bias"], backend="triton")
+        logp, _ = logprobs_and_entropy(
+            problem["hidden"], problem["weight"], problem["token_ids"], bias=problem["bias"], backend="triton"
+        )
     recorder.check()
     assert torch.isfinite(logp).all()
 

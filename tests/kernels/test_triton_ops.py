@@ -21,15 +21,36 @@ def loss_op_args(problem, config):
     floats, ints, num_items = ops._pack(config)
     hidden = problem["hidden"].reshape(-1, problem["hidden"].shape[-1]).detach().requires_grad_()
     weight = problem["weight"].detach().requires_grad_()
-    return (hidden, weight, problem["bias"], problem["token_ids"], problem["mask"],
-            problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(), problem["old_logp"],
-            problem["ref_logp"], None, None, num_items, floats, ints)
+    return (
+        hidden,
+        weight,
+        problem["bias"],
+        problem["token_ids"],
+        problem["mask"],
+        problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(),
+        problem["old_logp"],
+        problem["ref_logp"],
+        None,
+        None,
+        num_items,
+        floats,
+        ints,
+    )
 
 
 def test_config_round_trips_through_the_operator_arguments():
-    config = LossConfig(kl="k2", guide="none", loss_type="dr_grpo", importance_sampling="sequence",
-                        delta_clip=2.0, dual_clip_c=3.0, max_completion_length=77, num_items_in_batch=12.0,
-                        beta=0.0, tau=0.9)
+    config = LossConfig(
+        kl="k2",
+        guide="none",
+        loss_type="dr_grpo",
+        importance_sampling="sequence",
+        delta_clip=2.0,
+        dual_clip_c=3.0,
+        max_completion_length=77,
+        num_items_in_batch=12.0,
+        beta=0.0,
+        tau=0.9,
+    )
     assert ops._unpack(*ops._pack(config)) == config
     n = torch.tensor(5.0)
     assert ops._unpack(*ops._pack(LossConfig(num_items_in_batch=n))).num_items_in_batch is n
@@ -38,16 +59,25 @@ def test_config_round_trips_through_the_operator_arguments():
 def test_opcheck_loss_operator():
     problem = make_problem(B=2, L=5, V=200, D=32, seed=1)
     args = loss_op_args(problem, LossConfig(entropy_coef=0.01))
-    torch.library.opcheck(torch.ops.sage_kernels.triton_sage_loss.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.sage_kernels.triton_sage_loss.default,
+        args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
 
 
 def test_opcheck_scoring_operator():
     problem = make_problem(B=2, L=5, V=200, D=32, seed=2)
-    args = (problem["hidden"].reshape(10, 32), problem["weight"], problem["bias"],
-            problem["token_ids"].reshape(10), 0.9)
-    torch.library.opcheck(torch.ops.sage_kernels.triton_logprobs_entropy.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    args = (
+        problem["hidden"].reshape(10, 32),
+        problem["weight"],
+        problem["bias"],
+        problem["token_ids"].reshape(10),
+        0.9,
+    )
+    torch.library.opcheck(
+        torch.ops.sage_kernels.triton_logprobs_entropy.default, args, test_utils=("test_schema", "test_faketensor")
+    )
 
 
 class TinyPolicyHead(torch.nn.Module):
@@ -59,9 +89,17 @@ class TinyPolicyHead(torch.nn.Module):
         self.head = torch.nn.Linear(D, V)
 
     def forward(self, hidden, token_ids, mask, advantages, ref_logp):
-        out = fused_linear_sage_loss(torch.tanh(self.proj(hidden)), self.head.weight, token_ids, mask,
-                                     advantages, bias=self.head.bias, ref_logp=ref_logp, backend="triton",
-                                     entropy_coef=0.01)
+        out = fused_linear_sage_loss(
+            torch.tanh(self.proj(hidden)),
+            self.head.weight,
+            token_ids,
+            mask,
+            advantages,
+            bias=self.head.bias,
+            ref_logp=ref_logp,
+            backend="triton",
+            entropy_coef=0.01,
+        )
         return out.loss, out.entropy
 
 
@@ -92,8 +130,9 @@ def test_torch_compile_full_graph_of_the_operators():
 
     def step(*op_args):
         loss = torch.ops.sage_kernels.triton_sage_loss(*op_args)[0]
-        logp, _ = torch.ops.sage_kernels.triton_logprobs_entropy(op_args[0].detach(), op_args[1].detach(),
-                                                                 None, op_args[3].reshape(-1), 1.0)
+        logp, _ = torch.ops.sage_kernels.triton_logprobs_entropy(
+            op_args[0].detach(), op_args[1].detach(), None, op_args[3].reshape(-1), 1.0
+        )
         return loss, logp
 
     loss, logp = torch.compile(step, backend=COMPILE_BACKEND, fullgraph=True)(*args)

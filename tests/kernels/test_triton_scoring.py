@@ -33,12 +33,17 @@ def check_scoring(N, V, D, dtype, *, seed=0, bias=True, temperature=1.0, logit_s
     weight = (torch.randn(V, D, generator=gen, dtype=F64) * logit_scale / math.sqrt(D)).to(dtype)
     b = (torch.randn(V, generator=gen, dtype=F64) * 0.5).to(dtype) if bias else None
     ids = torch.randint(0, V, (N,), generator=gen)
-    expected = reference_logprobs_and_entropy(hidden.to(F64), weight.to(F64), ids,
-                                              bias=None if b is None else b.to(F64),
-                                              temperature=temperature, dtype=F64)
-    logp, entropy = logprobs_and_entropy(hidden.to(DEVICE), weight.to(DEVICE), ids.to(DEVICE),
-                                         bias=None if b is None else b.to(DEVICE), temperature=temperature,
-                                         backend="triton")
+    expected = reference_logprobs_and_entropy(
+        hidden.to(F64), weight.to(F64), ids, bias=None if b is None else b.to(F64), temperature=temperature, dtype=F64
+    )
+    logp, entropy = logprobs_and_entropy(
+        hidden.to(DEVICE),
+        weight.to(DEVICE),
+        ids.to(DEVICE),
+        bias=None if b is None else b.to(DEVICE),
+        temperature=temperature,
+        backend="triton",
+    )
     assert logp.dtype == entropy.dtype == torch.float32
     assert_close(logp.cpu(), expected[0], dtype, "token", "logp")
     assert_close(entropy.cpu(), expected[1], dtype, "token", "entropy")
@@ -79,7 +84,13 @@ def test_batched_shape_is_kept():
 
 
 @settings(max_examples=8, phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@given(N=st.integers(1, 64), V=st.integers(2, 1300), D=st.integers(1, 96), bias=st.booleans(),
-       temperature=st.floats(0.3, 2.0), seed=st.integers(0, 100))
+@given(
+    N=st.integers(1, 64),
+    V=st.integers(2, 1300),
+    D=st.integers(1, 96),
+    bias=st.booleans(),
+    temperature=st.floats(0.3, 2.0),
+    seed=st.integers(0, 100),
+)
 def test_random_shapes(N, V, D, bias, temperature, seed):
     check_scoring(N, V, D, torch.float32, seed=seed, bias=bias, temperature=temperature)

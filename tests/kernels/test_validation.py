@@ -12,8 +12,14 @@ B, L, D, V = 2, 3, 4, 5
 
 def good():
     torch.manual_seed(0)
-    return dict(hidden=torch.randn(B, L, D), weight=torch.randn(V, D), token_ids=torch.randint(0, V, (B, L)),
-                mask=torch.ones(B, L, dtype=torch.bool), advantages=torch.randn(B), ref_logp=-torch.rand(B, L))
+    return dict(
+        hidden=torch.randn(B, L, D),
+        weight=torch.randn(V, D),
+        token_ids=torch.randint(0, V, (B, L)),
+        mask=torch.ones(B, L, dtype=torch.bool),
+        advantages=torch.randn(B),
+        ref_logp=-torch.rand(B, L),
+    )
 
 
 def call(**changes):
@@ -27,55 +33,58 @@ _DROP = object()
 META = torch.device("meta")
 
 
-@pytest.mark.parametrize("changes, error, words", [
-    ({"hidden": torch.randn(B, L, D, 1)}, ValueError, "hidden must have 2 or 3 dimensions"),
-    ({"hidden": torch.randn(B, L + 1, D)}, ValueError, "hidden must have shape [B=2, L=3, D]"),
-    ({"hidden": torch.randn(B * L + 1, D)}, ValueError, "N = B*L = 6"),
-    ({"hidden": torch.randint(0, 3, (B, L, D))}, TypeError, "hidden must be a floating-point"),
-    ({"hidden": [[0.0]]}, TypeError, "hidden must be a torch.Tensor"),
-    ({"weight": torch.randn(V, D + 1)}, ValueError, "weight must have shape [V, D=4]"),
-    ({"weight": torch.randn(V, D, dtype=torch.float64)}, TypeError, "weight must have hidden's dtype"),
-    ({"weight": torch.randn(V, D, device=META)}, ValueError, "weight must be on cpu"),
-    ({"bias": torch.randn(V + 1)}, ValueError, "bias must have shape [V=5]"),
-    ({"bias": torch.randn(V, dtype=torch.float16)}, TypeError, "bias must have hidden's dtype"),
-    ({"token_ids": torch.zeros(B, L)}, TypeError, "token_ids must be an integer tensor"),
-    ({"token_ids": torch.zeros(B * L, dtype=torch.long)}, ValueError, "token_ids must have 2 dimensions"),
-    ({"token_ids": torch.full((B, L), V)}, ValueError, "token_ids must be in [0, V=5)"),
-    ({"token_ids": torch.full((B, L), -1)}, ValueError, "token_ids must be in [0, V=5)"),
-    ({"mask": torch.ones(B, L + 1)}, ValueError, "mask must have shape [B=2, L=3]"),
-    ({"advantages": torch.randn(B + 1)}, ValueError, "advantages must have shape [B=2]"),
-    ({"advantages": torch.randn(B, L + 1)}, ValueError, "advantages must have shape"),
-    ({"advantages": torch.ones(B, dtype=torch.long)}, TypeError, "advantages must be a floating-point"),
-    ({"advantages": torch.tensor([1.0, math.nan])}, ValueError, "advantages has non-finite"),
-    ({"hidden": torch.full((B, L, D), math.inf)}, ValueError, "hidden has non-finite"),
-    ({"ref_logp": torch.full((B, L), math.nan)}, ValueError, "ref_logp has non-finite"),
-    ({"ref_logp": torch.zeros(B, L + 1)}, ValueError, "ref_logp must have shape [B=2, L=3]"),
-    ({"ref_logp": _DROP}, ValueError, "ref_logp is required when beta != 0"),
-    ({"old_logp": torch.full((B, L), -math.inf)}, ValueError, "old_logp has non-finite"),
-    ({"is_weights": torch.ones(B, L, device=META)}, ValueError, "is_weights must be on cpu"),
-    ({"log_q": torch.ones(B)}, ValueError, "log_q must have shape"),
-    ({"temperature": 0.0}, ValueError, "temperature must be > 0"),
-    ({"temperature": -1.0}, ValueError, "temperature must be > 0"),
-    ({"loss_type": "ppo"}, ValueError, "loss_type must be one of"),
-    ({"kl": "k4"}, ValueError, "kl must be one of"),
-    ({"guide": "entropy"}, ValueError, "guide must be one of"),
-    ({"importance_sampling": "group"}, ValueError, "importance_sampling must be one of"),
-    ({"q_min": 0.0}, ValueError, "q_min must be in (0, q_max=1.4]"),
-    ({"q_min": 2.0}, ValueError, "q_min must be in (0, q_max=1.4]"),
-    ({"eps_low": 1.0}, ValueError, "eps_low must be in [0, 1)"),
-    ({"delta_clip": 0.9}, ValueError, "delta_clip must be None or a number > 1"),
-    ({"kl_clamp": 0.0}, ValueError, "kl_clamp must be None or a finite number > 0"),
-    ({"kl_clamp": float("inf")}, ValueError, "kl_clamp must be None or a finite number > 0"),
-    ({"dual_clip_c": 1.0}, ValueError, "dual_clip_c must be None or a number > 1"),
-    ({"top_entropy_quantile": 0.0}, ValueError, "top_entropy_quantile must be in (0, 1]"),
-    ({"beta": math.nan}, ValueError, "beta must be a finite number"),
-    ({"gamma": -0.1}, ValueError, "gamma must be >= 0"),
-    ({"max_completion_length": 0}, ValueError, "max_completion_length must be None or a positive int"),
-    ({"num_items_in_batch": 0}, ValueError, "num_items_in_batch must be None or a number > 0"),
-    ({"learning_rate": 1e-3}, TypeError, "unknown loss option(s) ['learning_rate']"),
-    ({"backend": "cuda"}, ValueError, "backend must be 'auto' or one of"),
-    ({"config": {"beta": 0.1}}, TypeError, "config must be a LossConfig"),
-])
+@pytest.mark.parametrize(
+    "changes, error, words",
+    [
+        ({"hidden": torch.randn(B, L, D, 1)}, ValueError, "hidden must have 2 or 3 dimensions"),
+        ({"hidden": torch.randn(B, L + 1, D)}, ValueError, "hidden must have shape [B=2, L=3, D]"),
+        ({"hidden": torch.randn(B * L + 1, D)}, ValueError, "N = B*L = 6"),
+        ({"hidden": torch.randint(0, 3, (B, L, D))}, TypeError, "hidden must be a floating-point"),
+        ({"hidden": [[0.0]]}, TypeError, "hidden must be a torch.Tensor"),
+        ({"weight": torch.randn(V, D + 1)}, ValueError, "weight must have shape [V, D=4]"),
+        ({"weight": torch.randn(V, D, dtype=torch.float64)}, TypeError, "weight must have hidden's dtype"),
+        ({"weight": torch.randn(V, D, device=META)}, ValueError, "weight must be on cpu"),
+        ({"bias": torch.randn(V + 1)}, ValueError, "bias must have shape [V=5]"),
+        ({"bias": torch.randn(V, dtype=torch.float16)}, TypeError, "bias must have hidden's dtype"),
+        ({"token_ids": torch.zeros(B, L)}, TypeError, "token_ids must be an integer tensor"),
+        ({"token_ids": torch.zeros(B * L, dtype=torch.long)}, ValueError, "token_ids must have 2 dimensions"),
+        ({"token_ids": torch.full((B, L), V)}, ValueError, "token_ids must be in [0, V=5)"),
+        ({"token_ids": torch.full((B, L), -1)}, ValueError, "token_ids must be in [0, V=5)"),
+        ({"mask": torch.ones(B, L + 1)}, ValueError, "mask must have shape [B=2, L=3]"),
+        ({"advantages": torch.randn(B + 1)}, ValueError, "advantages must have shape [B=2]"),
+        ({"advantages": torch.randn(B, L + 1)}, ValueError, "advantages must have shape"),
+        ({"advantages": torch.ones(B, dtype=torch.long)}, TypeError, "advantages must be a floating-point"),
+        ({"advantages": torch.tensor([1.0, math.nan])}, ValueError, "advantages has non-finite"),
+        ({"hidden": torch.full((B, L, D), math.inf)}, ValueError, "hidden has non-finite"),
+        ({"ref_logp": torch.full((B, L), math.nan)}, ValueError, "ref_logp has non-finite"),
+        ({"ref_logp": torch.zeros(B, L + 1)}, ValueError, "ref_logp must have shape [B=2, L=3]"),
+        ({"ref_logp": _DROP}, ValueError, "ref_logp is required when beta != 0"),
+        ({"old_logp": torch.full((B, L), -math.inf)}, ValueError, "old_logp has non-finite"),
+        ({"is_weights": torch.ones(B, L, device=META)}, ValueError, "is_weights must be on cpu"),
+        ({"log_q": torch.ones(B)}, ValueError, "log_q must have shape"),
+        ({"temperature": 0.0}, ValueError, "temperature must be > 0"),
+        ({"temperature": -1.0}, ValueError, "temperature must be > 0"),
+        ({"loss_type": "ppo"}, ValueError, "loss_type must be one of"),
+        ({"kl": "k4"}, ValueError, "kl must be one of"),
+        ({"guide": "entropy"}, ValueError, "guide must be one of"),
+        ({"importance_sampling": "group"}, ValueError, "importance_sampling must be one of"),
+        ({"q_min": 0.0}, ValueError, "q_min must be in (0, q_max=1.4]"),
+        ({"q_min": 2.0}, ValueError, "q_min must be in (0, q_max=1.4]"),
+        ({"eps_low": 1.0}, ValueError, "eps_low must be in [0, 1)"),
+        ({"delta_clip": 0.9}, ValueError, "delta_clip must be None or a number > 1"),
+        ({"kl_clamp": 0.0}, ValueError, "kl_clamp must be None or a finite number > 0"),
+        ({"kl_clamp": float("inf")}, ValueError, "kl_clamp must be None or a finite number > 0"),
+        ({"dual_clip_c": 1.0}, ValueError, "dual_clip_c must be None or a number > 1"),
+        ({"top_entropy_quantile": 0.0}, ValueError, "top_entropy_quantile must be in (0, 1]"),
+        ({"beta": math.nan}, ValueError, "beta must be a finite number"),
+        ({"gamma": -0.1}, ValueError, "gamma must be >= 0"),
+        ({"max_completion_length": 0}, ValueError, "max_completion_length must be None or a positive int"),
+        ({"num_items_in_batch": 0}, ValueError, "num_items_in_batch must be None or a number > 0"),
+        ({"learning_rate": 1e-3}, TypeError, "unknown loss option(s) ['learning_rate']"),
+        ({"backend": "cuda"}, ValueError, "backend must be 'auto' or one of"),
+        ({"config": {"beta": 0.1}}, TypeError, "config must be a LossConfig"),
+    ],
+)
 def test_bad_input_raises_naming_the_argument(changes, error, words):
     with pytest.raises(error) as info:
         call(**changes)
@@ -134,6 +143,11 @@ def test_module_rejects_unknown_options():
 def test_a_batch_without_tokens_is_a_clear_error(backend, rows, cols):
     """B = 0 or L = 0 has no loss to return (an all-masked batch, which has, gives zero)."""
     with pytest.raises(ValueError, match=rf"B >= 1 rows and L >= 1 columns, got shape \({rows}, {cols}\)"):
-        call(hidden=torch.randn(rows, cols, D), token_ids=torch.zeros(rows, cols, dtype=torch.long),
-             mask=torch.ones(rows, cols, dtype=torch.bool), advantages=torch.randn(rows),
-             ref_logp=torch.zeros(rows, cols), backend=backend)
+        call(
+            hidden=torch.randn(rows, cols, D),
+            token_ids=torch.zeros(rows, cols, dtype=torch.long),
+            mask=torch.ones(rows, cols, dtype=torch.bool),
+            advantages=torch.randn(rows),
+            ref_logp=torch.zeros(rows, cols),
+            backend=backend,
+        )

@@ -20,8 +20,9 @@ TOLERANCES = {
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, kind: str, what: str = ""):
     """`actual` against the float64 `expected` with the tolerance of `kind` for `dtype`."""
     atol, rtol = TOLERANCES[dtype][kind]
-    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol,
-                               msg=lambda m: f"{what} ({dtype}, {kind}): {m}")
+    torch.testing.assert_close(
+        actual.double(), expected.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what} ({dtype}, {kind}): {m}"
+    )
 
 
 def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = ""):

@@ -22,9 +22,7 @@ def test_equal_rewards_give_exactly_zero():
 
 def test_unscaled_is_reward_minus_mean():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
-    torch.testing.assert_close(
-        group_advantages(rewards, scale=False), torch.tensor([[0.75, -0.25, -0.25, -0.25]])
-    )
+    torch.testing.assert_close(group_advantages(rewards, scale=False), torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
 
 
 def test_rejects_groups_of_one():

@@ -87,14 +87,12 @@ def test_preset_values_and_explicit_keys_winning():
     assert resolve(build({"algorithm": "dapo-full", "eps_high": 0.3})).eps_high == 0.3
     assert resolve(build({"algorithm": "dr_grpo"})).scale_rewards is False
     assert resolve(build({"algorithm": "grpo-no-kl"})).beta == 0.0
-    assert (
-        loss_config(resolve(build({"algorithm": "sage-token"}))).guide == "none"
-    )  # log_q comes from outside
+    assert loss_config(resolve(build({"algorithm": "sage-token"}))).guide == "none"  # log_q comes from outside
 
 
 @pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
 def test_paper_baselines_change_only_the_loss_type_and_the_anchor(loss_type):
-    """"BNPO / DAPO (no KL)" are GRPO with another loss_type and beta 0; "+ Branch" the same
+    """ "BNPO / DAPO (no KL)" are GRPO with another loss_type and beta 0; "+ Branch" the same
     loss_type with beta 0.05 and the branch guide; nothing else differs from grpo."""
     grpo = resolve(build({"algorithm": "grpo"})).to_dict()
     no_kl = resolve(build({"algorithm": loss_type})).to_dict()
@@ -109,9 +107,17 @@ def test_guide_schedule_keys_default_to_the_official_values():
     token = resolve(build({"algorithm": "sage-token"}))
     random = resolve(build({"algorithm": "sage-random"}))
     assert (token.guide_alpha_max, token.guide_alpha_min, token.guide_sigma_max, token.guide_sigma_min) == (
-        0.3, 0.1, 0.25, 0.1)
+        0.3,
+        0.1,
+        0.25,
+        0.1,
+    )
     assert (random.guide_eps_max, random.guide_eps_min, random.guide_sigma_max, random.guide_sigma_min) == (
-        0.1, 0.0, 0.15, 0.05)
+        0.1,
+        0.0,
+        0.15,
+        0.05,
+    )
     assert (token.guide_num_cycles, token.guide_decay_rate, token.guide_normalization) == (8, 0.9, "minmax")
     assert resolve(build({"algorithm": "grpo", "guide": "random"})).guide_sigma_max == 0.15
     with pytest.raises(ConfigError, match="'guide_normalization'"):

@@ -58,10 +58,31 @@ def models(tmp_path_factory):
 
 
 def run(models, out, *extra):
-    return main(["--model", str(models["untrained"]), "--model", str(models["fitted"]),
-                 "--tasks", "arithmetic", "--task-options", json.dumps({"arithmetic": TASK_OPTIONS}),
-                 "--n", "8", "--k", "1,2,8", "--seeds", "0,1", "--max-new-tokens", "3",
-                 "--out", str(out), "--no-progress", "--save-completions", *extra])
+    return main(
+        [
+            "--model",
+            str(models["untrained"]),
+            "--model",
+            str(models["fitted"]),
+            "--tasks",
+            "arithmetic",
+            "--task-options",
+            json.dumps({"arithmetic": TASK_OPTIONS}),
+            "--n",
+            "8",
+            "--k",
+            "1,2,8",
+            "--seeds",
+            "0,1",
+            "--max-new-tokens",
+            "3",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--save-completions",
+            *extra,
+        ]
+    )
 
 
 def read_jsonl(path):
@@ -81,7 +102,8 @@ def test_end_to_end_results_match_the_graded_completions(models, tmp_path):
     for label, model in results["models"].items():
         records = model["tasks"]["arithmetic"]["problems"]
         assert sorted((r["seed"], r["problem_id"]) for r in records) == sorted(
-            (seed, pid) for seed in (0, 1) for pid in problems)
+            (seed, pid) for seed in (0, 1) for pid in problems
+        )
         for record in records:
             texts = saved[(label, record["seed"], record["problem_id"])]["completions"]
             assert record["n"] == len(texts) == 8
@@ -89,8 +111,7 @@ def test_end_to_end_results_match_the_graded_completions(models, tmp_path):
             assert record["c"] == sum(task.score(t, problems[record["problem_id"]]) == 1.0 for t in texts)
         curve = model["tasks"]["arithmetic"]["pass_at_k"]
         for k in (1, 2, 8):
-            per_seed = [sum(pass_at_k(8, r["c"], k) for r in records if r["seed"] == seed) / LIMIT
-                        for seed in (0, 1)]
+            per_seed = [sum(pass_at_k(8, r["c"], k) for r in records if r["seed"] == seed) / LIMIT for seed in (0, 1)]
             assert curve[str(k)]["per_seed"] == pytest.approx(per_seed)
             assert curve[str(k)]["mean"] == pytest.approx(sum(per_seed) / 2)
     fitted = results["models"]["fitted"]["tasks"]["arithmetic"]
@@ -132,9 +153,17 @@ def test_run_directory_supplies_model_task_and_output(models, tmp_path):
     run_dir = tmp_path / "runs" / "tiny-run"
     run_dir.mkdir(parents=True)
     (run_dir / "final").symlink_to(models["fitted"], target_is_directory=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(
-        {"task": "arithmetic", "task_options": TASK_OPTIONS, "eval_task": "", "max_new_tokens": 3,
-         "eval_max_new_tokens": 0}))
+    (run_dir / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "task": "arithmetic",
+                "task_options": TASK_OPTIONS,
+                "eval_task": "",
+                "max_new_tokens": 3,
+                "eval_max_new_tokens": 0,
+            }
+        )
+    )
     assert main(["--model", str(run_dir), "--n", "2", "--limit", "1", "--no-progress"]) == 0
     results = json.loads((run_dir / "eval" / "results.json").read_text())
     assert list(results["models"]) == ["tiny-run"]
@@ -146,9 +175,25 @@ def test_run_directory_supplies_model_task_and_output(models, tmp_path):
 def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
     """Ctrl-C in a real `sage-eval` process: it exits 130 keeping what it finished, and the
     rerun samples only the rest."""
-    args = ["--model", str(models["fitted"]), "--tasks", "arithmetic",
-            "--task-options", json.dumps({"arithmetic": TASK_OPTIONS}), "--n", "8", "--seeds", "0,1,2",
-            "--max-new-tokens", "3", "--limit", "16", "--out", str(tmp_path), "--no-progress"]
+    args = [
+        "--model",
+        str(models["fitted"]),
+        "--tasks",
+        "arithmetic",
+        "--task-options",
+        json.dumps({"arithmetic": TASK_OPTIONS}),
+        "--n",
+        "8",
+        "--seeds",
+        "0,1,2",
+        "--max-new-tokens",
+        "3",
+        "--limit",
+        "16",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    ]
     code = f"import sys; from sage_train.cli import eval_main; sys.exit(eval_main({args!r}))"
     process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     records = tmp_path / "records.jsonl"
@@ -182,11 +227,18 @@ def test_evaluate_engine_batching_and_per_problem_reproducibility(models):
     assert [r for r in full["problems"] if r["problem_id"] == problems[2].id] == alone["problems"]
 
     seen = []
-    batched = evaluate_engine(engine, task, problems, problems_per_call=3, samples_per_call=4,
-                              on_record=lambda record, texts, scores: seen.append((record, texts, scores)),
-                              **common)
+    batched = evaluate_engine(
+        engine,
+        task,
+        problems,
+        problems_per_call=3,
+        samples_per_call=4,
+        on_record=lambda record, texts, scores: seen.append((record, texts, scores)),
+        **common,
+    )
     assert [(r["seed"], r["problem_id"]) for r in batched["problems"]] == [
-        (seed, p.id) for seed in (0, 1) for p in problems]
+        (seed, p.id) for seed in (0, 1) for p in problems
+    ]
     for record, texts, scores in seen:
         assert record["n"] == len(texts) == len(scores) == 6
         assert record["c"] == sum(s == 1.0 for s in scores)

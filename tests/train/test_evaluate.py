@@ -25,14 +25,21 @@ def test_matches_enumeration_of_all_k_subsets(n):
             assert pass_at_k(n, c, k) == pytest.approx(brute_force(n, c, k), abs=1e-12), (n, c, k)
 
 
-@pytest.mark.parametrize("n, c, k, expected", [
-    (10, 0, 1, 0.0), (10, 0, 10, 0.0),        # nothing correct: 0 whatever k
-    (10, 10, 1, 1.0), (10, 10, 10, 1.0),      # all correct: 1 whatever k
-    (10, 1, 10, 1.0), (10, 3, 10, 1.0),       # k = n: any correct sample is in the one subset
-    (10, 3, 1, 0.3), (256, 17, 1, 17 / 256),  # pass@1 = c / n
-    (10, 3, 8, 1.0),                          # n - c < k: every subset holds a correct one
-    (4, 1, 2, 0.5),
-])
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (10, 0, 1, 0.0),
+        (10, 0, 10, 0.0),  # nothing correct: 0 whatever k
+        (10, 10, 1, 1.0),
+        (10, 10, 10, 1.0),  # all correct: 1 whatever k
+        (10, 1, 10, 1.0),
+        (10, 3, 10, 1.0),  # k = n: any correct sample is in the one subset
+        (10, 3, 1, 0.3),
+        (256, 17, 1, 17 / 256),  # pass@1 = c / n
+        (10, 3, 8, 1.0),  # n - c < k: every subset holds a correct one
+        (4, 1, 2, 0.5),
+    ],
+)
 def test_edge_cases(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-15)
 

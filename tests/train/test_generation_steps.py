@@ -16,8 +16,9 @@ from tiny_models import tiny_model
 
 
 def test_one_generation_feeds_two_optimizer_steps(tiny_config, distributed):
-    cfg = tiny_config(name="spg", algorithm="sage-token", steps=4, steps_per_generation=2, lr=0.05, group_size=8,
-                      max_new_tokens=6)
+    cfg = tiny_config(
+        name="spg", algorithm="sage-token", steps=4, steps_per_generation=2, lr=0.05, group_size=8, max_new_tokens=6
+    )
     train(cfg)
     rows = report.read_metrics(cfg.run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
@@ -49,8 +50,14 @@ def test_the_token_guide_reads_the_current_policys_log_probs():
         return seen["log_q"]
 
     mask = batch.completion_mask
-    loss_inputs = {"mask": mask, "advantages": torch.ones(4), "old_logp": torch.zeros(mask.shape),
-                   "log_q": recording_guide, "ref_logp": torch.zeros(mask.shape), "config": LossConfig(beta=0.05)}
+    loss_inputs = {
+        "mask": mask,
+        "advantages": torch.ones(4),
+        "old_logp": torch.zeros(mask.shape),
+        "log_q": recording_guide,
+        "ref_logp": torch.zeros(mask.shape),
+        "config": LossConfig(beta=0.05),
+    }
     _, out = head(**batch.model_inputs(slice(0, 4), 1.0), loss_inputs=loss_inputs)
     current, _ = score(head, batch, 4, 1.0)
     torch.testing.assert_close(seen["logp"][mask], current[mask], rtol=1e-5, atol=1e-5)

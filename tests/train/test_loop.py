@@ -67,9 +67,7 @@ def test_short_run_writes_every_output(tiny_config, distributed):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "sage-token", "sage-random", "dapo-full", "sage-branch-bnpo"])
 def test_presets_run(tiny_config, distributed, algorithm):
-    cfg = tiny_config(
-        name=algorithm, algorithm=algorithm, steps=2, num_iterations=2, dynamic_sampling_max_rounds=2
-    )
+    cfg = tiny_config(name=algorithm, algorithm=algorithm, steps=2, num_iterations=2, dynamic_sampling_max_rounds=2)
     train(cfg)
     rows = report.read_metrics(cfg.run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]

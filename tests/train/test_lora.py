@@ -22,9 +22,7 @@ pytest.importorskip("peft")
 
 
 def lora_setup(tiny_config, distributed, **overrides):
-    cfg = tiny_config(
-        lora_rank=4, lora_alpha=8.0, lr=0.05, zero_stage=overrides.pop("zero_stage", 0), **overrides
-    )
+    cfg = tiny_config(lora_rank=4, lora_alpha=8.0, lr=0.05, zero_stage=overrides.pop("zero_stage", 0), **overrides)
     rank, world, device = distributed
     model, tokenizer = load_model_and_tokenizer(cfg)
     base = copy.deepcopy(model).eval()
@@ -113,9 +111,7 @@ def test_tis_weights_with_hf_engine_are_one(tiny_config, distributed):
 
 
 def test_lora_loop_end_to_end(tiny_config, distributed):
-    cfg = tiny_config(
-        name="lora", lora_rank=4, steps=2, sft_steps=3, tis_level="sequence", tis_cap=3.0, save_every=2
-    )
+    cfg = tiny_config(name="lora", lora_rank=4, steps=2, sft_steps=3, tis_level="sequence", tis_cap=3.0, save_every=2)
     summary = train(cfg)
     rows = report.read_metrics(cfg.run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]

@@ -39,9 +39,7 @@ def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
             captured[name] = p.grad.detach().clone()
 
     engine.optimizer.register_step_pre_hook(capture)
-    ctx = Context(
-        cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")
-    )
+    ctx = Context(cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu"))
     old_logp, _ = score(engine, batch, 3, cfg.temperature)
     ref_logp, _ = score(reference, batch, 3, cfg.temperature)
     policy_update(ctx, batch, advantages, old_logp, ref_logp, None)
@@ -86,9 +84,7 @@ def test_an_update_moves_log_probs_with_the_advantage(tiny_config, distributed, 
     model = tiny_model(tokenizer, seed=0, max_positions=64)
     reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
     engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
-    ctx = Context(
-        cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")
-    )
+    ctx = Context(cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu"))
     batch = make_batch(completions(tokenizer, 8, seed=1), torch.device("cpu"), tokenizer.pad_token_id)
     advantages = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
     before, _ = score(engine, batch, 4, cfg.temperature)

@@ -23,21 +23,46 @@ def chat_model(tmp_path_factory):
     tokenizer.chat_template = OFFICIAL_CHAT_TEMPLATE
     tiny_model(tokenizer, layers=1, max_positions=64).save_pretrained(run / "final")
     tokenizer.save_pretrained(run / "final")
-    (run / "config.yaml").write_text(yaml.safe_dump(
-        {"task": "arithmetic", "chat_template": "official", "system_prompt": "official", "max_new_tokens": 3}))
+    (run / "config.yaml").write_text(
+        yaml.safe_dump(
+            {"task": "arithmetic", "chat_template": "official", "system_prompt": "official", "max_new_tokens": 3}
+        )
+    )
     return run
 
 
 def test_official_protocol_end_to_end(chat_model, tmp_path, math_data):
     out = tmp_path / "eval"
-    assert main(["--model", str(chat_model / "final"), "--protocol", "official", "--limit", "2", "--n", "2",
-                 "--max-new-tokens", "3", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(chat_model / "final"),
+                "--protocol",
+                "official",
+                "--limit",
+                "2",
+                "--n",
+                "2",
+                "--max-new-tokens",
+                "3",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     config = results["config"]
     assert config["tasks"] == ["aime", "amc23", "math500"] and config["ks"] == [1, 2]
     sampling = config["sampling"]
     assert (sampling["temperature"], sampling["top_p"], sampling["max_new_tokens"], sampling["stop"]) == (
-        0.3, 0.95, 3, [])
+        0.3,
+        0.95,
+        3,
+        [],
+    )
     assert config["prompt_format"] == {"official-run": {"chat_template": "official", "system_prompt": "official"}}
     model = results["models"]["official-run"]
     for k in ("1", "2"):
@@ -66,9 +91,13 @@ def test_official_prompt_through_the_template(chat_model, math_data):
     task = get_task("amc23", template="official", gold_parsing="bare")
     chat = ChatPromptTask(task, AutoTokenizer.from_pretrained(chat_model / "final"), "official", "tokenizer")
     problem = task.problems("test", 1, 0)[0]
-    assert chat.prompt(problem) == (SYSTEM_PROMPTS["official"] + "<eos>Problem: " + problem.question
-                                    + "\n\nSolve this step by step and provide your final numerical answer."
-                                    + "<start_working_out>")
+    assert chat.prompt(problem) == (
+        SYSTEM_PROMPTS["official"]
+        + "<eos>Problem: "
+        + problem.question
+        + "\n\nSolve this step by step and provide your final numerical answer."
+        + "<start_working_out>"
+    )
 
 
 def test_pooled_aime_and_bare_gold_parsing(math_data):

@@ -39,8 +39,12 @@ def test_official_template_renders_and_saves_with_the_tokenizer(tmp_path):
     assert chat.prompt(problem) == SYSTEM + eos + "What is 3 * 4?" + "<start_working_out>"
     # without a system message the template puts the official one first
     assert ChatPromptTask(task, tokenizer, "", "official").prompt(problem) == chat.prompt(problem)
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-                {"role": "assistant", "content": "A"}, {"role": "user", "content": "V"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "V"},
+    ]
     assert tokenizer.apply_chat_template(messages, tokenize=False) == f"S{eos}UA{eos}V"
     tokenizer.save_pretrained(tmp_path / "saved")
     assert AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == OFFICIAL_CHAT_TEMPLATE
@@ -57,11 +61,15 @@ def test_official_warm_start_examples(tmp_path):
     assert len(examples) == 1
     prompt, completion = examples[0]
     text = tokenizer.decode(prompt + completion)
-    assert text == (SYSTEM + "<eos>What is 3 * 4?<start_working_out>3*4 = 12<end_working_out>"
-                    "<SOLUTION>12</SOLUTION><eos>")
+    assert text == (
+        SYSTEM + "<eos>What is 3 * 4?<start_working_out>3*4 = 12<end_working_out><SOLUTION>12</SOLUTION><eos>"
+    )
     # the official SFT text: the conversation with the assistant's turn, through the same template
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 3 * 4?"},
-                {"role": "assistant", "content": "<start_working_out>3*4 = 12<end_working_out><SOLUTION>12</SOLUTION>"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is 3 * 4?"},
+        {"role": "assistant", "content": "<start_working_out>3*4 = 12<end_working_out><SOLUTION>12</SOLUTION>"},
+    ]
     assert text == tokenizer.apply_chat_template(messages, tokenize=False)
     raw = sft_examples(task, problems, tokenizer, resolve(build({"sft_steps": 1})))
     assert len(raw) == 3 and tokenizer.decode(raw[1][1]) == "x + x = 2x<eos>"
@@ -71,12 +79,30 @@ def test_a_run_in_the_official_format(tiny_config, distributed, tmp_path):
     from sage_train.run import train
 
     path = write_jsonl(tmp_path / "omr.jsonl", OMR_ROWS * 2)
-    cfg = tiny_config(name="official", task=f"jsonl:{path}", task_options={"template": "plain"},
-                      chat_template="official", system_prompt="official", sft_format="official", sft_epochs=1,
-                      sft_batch_size=1, sft_lr_schedule="linear", sft_warmup_steps=1, sft_weight_decay=0.01,
-                      sft_adapter="continue", lora_rank=2, steps=2, prompts_per_step=1, group_size=2,
-                      steps_per_generation=2, micro_batch_size=2, max_new_tokens=6, stop=["</SOLUTION>"],
-                      max_prompt_length=300, tiny_max_positions=512)
+    cfg = tiny_config(
+        name="official",
+        task=f"jsonl:{path}",
+        task_options={"template": "plain"},
+        chat_template="official",
+        system_prompt="official",
+        sft_format="official",
+        sft_epochs=1,
+        sft_batch_size=1,
+        sft_lr_schedule="linear",
+        sft_warmup_steps=1,
+        sft_weight_decay=0.01,
+        sft_adapter="continue",
+        lora_rank=2,
+        steps=2,
+        prompts_per_step=1,
+        group_size=2,
+        steps_per_generation=2,
+        micro_batch_size=2,
+        max_new_tokens=6,
+        stop=["</SOLUTION>"],
+        max_prompt_length=300,
+        tiny_max_positions=512,
+    )
     summary = train(cfg)
     assert summary["steps_done"] == 2
     saved = AutoTokenizer.from_pretrained(cfg.run_dir / "final")

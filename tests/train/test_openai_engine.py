@@ -205,8 +205,9 @@ def test_a_mismatched_base_is_refused(server, tmp_path):
 
 def test_sync_loads_the_adapter_and_samples_from_it(server, tmp_path):
     tokenizer = server.tokenizer
-    policy = apply_lora(load_pretrained(server.root)[0], rank=4, alpha=8, dropout=0.0,
-                        target_modules=["q_proj", "v_proj"])
+    policy = apply_lora(
+        load_pretrained(server.root)[0], rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"]
+    )
     generator = torch.Generator().manual_seed(0)  # an adapter far from zero, the same on every run
     with torch.no_grad():
         for name, param in policy.named_parameters():

@@ -9,8 +9,16 @@ from sage_train.config import ConfigError, packaged_config_names, packaged_confi
 from sage_train.build import deepspeed_config
 from sage_train.cli import train_main
 
-QWEN_ALGORITHMS = ["grpo", "sage-branch", "sage-token", "sage-random", "bnpo", "dapo", "sage-branch-bnpo",
-                   "sage-branch-dapo"]
+QWEN_ALGORITHMS = [
+    "grpo",
+    "sage-branch",
+    "sage-token",
+    "sage-random",
+    "bnpo",
+    "dapo",
+    "sage-branch-bnpo",
+    "sage-branch-dapo",
+]
 R1_ALGORITHMS = ["grpo", "sage-branch", "sage-token", "sage-random"]
 RECIPES = [f"qwen2.5-math-7b-sft-{a}" for a in QWEN_ALGORITHMS] + [f"r1-distill-qwen-7b-{a}" for a in R1_ALGORITHMS]
 
@@ -90,11 +98,31 @@ def test_dry_run_shows_the_official_values(name, capsys):
     lengths = (cfg["max_new_tokens"], cfg["max_prompt_length"], cfg["vllm_max_model_len"])
     if name.startswith("qwen2.5-math"):
         assert cfg["model"] == "Qwen/Qwen2.5-Math-7B" and cfg["chat_template"] == "official"
-        sft = {key: cfg[key] for key in ("sft_task", "sft_format", "sft_epochs", "sft_batch_size", "sft_lr",
-                                          "sft_lr_schedule", "sft_warmup_steps", "sft_weight_decay", "sft_adapter")}
-        assert sft == {"sft_task": "openmathreasoning-mini", "sft_format": "official", "sft_epochs": 2,
-                       "sft_batch_size": 1, "sft_lr": 2e-4, "sft_lr_schedule": "linear", "sft_warmup_steps": 5,
-                       "sft_weight_decay": 0.01, "sft_adapter": "continue"}
+        sft = {
+            key: cfg[key]
+            for key in (
+                "sft_task",
+                "sft_format",
+                "sft_epochs",
+                "sft_batch_size",
+                "sft_lr",
+                "sft_lr_schedule",
+                "sft_warmup_steps",
+                "sft_weight_decay",
+                "sft_adapter",
+            )
+        }
+        assert sft == {
+            "sft_task": "openmathreasoning-mini",
+            "sft_format": "official",
+            "sft_epochs": 2,
+            "sft_batch_size": 1,
+            "sft_lr": 2e-4,
+            "sft_lr_schedule": "linear",
+            "sft_warmup_steps": 5,
+            "sft_weight_decay": 0.01,
+            "sft_adapter": "continue",
+        }
         assert lengths == (3072, 1024, 4096)  # chosen: the official lengths exceed the model's context
     else:
         assert cfg["model"] == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B" and cfg["chat_template"] == "tokenizer"

@@ -68,17 +68,20 @@ def test_shuffled_golds_grade_wrong(gold_answers):
     assert graded_right == []
 
 
-@pytest.mark.parametrize("completion, gold, expected", [
-    ("The answer is \\boxed{\\frac{1}{2}}.", "0.5", 1.0),
-    ("so x = \\boxed{2\\sqrt{3}} and we are done", "\\sqrt{12}", 1.0),
-    ("\\boxed{(1, 2)}", "(1,2)", 1.0),
-    ("\\boxed{3} ... on second thought \\boxed{4}", "4", 1.0),  # the last box counts
-    ("\\boxed{4} ... on second thought \\boxed{3}", "4", 0.0),
-    ("\\boxed{5}", "4", 0.0),
-    ("no answer here", "4", 0.0),
-    ("", "4", 0.0),
-    ("\\boxed{4}", "", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, gold, expected",
+    [
+        ("The answer is \\boxed{\\frac{1}{2}}.", "0.5", 1.0),
+        ("so x = \\boxed{2\\sqrt{3}} and we are done", "\\sqrt{12}", 1.0),
+        ("\\boxed{(1, 2)}", "(1,2)", 1.0),
+        ("\\boxed{3} ... on second thought \\boxed{4}", "4", 1.0),  # the last box counts
+        ("\\boxed{4} ... on second thought \\boxed{3}", "4", 0.0),
+        ("\\boxed{5}", "4", 0.0),
+        ("no answer here", "4", 0.0),
+        ("", "4", 0.0),
+        ("\\boxed{4}", "", 0.0),
+    ],
+)
 def test_single_answers(completion, gold, expected):
     assert math_reward(completion, gold) == expected
 
@@ -111,11 +114,13 @@ def process_gone(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_stuck_worker_does_not_outlive_its_dead_parent():
     """The parent is killed while its worker is stuck in sympy: the worker's own alarm ends it."""
-    code = ("from sage_train.rewards import GradingPool\n"
-            "pool = GradingPool(processes=1, timeout_s=1.0)\n"
-            "pool.grade([('\\\\boxed{1}', '1')])\n"
-            "print(pool.pids()[0], flush=True)\n"
-            "pool.grade([('\\\\boxed{9^{9^{9^{9}}}}', '2')])\n")
+    code = (
+        "from sage_train.rewards import GradingPool\n"
+        "pool = GradingPool(processes=1, timeout_s=1.0)\n"
+        "pool.grade([('\\\\boxed{1}', '1')])\n"
+        "print(pool.pids()[0], flush=True)\n"
+        "pool.grade([('\\\\boxed{9^{9^{9^{9}}}}', '2')])\n"
+    )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     worker = int(parent.stdout.readline())
     time.sleep(0.2)  # the request is on its way; the worker is computing
@@ -135,8 +140,7 @@ def test_grading_from_other_threads_installs_no_signal_handler():
     def grade(name, completion, gold):
         results[name] = math_reward(completion, gold)
 
-    threads = [threading.Thread(target=grade, args=(f"t{i}", f"\\boxed{{{i}+1}}", str(i + 1)))
-               for i in range(4)]
+    threads = [threading.Thread(target=grade, args=(f"t{i}", f"\\boxed{{{i}+1}}", str(i + 1))) for i in range(4)]
     threads.append(threading.Thread(target=grade, args=("wrong", "\\boxed{x^2}", "x^3")))
     for t in threads:
         t.start()

@@ -15,8 +15,16 @@ from sage_train.tasks import get_task
 
 
 def reference_and_models(tiny_config, tmp_path, adapter):
-    cfg = tiny_config(name=adapter, lora_rank=4, lora_alpha=8.0, sft_steps=30, sft_lr=3e-2, sft_adapter=adapter,
-                      sft_batch_size=8, beta=0.05)
+    cfg = tiny_config(
+        name=adapter,
+        lora_rank=4,
+        lora_alpha=8.0,
+        sft_steps=30,
+        sft_lr=3e-2,
+        sft_adapter=adapter,
+        sft_batch_size=8,
+        beta=0.05,
+    )
     task = get_task(cfg.task, **cfg.task_options)
     problems = task.problems("train", None, cfg.seed)
     base, tokenizer = load_model_and_tokenizer(cfg)  # the same seeded weights the warm start begins from
@@ -24,7 +32,8 @@ def reference_and_models(tiny_config, tmp_path, adapter):
     policy, reference_lm = policy_and_reference(cfg, model)
     engine, reference = build_engines(cfg, policy, reference_lm, world=1, device=torch.device("cpu"))
     groups = make_engine("hf", base, tokenizer).generate(
-        [task.prompt(p) for p in problems[:4]], SamplingParams(n=2, max_new_tokens=6, seed=0))
+        [task.prompt(p) for p in problems[:4]], SamplingParams(n=2, max_new_tokens=6, seed=0)
+    )
     batch = make_batch([c for g in groups for c in g], torch.device("cpu"), tokenizer.pad_token_id)
     logp = lambda scorer: score(scorer, batch, 8, 1.0)[0][batch.completion_mask]  # noqa: E731
     return logp(reference), logp(PolicyHead(base)), logp(engine)

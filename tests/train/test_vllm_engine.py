@@ -2,7 +2,6 @@
 generates, a weight sync changes its outputs to the pushed model's, and sleep / wake keep
 generation correct. Elsewhere this module skips: no stand-in replaces vLLM."""
 
-
 import pytest
 import torch
 
@@ -14,7 +13,6 @@ from sage_train.rollout import SamplingParams, make_engine
 def tiny(hidden=64, heads=4, kv=2, seed=0):
     tokenizer = build_char_tokenizer()
     return tiny_model(tokenizer, seed=seed, max_positions=256, hidden=hidden, heads=heads, kv_heads=kv), tokenizer
-
 
 
 # ----------------------------------------------------------------------------- the real engine (GPU)

@@ -4,6 +4,13 @@ from sage_train.model import build_tiny_model
 
 
 def tiny_model(tokenizer, seed=0, max_positions=128, layers=2, hidden=32, heads=2, kv_heads=1):
-    return build_tiny_model(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                            num_kv_heads=kv_heads, intermediate_size=2 * hidden, max_positions=max_positions,
-                            seed=seed)
+    return build_tiny_model(
+        tokenizer,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=2 * hidden,
+        max_positions=max_positions,
+        seed=seed,
+    )

@@ -33,5 +33,6 @@ def test_verl_example_runs(capsys):
 def test_trl_example_runs(tiny_lm_dir, tmp_path):
     pytest.importorskip("trl")
     trainer = runpy.run_path(str(EXAMPLES / "trl_sage_grpo.py"))["main"](
-        model=tiny_lm_dir, output_dir=str(tmp_path), max_steps=1, use_cpu=True)
+        model=tiny_lm_dir, output_dir=str(tmp_path), max_steps=1, use_cpu=True
+    )
     assert any("sage/q_mean" in entry for entry in trainer.state.log_history)

@@ -18,33 +18,45 @@ CASES = {
     # id: (Liger constructor arguments, which optional forward inputs to pass)
     "grpo-token-beta0": (dict(loss_type="grpo", beta=0.0, use_ref_model=False), set()),
     "bnpo-token-kl-ref_logps": (dict(loss_type="bnpo", beta=0.1), {"ref_logps"}),
-    "dr_grpo-token-kl-ref_input": (dict(loss_type="dr_grpo", beta=0.1, max_completion_length=9),
-                                   {"ref_input"}),
+    "dr_grpo-token-kl-ref_input": (dict(loss_type="dr_grpo", beta=0.1, max_completion_length=9), {"ref_input"}),
     "dapo-token-kl-ref_weight-bias": (dict(loss_type="dapo", beta=0.04), {"ref_input", "ref_weight", "bias"}),
     "dapo-num_items": (dict(loss_type="dapo", beta=0.0, use_ref_model=False), {"num_items"}),
-    "grpo-sequence-kl": (dict(loss_type="grpo", beta=0.05, importance_sampling_level="sequence"),
-                         {"ref_logps"}),
-    "bnpo-sequence-vllm_is": (dict(loss_type="bnpo", beta=0.0, use_ref_model=False,
-                                   importance_sampling_level="sequence"), {"vllm_row"}),
-    "dapo-token-vllm_is-delta": (dict(loss_type="dapo", beta=0.02, delta=1.1, epsilon_high=0.28),
-                                 {"ref_logps", "vllm_token"}),
+    "grpo-sequence-kl": (dict(loss_type="grpo", beta=0.05, importance_sampling_level="sequence"), {"ref_logps"}),
+    "bnpo-sequence-vllm_is": (
+        dict(loss_type="bnpo", beta=0.0, use_ref_model=False, importance_sampling_level="sequence"),
+        {"vllm_row"},
+    ),
+    "dapo-token-vllm_is-delta": (
+        dict(loss_type="dapo", beta=0.02, delta=1.1, epsilon_high=0.28),
+        {"ref_logps", "vllm_token"},
+    ),
     "grpo-temperature": (dict(loss_type="grpo", beta=0.1, temperature=0.7), {"ref_logps", "bias"}),
     # the new loss types and the bias-corrected KL, with old log-probs far from the current ones
     "cispo-far": (dict(loss_type="cispo", beta=0.05, epsilon_high=1.3), {"ref_logps", "far"}),
-    "cispo-far-vllm_is-num_items": (dict(loss_type="cispo", beta=0.0, use_ref_model=False, epsilon_high=2.0),
-                                    {"far", "vllm_token", "num_items"}),
-    "sapo-far": (dict(loss_type="sapo", beta=0.05, sapo_temperature_pos=1.3, sapo_temperature_neg=2.0),
-                 {"ref_logps", "far", "bias"}),
+    "cispo-far-vllm_is-num_items": (
+        dict(loss_type="cispo", beta=0.0, use_ref_model=False, epsilon_high=2.0),
+        {"far", "vllm_token", "num_items"},
+    ),
+    "sapo-far": (
+        dict(loss_type="sapo", beta=0.05, sapo_temperature_pos=1.3, sapo_temperature_neg=2.0),
+        {"ref_logps", "far", "bias"},
+    ),
     "sapo-far-delta-ignored": (dict(loss_type="sapo", beta=0.0, use_ref_model=False, delta=1.5), {"far"}),
-    "luspo-sequence-far": (dict(loss_type="luspo", beta=0.0, use_ref_model=False,
-                                importance_sampling_level="sequence"), {"far"}),
+    "luspo-sequence-far": (
+        dict(loss_type="luspo", beta=0.0, use_ref_model=False, importance_sampling_level="sequence"),
+        {"far"},
+    ),
     "vespo-far": (dict(loss_type="vespo", beta=0.05, vespo_k_pos=1.5, vespo_lambda_neg=2.5), {"ref_logps", "far"}),
     "vespo-far-vllm_is": (dict(loss_type="vespo", beta=0.0, use_ref_model=False), {"far", "vllm_token"}),
     "grpo-bias_kl-far": (dict(loss_type="grpo", beta=0.1, use_bias_correction_kl=True), {"ref_logps", "far"}),
-    "dapo-sequence-bias_kl-far": (dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=True,
-                                       importance_sampling_level="sequence"), {"ref_input", "far"}),
-    "cispo-bias_kl-far": (dict(loss_type="cispo", beta=0.1, epsilon_high=1.5, use_bias_correction_kl=True),
-                          {"ref_logps", "far"}),
+    "dapo-sequence-bias_kl-far": (
+        dict(loss_type="dapo", beta=0.1, use_bias_correction_kl=True, importance_sampling_level="sequence"),
+        {"ref_input", "far"},
+    ),
+    "cispo-bias_kl-far": (
+        dict(loss_type="cispo", beta=0.1, epsilon_high=1.5, use_bias_correction_kl=True),
+        {"ref_logps", "far"},
+    ),
 }
 
 
@@ -59,9 +71,14 @@ def make_inputs(which, seed=0):
     adv = torch.tensor([1.0, -0.7, 0.4])
     with torch.no_grad():
         logp = torch.log_softmax(hidden @ weight.t(), -1).gather(-1, ids[..., None]).squeeze(-1)
-    inputs = dict(_input=hidden, lin_weight=weight, selected_token_ids=ids, attention_mask=mask,
-                  advantages=adv,
-                  old_per_token_logps=logp + (1.0 if "far" in which else 0.3) * torch.randn(B, T, generator=g))
+    inputs = dict(
+        _input=hidden,
+        lin_weight=weight,
+        selected_token_ids=ids,
+        attention_mask=mask,
+        advantages=adv,
+        old_per_token_logps=logp + (1.0 if "far" in which else 0.3) * torch.randn(B, T, generator=g),
+    )
     if "bias" in which:
         inputs["bias"] = 0.1 * torch.randn(V, generator=g)
     if "ref_logps" in which:
@@ -84,8 +101,7 @@ def make_inputs(which, seed=0):
 
 
 def run(module, inputs):
-    leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()
-              if k in ("_input", "lin_weight", "bias")}
+    leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items() if k in ("_input", "lin_weight", "bias")}
     loss, metrics = module(**{**inputs, **leaves})
     upstream = 1.7  # a non-unit upstream gradient exercises the backward's scaling
     (loss * upstream).backward()
@@ -102,12 +118,13 @@ def test_matches_liger(case):
     loss_s, metrics_s, grads_s = run(ours, inputs)
     torch.testing.assert_close(loss_s, loss_l, atol=1e-6, rtol=1e-5)
     assert len(metrics_s) == len(metrics_l)
-    for name, got, want in zip(["kl", "clip"][-len(metrics_l):], metrics_s, metrics_l):
+    for name, got, want in zip(["kl", "clip"][-len(metrics_l) :], metrics_s, metrics_l):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m: f"metric {name}: {m}")
     assert grads_s.keys() == grads_l.keys()
     for name in grads_l:
-        torch.testing.assert_close(grads_s[name], grads_l[name], atol=1e-6, rtol=1e-5,
-                                   msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(
+            grads_s[name], grads_l[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"grad {name}: {m}"
+        )
 
 
 def test_clip_metric_is_measured_before_the_delta_cap():
@@ -124,8 +141,10 @@ def test_frozen_head_like_liger():
     """A frozen LM head (LoRA): no weight gradient, the same hidden-state gradient as Liger."""
     inputs = make_inputs({"ref_logps"})
     grads = []
-    for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False),
-                   FusedLinearSAGELoss.from_liger(backend=BACKEND)):
+    for module in (
+        liger_grpo.LigerFusedLinearGRPOLoss(compiled=False),
+        FusedLinearSAGELoss.from_liger(backend=BACKEND),
+    ):
         hidden = inputs["_input"].clone().requires_grad_(True)
         weight = inputs["lin_weight"].clone()
         module(**{**inputs, "_input": hidden, "lin_weight": weight})[0].backward()
@@ -145,8 +164,10 @@ def test_sage_metrics_are_kept_by_name():
 def test_sequence_level_refusal_is_at_forward_like_liger(loss_type):
     kwargs = dict(loss_type=loss_type, importance_sampling_level="sequence", beta=0.0, use_ref_model=False)
     inputs = make_inputs(set())
-    modules = (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **kwargs),
-               FusedLinearSAGELoss.from_liger(backend=BACKEND, **kwargs))  # building succeeds for both
+    modules = (
+        liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **kwargs),
+        FusedLinearSAGELoss.from_liger(backend=BACKEND, **kwargs),
+    )  # building succeeds for both
     for module in modules:
         with pytest.raises(ValueError, match="Sequence-level importance sampling is not supported"):
             module(**inputs)
@@ -160,14 +181,17 @@ def test_dr_grpo_without_length_raises_at_forward():
 
 def test_both_reference_inputs_warn_like_liger():
     inputs = make_inputs({"ref_logps", "ref_input"})
-    for module in (liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, beta=0.1),
-                   FusedLinearSAGELoss.from_liger(beta=0.1, backend=BACKEND)):
+    for module in (
+        liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, beta=0.1),
+        FusedLinearSAGELoss.from_liger(beta=0.1, backend=BACKEND),
+    ):
         with pytest.warns(UserWarning, match="(?i)both ref_per_token_logps and ref_input"):
             module(**inputs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(sapo_temperature_pos=0.0), dict(sapo_temperature_neg=-1.0),
-                                    dict(delta=-1.0)], ids=str)
+@pytest.mark.parametrize(
+    "kwargs", [dict(sapo_temperature_pos=0.0), dict(sapo_temperature_neg=-1.0), dict(delta=-1.0)], ids=str
+)
 def test_constructor_refusals_like_liger(kwargs):
     with pytest.raises(ValueError):
         liger_grpo.LigerFusedLinearGRPOLoss(**kwargs)
@@ -181,8 +205,19 @@ def test_functional_has_ligers_signature_and_result():
     from sage_kernels import fused_linear_grpo
 
     inputs = make_inputs({"ref_logps", "far", "bias"})
-    positional = [inputs[k] for k in ("_input", "lin_weight", "selected_token_ids", "attention_mask", "advantages",
-                                      "bias", "ref_per_token_logps", "old_per_token_logps")]
+    positional = [
+        inputs[k]
+        for k in (
+            "_input",
+            "lin_weight",
+            "selected_token_ids",
+            "attention_mask",
+            "advantages",
+            "bias",
+            "ref_per_token_logps",
+            "old_per_token_logps",
+        )
+    ]
     rest = [None, None, None, 0.1, 0.2, 1.4, "cispo", None, "token", 1.0, 1.05, 1.0, False, True, 1]
     losses = []
     for fn in (liger_fused_linear_grpo, fused_linear_grpo):
@@ -198,8 +233,7 @@ def test_functional_has_ligers_signature_and_result():
 
 def test_dapo_divisor_from_the_config_is_kept():
     inputs = make_inputs(set())
-    module = FusedLinearSAGELoss(beta=0.0, guide="none", loss_type="dapo", num_items_in_batch=50.0,
-                                 backend=BACKEND)
+    module = FusedLinearSAGELoss(beta=0.0, guide="none", loss_type="dapo", num_items_in_batch=50.0, backend=BACKEND)
     reference = FusedLinearSAGELoss(beta=0.0, guide="none", loss_type="dapo", backend=BACKEND)
     tokens = inputs["attention_mask"].sum()
     torch.testing.assert_close(module(**inputs)[0] * 50.0, reference(**inputs)[0] * tokens)

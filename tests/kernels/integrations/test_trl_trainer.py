@@ -20,9 +20,21 @@ BACKEND = "auto"  # integration tests: the default backend of the device ("cpu" 
 B, P, L = 4, 3, 6
 
 # TRL's attributes each case sets on both trainers (module-scoped trainers, so every case sets all).
-DEFAULTS = dict(beta=0.04, loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, delta=None,
-                importance_sampling_level="token", top_entropy_quantile=1.0, entropy_coef=0.0, use_vllm=False,
-                accumulation=1, old_logps=True, old_noise=0.25, use_bias_correction_kl=False)
+DEFAULTS = dict(
+    beta=0.04,
+    loss_type="grpo",
+    epsilon_low=0.2,
+    epsilon_high=0.2,
+    delta=None,
+    importance_sampling_level="token",
+    top_entropy_quantile=1.0,
+    entropy_coef=0.0,
+    use_vllm=False,
+    accumulation=1,
+    old_logps=True,
+    old_noise=0.25,
+    use_bias_correction_kl=False,
+)
 #: old log-probs this far from the current ones (ratios about e^-2 .. e^2) exercise clipping and gating.
 FAR = dict(old_noise=1.0)
 CASES = {
@@ -36,22 +48,34 @@ CASES = {
     "grpo-entropy_bonus": dict(entropy_coef=0.1, accumulation=2),
     "dapo-vllm_is": dict(loss_type="dapo", use_vllm=True),
     "cispo-far": dict(loss_type="cispo", epsilon_high=1.3, **FAR),
-    "cispo-accum2-bias_kl": dict(loss_type="cispo", epsilon_high=2.0, accumulation=2, use_bias_correction_kl=True,
-                                 **FAR),
+    "cispo-accum2-bias_kl": dict(
+        loss_type="cispo", epsilon_high=2.0, accumulation=2, use_bias_correction_kl=True, **FAR
+    ),
     "sapo-far": dict(loss_type="sapo", **FAR),
-    "sapo-sequence-bias_kl": dict(loss_type="sapo", importance_sampling_level="sequence",
-                                  use_bias_correction_kl=True, **FAR),
+    "sapo-sequence-bias_kl": dict(
+        loss_type="sapo", importance_sampling_level="sequence", use_bias_correction_kl=True, **FAR
+    ),
     "luspo-sequence-far": dict(loss_type="luspo", importance_sampling_level="sequence", **FAR),
     "luspo-token-accum2": dict(loss_type="luspo", accumulation=2, **FAR),
     "vespo-far": dict(loss_type="vespo", **FAR),
     "vespo-vllm_is-accum2": dict(loss_type="vespo", use_vllm=True, accumulation=2, **FAR),
     "grpo-bias_kl-far": dict(use_bias_correction_kl=True, **FAR),
-    "dapo-sequence-bias_kl": dict(loss_type="dapo", importance_sampling_level="sequence", use_bias_correction_kl=True,
-                                  **FAR),
+    "dapo-sequence-bias_kl": dict(
+        loss_type="dapo", importance_sampling_level="sequence", use_bias_correction_kl=True, **FAR
+    ),
 }
-COMPARED_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                    "clip_ratio/low_min", "clip_ratio/high_max", "policy_loss", "cispo_clip_ratio",
-                    "vespo/phi_seq_mean")
+COMPARED_METRICS = (
+    "kl",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+    "policy_loss",
+    "cispo_clip_ratio",
+    "vespo/phi_seq_mean",
+)
 
 
 def letter_a_reward(completions, **kwargs):
@@ -59,10 +83,22 @@ def letter_a_reward(completions, **kwargs):
 
 
 def make_args(output_dir, **overrides):
-    options = dict(output_dir=output_dir, per_device_train_batch_size=4, num_generations=4,
-                   max_completion_length=L, report_to="none", use_cpu=True, save_strategy="no",
-                   logging_steps=1,
-                   max_steps=2, learning_rate=1e-2, beta=0.04, sage_backend=BACKEND, seed=0, bf16=False)
+    options = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=L,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=2,
+        learning_rate=1e-2,
+        beta=0.04,
+        sage_backend=BACKEND,
+        seed=0,
+        bf16=False,
+    )
     return SAGEGRPOConfig(**{**options, **overrides})
 
 
@@ -70,8 +106,13 @@ def make_trainer(cls, model_dir, output_dir, **overrides):
     from transformers import AutoTokenizer
 
     dataset = Dataset.from_dict({"prompt": ["ab", "ba", "ca", "ac", "bb", "aa", "cb", "bc"]})
-    return cls(model_dir, reward_funcs=letter_a_reward, args=make_args(output_dir, **overrides),
-               train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(model_dir))
+    return cls(
+        model_dir,
+        reward_funcs=letter_a_reward,
+        args=make_args(output_dir, **overrides),
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,24 +137,38 @@ def make_batch(model, options, seed=0):
     lengths = torch.tensor([6, 4, 2, 5])
     completion_mask = (torch.arange(L)[None] < lengths[:, None]).long()
     with torch.no_grad():
-        logits = model(input_ids=torch.cat([prompt_ids, completion_ids], 1),
-                       attention_mask=torch.cat([prompt_mask, completion_mask], 1)).logits[:, P - 1:-1]
+        logits = model(
+            input_ids=torch.cat([prompt_ids, completion_ids], 1),
+            attention_mask=torch.cat([prompt_mask, completion_mask], 1),
+        ).logits[:, P - 1 : -1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids[..., None]).squeeze(-1)
-    batch = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                 completion_mask=completion_mask, advantages=torch.tensor([1.0, -0.5, 0.3, -1.2]),
-                 ref_per_token_logps=logp + 0.3 * torch.randn(B, L, generator=g),
-                 num_items_in_batch=completion_mask.sum().float() * 2,
-                 # TRL's vLLM ratios are exactly 1 at masked positions
-                 importance_sampling_ratio=torch.where(completion_mask.bool(), torch.rand(B, L, generator=g) + 0.5,
-                                                       1.0))
+    batch = dict(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=torch.tensor([1.0, -0.5, 0.3, -1.2]),
+        ref_per_token_logps=logp + 0.3 * torch.randn(B, L, generator=g),
+        num_items_in_batch=completion_mask.sum().float() * 2,
+        # TRL's vLLM ratios are exactly 1 at masked positions
+        importance_sampling_ratio=torch.where(completion_mask.bool(), torch.rand(B, L, generator=g) + 0.5, 1.0),
+    )
     if options["old_logps"]:
         batch["old_per_token_logps"] = logp + options["old_noise"] * torch.randn(B, L, generator=g)
     return batch
 
 
 def configure(trainer, options):
-    for name in ("beta", "loss_type", "epsilon_low", "epsilon_high", "importance_sampling_level",
-                 "top_entropy_quantile", "entropy_coef", "use_vllm"):
+    for name in (
+        "beta",
+        "loss_type",
+        "epsilon_low",
+        "epsilon_high",
+        "importance_sampling_level",
+        "top_entropy_quantile",
+        "entropy_coef",
+        "use_vllm",
+    ):
         setattr(trainer, name, options[name])
     trainer.args.delta = options["delta"]
     trainer.args.use_bias_correction_kl = options["use_bias_correction_kl"]
@@ -146,8 +201,9 @@ def test_guide_off_equals_trl(trainer_pair, case):
     torch.testing.assert_close(loss_s, loss_t, atol=1e-6, rtol=1e-5)
     assert grads_s.keys() == grads_t.keys() and len(grads_t) > 0
     for name in grads_t:
-        torch.testing.assert_close(grads_s[name], grads_t[name], atol=1e-5, rtol=1e-4,
-                                   msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(
+            grads_s[name], grads_t[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"grad of {name}: {m}"
+        )
     for name in COMPARED_METRICS:
         assert (name in metrics_s) == (name in metrics_t), name
         if name in metrics_t:
@@ -157,8 +213,16 @@ def test_guide_off_equals_trl(trainer_pair, case):
 
 def test_training_steps_with_branch_guide(tiny_lm_dir, tmp_path):
     # bf16=True is TRL's default: the model runs under bf16 autocast and so does the fused LM head.
-    trainer = make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(tmp_path), sage_guide="branch", sage_tau=0.0,
-                           sage_gamma=0.5, loss_type="dapo", bf16=True)
+    trainer = make_trainer(
+        SAGEGRPOTrainer,
+        tiny_lm_dir,
+        str(tmp_path),
+        sage_guide="branch",
+        sage_tau=0.0,
+        sage_gamma=0.5,
+        loss_type="dapo",
+        bf16=True,
+    )
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "sage/q_mean" in entry]
@@ -170,10 +234,17 @@ def test_training_steps_with_branch_guide(tiny_lm_dir, tmp_path):
     assert any(not torch.equal(p, q) for p, q in zip(before, trainer.model.parameters()))
 
 
-@pytest.mark.parametrize("overrides", [dict(use_adaptive_entropy=True), dict(off_policy_mask_threshold=0.5),
-                                       dict(sage_guide="bogus"), dict(beta=0.0), dict(sapo_temperature_neg=0.0)],
-                         ids=["adaptive_entropy", "off_policy_mask", "bad_guide", "guide_without_kl",
-                              "sapo_temperature"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(use_adaptive_entropy=True),
+        dict(off_policy_mask_threshold=0.5),
+        dict(sage_guide="bogus"),
+        dict(beta=0.0),
+        dict(sapo_temperature_neg=0.0),
+    ],
+    ids=["adaptive_entropy", "off_policy_mask", "bad_guide", "guide_without_kl", "sapo_temperature"],
+)
 def test_unsupported_options_raise(tiny_lm_dir, tmp_path, overrides):
     with pytest.raises(ValueError):
         make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(tmp_path), **overrides)
@@ -187,8 +258,15 @@ def test_lora_guide_off_equals_trl(tiny_lm_dir, tmp_path):
     pair = []
     for cls in (GRPOTrainer, SAGEGRPOTrainer):
         args = make_args(str(tmp_path / cls.__name__), sage_guide="none")
-        pair.append(cls(tiny_lm_dir, reward_funcs=letter_a_reward, args=args, train_dataset=Dataset.from_dict(
-            {"prompt": ["ab", "ba", "ca", "ac"]}), **lora))
+        pair.append(
+            cls(
+                tiny_lm_dir,
+                reward_funcs=letter_a_reward,
+                args=args,
+                train_dataset=Dataset.from_dict({"prompt": ["ab", "ba", "ca", "ac"]}),
+                **lora,
+            )
+        )
     options = {**DEFAULTS, "loss_type": "dapo"}
     batch = make_batch(pair[0].model, options)
     results = []

@@ -31,8 +31,12 @@ def logprobs_entropy_formula(hidden, weight, labels, temperature):
 
 def make_head(seed=0, B=3, L=5, D=12, V=29):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, L, D, generator=g), torch.randn(V, D, generator=g) * 0.7,
-            torch.randint(0, V, (B, L), generator=g), g)
+    return (
+        torch.randn(B, L, D, generator=g),
+        torch.randn(V, D, generator=g) * 0.7,
+        torch.randint(0, V, (B, L), generator=g),
+        g,
+    )
 
 
 def forward_backward(fn, hidden, weight, labels, upstream):
@@ -47,10 +51,10 @@ def test_linear_cross_entropy_matches_formula(monkeypatch, block_rows):
     monkeypatch.setattr(sage_verl, "BACKWARD_BLOCK_ROWS", block_rows)
     hidden, weight, labels, g = make_head()
     upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
-    ours = forward_backward(lambda h, w, y: sage_verl.linear_cross_entropy(h, w, y, 0.8, backend=BACKEND),
-                            hidden, weight, labels, upstream)
-    want = forward_backward(lambda h, w, y: logprobs_entropy_formula(h, w, y, 0.8),
-                            hidden, weight, labels, upstream)
+    ours = forward_backward(
+        lambda h, w, y: sage_verl.linear_cross_entropy(h, w, y, 0.8, backend=BACKEND), hidden, weight, labels, upstream
+    )
+    want = forward_backward(lambda h, w, y: logprobs_entropy_formula(h, w, y, 0.8), hidden, weight, labels, upstream)
     for name, got, expected in zip(("logp", "entropy", "grad hidden", "grad weight"), ours, want):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
@@ -64,16 +68,16 @@ def test_linear_cross_entropy_logp_only_gradient():
     torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(reduction="mean"), dict(dist_process_group=object())],
-                         ids=["mean", "tp"])
+@pytest.mark.parametrize("kwargs", [dict(reduction="mean"), dict(dist_process_group=object())], ids=["mean", "tp"])
 def test_linear_cross_entropy_rejects_unsupported(kwargs):
     hidden, weight, labels, _ = make_head()
     with pytest.raises(ValueError):
         sage_verl.linear_cross_entropy(hidden, weight, labels, **kwargs)
 
 
-def verl_aggregate(loss_mat, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-                   loss_scale_factor=None):
+def verl_aggregate(
+    loss_mat, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
+):
     """verl's agg_loss, written from its definition."""
     m = mask.float()
     if mode == "token-mean":
@@ -87,8 +91,11 @@ def verl_aggregate(loss_mat, mask, mode, dp_size=1, batch_num_tokens=None, globa
         return (seq * seq_mask).sum() / G * dp_size
     seq = (loss_mat * m).sum(-1)
     loss = (seq * seq_mask).sum() / G * dp_size
-    return loss / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor) \
-        if mode == "seq-mean-token-sum-norm" else loss
+    return (
+        loss / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        if mode == "seq-mean-token-sum-norm"
+        else loss
+    )
 
 
 def verl_vanilla(old, logp, A, mask, mode, config, weights=None):
@@ -127,13 +134,16 @@ AGG_CASES = {
 @pytest.mark.parametrize("with_is", [False, True], ids=["no-is", "rollout-is"])
 def test_policy_loss_matches_verl_formula(case, with_is):
     mode, batch_info = AGG_CASES[case]
-    config = Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                    global_batch_info=batch_info)
+    config = Config(
+        clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, global_batch_info=batch_info
+    )
     old, logp, A, mask, is_w = policy_batch()
     weights = is_w if with_is else None
     results = []
-    for fn in (lambda lp: sage_verl.compute_policy_loss_sage(old, lp, A, mask, mode, config, weights)[0],
-               lambda lp: verl_vanilla(old, lp, A, mask, mode, config, weights)):
+    for fn in (
+        lambda lp: sage_verl.compute_policy_loss_sage(old, lp, A, mask, mode, config, weights)[0],
+        lambda lp: verl_vanilla(old, lp, A, mask, mode, config, weights),
+    ):
         lp = logp.clone().requires_grad_(True)
         loss = fn(lp)
         loss.backward()
@@ -160,9 +170,10 @@ def test_sapo_policy_loss_matches_verl_formula(batch_info, with_is):
     old = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(5))  # far ratios: the gate bends
     weights = is_w if with_is else None
     results = []
-    for fn in (lambda lp: sage_verl.compute_policy_loss_sage_sapo(old, lp, A, mask, "token-mean", config,
-                                                                  weights)[0],
-               lambda lp: verl_sapo(old, lp, A, mask, config, weights)):
+    for fn in (
+        lambda lp: sage_verl.compute_policy_loss_sage_sapo(old, lp, A, mask, "token-mean", config, weights)[0],
+        lambda lp: verl_sapo(old, lp, A, mask, config, weights),
+    ):
         lp = logp.clone().requires_grad_(True)
         loss = fn(lp)
         loss.backward()
@@ -173,15 +184,17 @@ def test_sapo_policy_loss_matches_verl_formula(batch_info, with_is):
 
 def test_policy_loss_metrics():
     old, logp, A, mask, _ = policy_batch()
-    config = Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1.05,
-                    global_batch_info={})
+    config = Config(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1.05, global_batch_info={})
     _, metrics = sage_verl.compute_policy_loss_sage(old, logp, A, mask, "token-mean", config)
     m = mask.float()
     ratio = torch.exp(logp - old)
     pg_unclipped, pg_clipped = -A * ratio, -A * ratio.clamp(0.8, 1.2)
     dual = (torch.maximum(pg_unclipped, pg_clipped) > -A * 1.05) & (A < 0)
-    expected = {"actor/pg_clipfrac": (pg_clipped > pg_unclipped).float(), "actor/ppo_kl": old - logp,
-                "actor/pg_clipfrac_lower": dual.float()}
+    expected = {
+        "actor/pg_clipfrac": (pg_clipped > pg_unclipped).float(),
+        "actor/ppo_kl": old - logp,
+        "actor/pg_clipfrac_lower": dual.float(),
+    }
     for name, per_token in expected.items():
         assert metrics[name] == pytest.approx(((per_token * m).sum() / m.sum()).item(), abs=1e-7), name
     assert metrics["actor/pg_clipfrac_lower"] > 0  # the case exercises the dual clip
@@ -194,8 +207,18 @@ def test_anchor_through_verl_kl_equals_the_fused_sage_kl():
     mask[0, 3:] = False
     ref = -torch.rand(labels.shape, generator=g) * 4
     guide = dict(gamma=0.8, tau=1.0, q_min=0.6, q_max=1.4)
-    out = fused_linear_sage_loss(hidden, weight, labels, mask, torch.ones(labels.shape[0]), ref_logp=ref,
-                                 beta=0.1, guide="branch", backend=BACKEND, **guide)
+    out = fused_linear_sage_loss(
+        hidden,
+        weight,
+        labels,
+        mask,
+        torch.ones(labels.shape[0]),
+        ref_logp=ref,
+        beta=0.1,
+        guide="branch",
+        backend=BACKEND,
+        **guide,
+    )
     anchor = sage_verl.sage_anchor_log_prob(ref, out.entropy, mask, **guide)
     delta = anchor - out.logp
     verl_k3 = torch.where(mask, torch.exp(delta) - delta - 1, 0.0)
@@ -219,8 +242,9 @@ def test_policy_loss_matches_real_verl(case):
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     mode, batch_info = AGG_CASES[case]
-    config = OmegaConf.create(dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                                   global_batch_info=batch_info))
+    config = OmegaConf.create(
+        dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, global_batch_info=batch_info)
+    )
     old, logp, A, mask, is_w = policy_batch()
     ours = sage_verl.compute_policy_loss_sage(old, logp, A, mask, mode, config, is_w)
     theirs = get_policy_loss_fn("vanilla")(old, logp, A, mask, mode, config, is_w)
@@ -237,10 +261,10 @@ def test_linear_cross_entropy_matches_real_verl_and_patches_it():
     hidden, weight, labels, g = make_head(seed=3)
     upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
     verl_fn = FusedLinearForPPO(chunk_size=4)
-    theirs = forward_backward(lambda h, w, y: verl_fn(h, w, y, temperature=0.9),
-                              hidden, weight, labels, upstream)
-    ours = forward_backward(lambda h, w, y: sage_verl.linear_cross_entropy(h, w, y, 0.9, backend=BACKEND),
-                            hidden, weight, labels, upstream)
+    theirs = forward_backward(lambda h, w, y: verl_fn(h, w, y, temperature=0.9), hidden, weight, labels, upstream)
+    ours = forward_backward(
+        lambda h, w, y: sage_verl.linear_cross_entropy(h, w, y, 0.9, backend=BACKEND), hidden, weight, labels, upstream
+    )
     for got, expected in zip(ours, theirs):
         torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=1e-5)
     original = verl_kernel.linear_cross_entropy

@@ -29,9 +29,11 @@ def test_evaluate_all_small_expressions_against_python():
 
 def test_max_answer_chars_bounds_every_answer():
     task = ArithmeticTask(digits=1, ops="+-*", operands=3)
-    longest = max(len(str(evaluate([a, b, c], [o1, o2])))
-                  for a, b, c in itertools.product(range(10), repeat=3)
-                  for o1, o2 in itertools.product("+-*", repeat=2))
+    longest = max(
+        len(str(evaluate([a, b, c], [o1, o2])))
+        for a, b, c in itertools.product(range(10), repeat=3)
+        for o1, o2 in itertools.product("+-*", repeat=2)
+    )
     assert longest <= task.max_answer_chars
 
 
@@ -68,17 +70,34 @@ def test_wrong_or_malformed_answers_score_zero():
     task = ArithmeticTask()
     problem = next(p for p in task.problems("train", 50, seed=0) if int(p.answer) >= 100)
     gold = problem.answer
-    for completion in [gold + "0", gold + ".5", "-" + gold, gold[:-1], f"{gold[:-1]},{gold[-1]}",
-                       "", "\n", "=" + gold, "x" + gold, "- " + gold, f"\\boxed{{{gold}",
-                       gold.translate(str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664"
-                                                                  "\u0665\u0666\u0667\u0668\u0669"))]:
+    for completion in [
+        gold + "0",
+        gold + ".5",
+        "-" + gold,
+        gold[:-1],
+        f"{gold[:-1]},{gold[-1]}",
+        "",
+        "\n",
+        "=" + gold,
+        "x" + gold,
+        "- " + gold,
+        f"\\boxed{{{gold}",
+        gold.translate(str.maketrans("0123456789", "\u0660\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669")),
+    ]:
         assert task.score(completion, problem) == 0.0, completion
 
 
-@pytest.mark.parametrize("options, argument", [
-    ({"digits": 0}, "digits"), ({"digits": "2"}, "digits"), ({"ops": "/"}, "ops"), ({"ops": ""}, "ops"),
-    ({"operands": 1}, "operands"), ({"template": "no placeholder"}, "template"),
-])
+@pytest.mark.parametrize(
+    "options, argument",
+    [
+        ({"digits": 0}, "digits"),
+        ({"digits": "2"}, "digits"),
+        ({"ops": "/"}, "ops"),
+        ({"ops": ""}, "ops"),
+        ({"operands": 1}, "operands"),
+        ({"template": "no placeholder"}, "template"),
+    ],
+)
 def test_bad_options_name_the_argument(options, argument):
     with pytest.raises(ValueError, match=argument):
         ArithmeticTask(**options)

@@ -41,8 +41,11 @@ def all_expressions(numbers):
 @pytest.mark.parametrize("numbers", [[3, 5, 7], [2, 2, 6], [1, 4, 4, 9], [6, 3, 0]])
 @pytest.mark.parametrize("use_all", [False, True])
 def test_solver_finds_exactly_the_brute_force_values(numbers, use_all):
-    expected = {int(value) for used, _, value in all_expressions(numbers)
-                if value is not None and (not use_all or len(used) == len(numbers))}
+    expected = {
+        int(value)
+        for used, _, value in all_expressions(numbers)
+        if value is not None and (not use_all or len(used) == len(numbers))
+    }
     reachable = solve(numbers, use_all)
     assert set(reachable) == expected
     for value, text in reachable.items():
@@ -68,8 +71,9 @@ def test_verifier_against_every_expression(use_all):
             assert task.score(text, problem) == expected, text
 
 
-@pytest.mark.parametrize("options", [{}, {"numbers": 4, "max_number": 25, "max_target": 200},
-                                     {"numbers": 2, "use_all": True}])
+@pytest.mark.parametrize(
+    "options", [{}, {"numbers": 4, "max_number": 25, "max_target": 200}, {"numbers": 2, "use_all": True}]
+)
 def test_problems_are_solvable_within_the_options(options):
     task = CountdownTask(**options)
     for problem in task.problems("test", 20, seed=0):
@@ -82,27 +86,30 @@ def test_problems_are_solvable_within_the_options(options):
         assert len(problem.answer) <= task.max_answer_chars
 
 
-@pytest.mark.parametrize("text, numbers, use_all, value", [
-    ("(3+5)*7", [3, 5, 7], False, 56),
-    (" 3 + 5 * 7 ", [3, 5, 7], False, 38),
-    ("7-5-3", [3, 5, 7], False, -1),
-    ("8/4/2", [8, 4, 2], False, 1),
-    ("8/(4/2)", [8, 4, 2], False, 4),
-    ("3*3", [3, 5], False, None),          # 3 given once, used twice
-    ("3*3", [3, 3], False, 9),             # 3 given twice
-    ("3*4", [3, 5], False, None),          # 4 not given
-    ("7/2*2", [7, 2, 2], False, None),     # inexact division
-    ("5/(3-3)", [5, 3, 3], False, None),   # division by zero
-    ("07+1", [7, 1], False, None),         # leading zero
-    ("-3+5", [3, 5], False, None),         # unary minus
-    ("3+5", [3, 5, 7], True, None),        # 7 unused under use_all
-    ("(3+5", [3, 5], False, None),
-    ("3+5)", [3, 5], False, None),
-    ("3 5", [3, 5], False, None),
-    ("()", [3], False, None),
-    ("", [3], False, None),
-    ("3+", [3], False, None),
-])
+@pytest.mark.parametrize(
+    "text, numbers, use_all, value",
+    [
+        ("(3+5)*7", [3, 5, 7], False, 56),
+        (" 3 + 5 * 7 ", [3, 5, 7], False, 38),
+        ("7-5-3", [3, 5, 7], False, -1),
+        ("8/4/2", [8, 4, 2], False, 1),
+        ("8/(4/2)", [8, 4, 2], False, 4),
+        ("3*3", [3, 5], False, None),  # 3 given once, used twice
+        ("3*3", [3, 3], False, 9),  # 3 given twice
+        ("3*4", [3, 5], False, None),  # 4 not given
+        ("7/2*2", [7, 2, 2], False, None),  # inexact division
+        ("5/(3-3)", [5, 3, 3], False, None),  # division by zero
+        ("07+1", [7, 1], False, None),  # leading zero
+        ("-3+5", [3, 5], False, None),  # unary minus
+        ("3+5", [3, 5, 7], True, None),  # 7 unused under use_all
+        ("(3+5", [3, 5], False, None),
+        ("3+5)", [3, 5], False, None),
+        ("3 5", [3, 5], False, None),
+        ("()", [3], False, None),
+        ("", [3], False, None),
+        ("3+", [3], False, None),
+    ],
+)
 def test_evaluate_expression_rules(text, numbers, use_all, value):
     assert evaluate_expression(text, numbers, use_all) == value
 
@@ -113,21 +120,39 @@ def test_deep_or_long_expressions_are_rejected_without_error():
     assert evaluate_expression("1+" * 200 + "1", [1] * 201, False) is None
 
 
-@pytest.mark.parametrize("completion, score", [
-    ("{s}", 1.0), ("{s}=56", 1.0), ("{s}<|endoftext|>", 1.0), ("{s}\nanything", 1.0),
-    ("\\boxed{{{s}}}", 1.0), ("So the answer: {s}", 1.0),
-    ("{s}+0", 0.0), ("{s}*1", 0.0), ("56", 0.0), ("= {s}", 0.0), ("\\boxed{{{s}", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, score",
+    [
+        ("{s}", 1.0),
+        ("{s}=56", 1.0),
+        ("{s}<|endoftext|>", 1.0),
+        ("{s}\nanything", 1.0),
+        ("\\boxed{{{s}}}", 1.0),
+        ("So the answer: {s}", 1.0),
+        ("{s}+0", 0.0),
+        ("{s}*1", 0.0),
+        ("56", 0.0),
+        ("= {s}", 0.0),
+        ("\\boxed{{{s}", 0.0),
+    ],
+)
 def test_reading_the_expression_from_a_completion(completion, score):
     task = CountdownTask()
     problem = task.problems("train", 1, seed=0)[0]
     assert task.score(completion.format(s=problem.answer), problem) == score
 
 
-@pytest.mark.parametrize("options, argument", [
-    ({"numbers": 1}, "numbers"), ({"numbers": 7}, "numbers"), ({"max_number": 0}, "max_number"),
-    ({"max_target": 0}, "max_target"), ({"use_all": 1}, "use_all"), ({"template": "x"}, "template"),
-])
+@pytest.mark.parametrize(
+    "options, argument",
+    [
+        ({"numbers": 1}, "numbers"),
+        ({"numbers": 7}, "numbers"),
+        ({"max_number": 0}, "max_number"),
+        ({"max_target": 0}, "max_target"),
+        ({"use_all": 1}, "use_all"),
+        ({"template": "x"}, "template"),
+    ],
+)
 def test_bad_options_name_the_argument(options, argument):
     with pytest.raises(ValueError, match=argument):
         CountdownTask(**options)

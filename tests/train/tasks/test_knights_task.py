@@ -23,7 +23,7 @@ def statement_holds(text, knights):
     matches = {kind: form.fullmatch(text) for kind, form in _FORMS.items()}
     matches = {kind: m for kind, m in matches.items() if m}
     assert len(matches) == 1, text
-    (kind, m), = matches.items()
+    ((kind, m),) = matches.items()
     if kind in ("same", "different"):
         return (knights[m[1]] == knights[m[2]]) == (kind == "same")
     first = knights[m[1]] == (m[2] == "knight")
@@ -65,17 +65,27 @@ def test_verifier_against_every_assignment():
             assert task.score(" ; ".join(reversed(pairs)).upper(), problem) == expected
 
 
-@pytest.mark.parametrize("completion", [
-    "{canonical}", "{canonical}<|endoftext|>", "{canonical}\nC=knight", "\\boxed{{{canonical}}}",
-    "{sentences}", "{lower}", "{shuffled}", "Answer: {sentences} That is all.",
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "{canonical}",
+        "{canonical}<|endoftext|>",
+        "{canonical}\nC=knight",
+        "\\boxed{{{canonical}}}",
+        "{sentences}",
+        "{lower}",
+        "{shuffled}",
+        "Answer: {sentences} That is all.",
+    ],
+)
 def test_tolerant_forms_of_the_solution_score_one(completion):
     task = KnightsTask(people=3)
     problem = task.problems("train", 1, seed=0)[0]
     pairs = problem.answer.split(",")
     sentences = " ".join(re.sub(r"(\w)=(\w+)", r"\1 is a \2.", p) for p in pairs)
-    text = completion.format(canonical=problem.answer, sentences=sentences,
-                             lower=problem.answer.lower(), shuffled="; ".join(pairs[::-1]))
+    text = completion.format(
+        canonical=problem.answer, sentences=sentences, lower=problem.answer.lower(), shuffled="; ".join(pairs[::-1])
+    )
     assert task.score(text, problem) == 1.0
 
 
@@ -89,9 +99,17 @@ def test_wrong_or_incomplete_assignments_score_zero():
         pairs[i] = f"{name}={swap[role]}"
         assert task.score(",".join(pairs), problem) == 0.0
     answer = problem.answer
-    for completion in [answer.rsplit(",", 1)[0], answer + ",D=knight", answer + ",A=knight,A=knave",
-                       answer.replace("knight", "knights"), answer.replace("k", "\u212a"),
-                       "A knight", "", "\n\n", "\\boxed{" + answer]:
+    for completion in [
+        answer.rsplit(",", 1)[0],
+        answer + ",D=knight",
+        answer + ",A=knight,A=knave",
+        answer.replace("knight", "knights"),
+        answer.replace("k", "\u212a"),
+        "A knight",
+        "",
+        "\n\n",
+        "\\boxed{" + answer,
+    ]:
         assert task.score(completion, problem) == 0.0, completion
 
 
@@ -100,9 +118,14 @@ def test_consistent_repeats_are_tolerated():
     assert parse_assignment("A=knight,B=knave,A=knave", 2) is None
 
 
-@pytest.mark.parametrize("options, argument", [
-    ({"people": 1}, "people"), ({"people": 9}, "people"), ({"template": "x"}, "template"),
-])
+@pytest.mark.parametrize(
+    "options, argument",
+    [
+        ({"people": 1}, "people"),
+        ({"people": 9}, "people"),
+        ({"template": "x"}, "template"),
+    ],
+)
 def test_bad_options_name_the_argument(options, argument):
     with pytest.raises(ValueError, match=argument):
         KnightsTask(**options)

@@ -11,8 +11,9 @@ from sage_train.tasks import get_task
 from sage_train.tasks.math import MathTask, last_boxed
 
 
-@pytest.mark.parametrize("name, rows", [("math500", 500), ("aime24", 30), ("aime25", 30), ("amc23", 40),
-                                        ("minerva", 272)])
+@pytest.mark.parametrize(
+    "name, rows", [("math500", 500), ("aime24", 30), ("aime25", 30), ("amc23", 40), ("minerva", 272)]
+)
 def test_benchmark_names_resolve_to_the_shared_files(name, rows, math_data, monkeypatch):
     monkeypatch.setenv("SAGE_MATH_DATA", str(math_data))
     task = get_task(name)
@@ -34,15 +35,18 @@ def test_golds_from_answer_or_last_boxed_solution(math_data, monkeypatch):
 
 def test_jsonl_path_prompt_and_score(tmp_path):
     path = tmp_path / "mine.jsonl"
-    rows = [{"problem": "What is 1/2 + 1/3?", "answer": "\\frac{5}{6}"},
-            {"question": "Square of 3?", "solution": "It is $\\boxed{9}$, or \\boxed{\\{9\\}}."}]
+    rows = [
+        {"problem": "What is 1/2 + 1/3?", "answer": "\\frac{5}{6}"},
+        {"question": "Square of 3?", "solution": "It is $\\boxed{9}$, or \\boxed{\\{9\\}}."},
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     task = MathTask(str(path))
     first, second = task.problems()
     assert task.name == "mine" and first.id == "mine/0"
     assert second.answer == "\\{9\\}"
-    assert task.prompt(first) == ("What is 1/2 + 1/3?\nPlease reason step by step, and put your final answer "
-                                  "within \\boxed{}.")
+    assert task.prompt(first) == (
+        "What is 1/2 + 1/3?\nPlease reason step by step, and put your final answer within \\boxed{}."
+    )
     assert MathTask(str(path), template="Q: {question}\nA:").prompt(first) == "Q: What is 1/2 + 1/3?\nA:"
     assert task.score("1/2 + 1/3 = 5/6, so \\boxed{\\dfrac{5}{6}}.", first) == 1.0
     assert task.score("\\boxed{0.8333}", first) == 0.0

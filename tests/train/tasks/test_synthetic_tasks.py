@@ -47,8 +47,10 @@ def test_problems_are_distinct_and_splits_disjoint_whatever_the_seeds(task):
 
 def test_countdown_splits_never_share_numbers():
     task = TASKS["countdown"]
-    numbers = {split: {tuple(sorted(p.meta["numbers"])) for p in task.problems(split, 60, seed=0)}
-               for split in ("train", "test")}
+    numbers = {
+        split: {tuple(sorted(p.meta["numbers"])) for p in task.problems(split, 60, seed=0)}
+        for split in ("train", "test")
+    }
     assert not numbers["train"] & numbers["test"]
 
 
@@ -78,11 +80,14 @@ def test_any_text_is_graded_without_error(name, text):
     assert task.score(text, problem) in (0.0, 1.0)
 
 
-@pytest.mark.parametrize("name, alphabet", [
-    ("arithmetic", "+-*/=()., \n\\{}abcxyzAnswer:"),
-    ("countdown", "+-*/=()., \n\\{}abcxyzAnswer:"),
-    ("knights", "ABCDEFGH=:,;.- \n\\{}isantvIS"),  # no "k": neither role can be named
-])
+@pytest.mark.parametrize(
+    "name, alphabet",
+    [
+        ("arithmetic", "+-*/=()., \n\\{}abcxyzAnswer:"),
+        ("countdown", "+-*/=()., \n\\{}abcxyzAnswer:"),
+        ("knights", "ABCDEFGH=:,;.- \n\\{}isantvIS"),  # no "k": neither role can be named
+    ],
+)
 @given(data=st.data())
 def test_malformed_completions_score_zero(name, alphabet, data):
     text = data.draw(st.text(alphabet=alphabet, max_size=60))

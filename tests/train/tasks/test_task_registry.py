@@ -1,6 +1,5 @@
 """The task registry: synthetic names, lazy routing of everything else to MathTask, option errors."""
 
-
 import pytest
 
 from sage_train.tasks import TASK_NAMES, ArithmeticTask, CountdownTask, KnightsTask, get_task
