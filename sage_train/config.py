@@ -31,6 +31,30 @@ DEFAULT_CONFIG = "tiny-cpu"
 LOGGERS = ("tensorboard", "wandb", "trackio")
 
 
+#: integer keys that must be positive, and those that may also be 0 (0: off / all / none)
+POSITIVE_KEYS = (
+    "steps prompts_per_step micro_batch_size num_iterations steps_per_generation max_new_tokens eval_samples "
+    "log_every save_every dynamic_sampling_max_rounds tiny_hidden_size tiny_layers tiny_heads tiny_kv_heads "
+    "tiny_intermediate_size sft_batch_size max_nonfinite_steps"
+).split()
+NON_NEGATIVE_KEYS = (
+    "sft_steps sft_max_tokens sft_epochs sft_warmup_steps sft_max_example_tokens cpu_threads train_problems "
+    "warmup_steps eval_problems eval_max_new_tokens max_prompt_length keep_checkpoints"
+).split()
+#: the keys that take one of a few values, and those values
+CHOICES = {
+    "zero_stage": (0, 1, 2, 3),
+    "lr_schedule": ("constant", "cosine", "linear"),
+    "rollout_engine": ("hf", "vllm", "openai"),
+    "sft_adapter": ("merge", "continue"),
+    "sft_lr_schedule": ("cosine", "linear"),
+    "sft_format": ("raw", "official"),
+    "tis_level": ("token", "sequence", "off"),
+    "loss_backend": ("auto", "reference", "cpu", "triton"),
+    "chat_template": ("", "tokenizer", "official"),
+}
+
+
 class ConfigError(ValueError):
     """A config key is unknown or its value has the wrong type or range."""
 
@@ -327,41 +351,12 @@ def validate(cfg: TrainConfig) -> None:
     for key, value in cfg.to_dict().items():  # NaN passes no range check below
         require(not isinstance(value, float) or math.isfinite(value), key, "a finite number")
 
-    for key in (
-        "steps",
-        "prompts_per_step",
-        "micro_batch_size",
-        "num_iterations",
-        "steps_per_generation",
-        "max_new_tokens",
-        "eval_samples",
-        "log_every",
-        "save_every",
-        "dynamic_sampling_max_rounds",
-        "tiny_hidden_size",
-        "tiny_layers",
-        "tiny_heads",
-        "tiny_kv_heads",
-        "tiny_intermediate_size",
-        "sft_batch_size",
-        "max_nonfinite_steps",
-    ):
+    for key in POSITIVE_KEYS:
         require(getattr(cfg, key) > 0, key, "a positive integer")
-    for key in (
-        "sft_steps",
-        "sft_max_tokens",
-        "sft_epochs",
-        "sft_warmup_steps",
-        "sft_max_example_tokens",
-        "cpu_threads",
-        "train_problems",
-        "warmup_steps",
-        "eval_problems",
-        "eval_max_new_tokens",
-        "max_prompt_length",
-        "keep_checkpoints",
-    ):
+    for key in NON_NEGATIVE_KEYS:
         require(getattr(cfg, key) >= 0, key, "an integer >= 0")
+    for key, choices in CHOICES.items():
+        require(getattr(cfg, key) in choices, key, "one of " + ", ".join(map(repr, choices)))
     require(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
     require(cfg.lr > 0 and cfg.sft_lr > 0, "lr" if cfg.lr <= 0 else "sft_lr", "> 0")
     require(cfg.temperature > 0, "temperature", "> 0")
@@ -371,13 +366,7 @@ def validate(cfg: TrainConfig) -> None:
     require(0 < cfg.top_p <= 1, "top_p", "in (0, 1]")
     require(cfg.top_k >= 0, "top_k", ">= 0 (0: off)")
     require(0 <= cfg.min_p < 1, "min_p", "in [0, 1) (0: off)")
-    require(cfg.zero_stage in (0, 1, 2, 3), "zero_stage", "0, 1, 2 or 3")
-    require(cfg.lr_schedule in ("constant", "cosine", "linear"), "lr_schedule", "'constant', 'cosine' or 'linear'")
-    require(cfg.rollout_engine in ("hf", "vllm", "openai"), "rollout_engine", "'hf', 'vllm' or 'openai'")
     require(cfg.lora_rank >= 0, "lora_rank", "an integer >= 0 (0: off)")
-    require(cfg.sft_adapter in ("merge", "continue"), "sft_adapter", "'merge' or 'continue'")
-    require(cfg.sft_lr_schedule in ("cosine", "linear"), "sft_lr_schedule", "'cosine' or 'linear'")
-    require(cfg.sft_format in ("raw", "official"), "sft_format", "'raw' or 'official'")
     require(cfg.sft_weight_decay >= 0, "sft_weight_decay", ">= 0")
     require(cfg.lora_alpha > 0, "lora_alpha", "> 0")
     require(0 <= cfg.lora_dropout < 1, "lora_dropout", "in [0, 1)")
@@ -407,7 +396,6 @@ def validate(cfg: TrainConfig) -> None:
         "is, not the weights the adapter would be trained on (warm-start in a run of its own and point "
         "`model` at its runs/<name>/sft directory, served by the server)",
     )
-    require(cfg.tis_level in ("token", "sequence", "off"), "tis_level", "'token', 'sequence' or 'off'")
     truncates = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0
     require(
         cfg.tis_level == "off" or cfg.rollout_engine == "hf" or cfg.temperature == 1.0 or not truncates,
@@ -418,13 +406,7 @@ def validate(cfg: TrainConfig) -> None:
         "use temperature 1, no truncation, or tis_level 'off'",
     )
     require(cfg.tis_cap > 0, "tis_cap", "> 0")
-    require(
-        cfg.loss_backend in ("auto", "reference", "cpu", "triton"),
-        "loss_backend",
-        "'auto', 'reference', 'cpu' or 'triton'",
-    )
     require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
-    require(cfg.chat_template in ("", "tokenizer", "official"), "chat_template", "'', 'tokenizer' or 'official'")
     require(cfg.chat_template or not cfg.system_prompt, "system_prompt", "'' without a chat_template")
     require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
     require(cfg.name != "" and "/" not in cfg.name, "name", "a non-empty name without '/'")

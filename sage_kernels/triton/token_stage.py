@@ -27,22 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import SEQUENCE_MEAN_LOSS_TYPES, VESPO_LOG_W_MAX, VESPO_LOG_W_MIN, loss_normaliser
+from ..reference import SEQUENCE_MEAN_LOSS_TYPES, loss_normaliser
 from ..spec import KL_CODES, LOSS_TYPE_CODES, LossConfig
 from .tiles import interpreting, new_buffer
+from .token_math import LOSS_LUSPO, LOSS_VESPO, LOG_W_MAX, LOG_W_MIN, kl_and_slope, log_guide, policy_gradient
 
 #: columns of the per-row statistics buffer.
 ROW_LOSS, ROW_KL, ROW_ENTROPY, ROW_Q, ROW_Q_MIN, ROW_Q_MAX, ROW_LOW, ROW_HIGH, ROW_REGION = range(9)
 N_ROW_STATS = 9
 
-# The codes of `spec` as kernel constants (k3 is the kernel's default branch).
-KL_K1 = tl.constexpr(KL_CODES["k1"])
-KL_K2 = tl.constexpr(KL_CODES["k2"])
-KL_FK3 = tl.constexpr(KL_CODES["fk3"])
-LOSS_CISPO = tl.constexpr(LOSS_TYPE_CODES["cispo"])
-LOSS_SAPO = tl.constexpr(LOSS_TYPE_CODES["sapo"])
-LOSS_VESPO = tl.constexpr(LOSS_TYPE_CODES["vespo"])
-LOSS_LUSPO = tl.constexpr(LOSS_TYPE_CODES["luspo"])
 _ROW_LOSS = tl.constexpr(ROW_LOSS)
 _ROW_KL = tl.constexpr(ROW_KL)
 _ROW_ENTROPY = tl.constexpr(ROW_ENTROPY)
@@ -52,129 +45,6 @@ _ROW_Q_MAX = tl.constexpr(ROW_Q_MAX)
 _ROW_LOW = tl.constexpr(ROW_LOW)
 _ROW_HIGH = tl.constexpr(ROW_HIGH)
 _ROW_REGION = tl.constexpr(ROW_REGION)
-_LOG_W_MIN = tl.constexpr(VESPO_LOG_W_MIN)
-_LOG_W_MAX = tl.constexpr(VESPO_LOG_W_MAX)
-
-
-@triton.jit
-def _log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q: tl.constexpr, BRANCH: tl.constexpr):
-    """log q per token: the caller's log_q, the branch guide from the entropy, or 0."""
-    if HAS_LOG_Q:
-        log_q = tl.load(log_q_ptr + at, mask=m, other=0.0)
-    elif BRANCH:
-        guide = 1.0 + gamma * tl.maximum(ent - tau, 0.0)
-        log_q = tl.log(tl.minimum(tl.maximum(guide, q_min), q_max))
-    else:
-        log_q = tl.zeros_like(ent)
-    return log_q
-
-
-@triton.jit
-def _kl_and_slope(delta, KL: tl.constexpr):
-    """The KL estimate from delta = log anchor - logp, and its derivative with respect to logp."""
-    if KL == KL_K1:
-        kl = -delta
-        slope = tl.full(delta.shape, 1.0, tl.float32)
-    elif KL == KL_K2:
-        kl = 0.5 * delta * delta
-        slope = -delta
-    elif KL == KL_FK3:
-        # fk3 = r*d - (r - 1), r = exp(d): the same cancellation for small d; series sum_m (m-1) d^m / m!.
-        r = tl.exp(delta)
-        series = delta * (1.0 / 30.0 + delta * (1.0 / 144.0))
-        series = delta * delta * (0.5 + delta * (1.0 / 3.0 + delta * (1.0 / 8.0 + series)))
-        kl = tl.where(tl.abs(delta) < 0.1, series, r * delta - (r - 1.0))
-        slope = -r * delta
-    else:
-        # exp(d) - 1 - d cancels for small d in fp32: use its Taylor series there (error < 1e-9 relative).
-        series = delta * delta * (0.5 + delta * (1.0 / 6.0 + delta * (1.0 / 24.0 + delta * (1.0 / 120.0))))
-        em1 = tl.exp(delta) - 1.0
-        kl = tl.where(tl.abs(delta) < 0.1, series, em1 - delta)
-        slope = -em1
-    return kl, slope
-
-
-@triton.jit
-def _tie_weight(a, b):
-    """d min(a, b) / d a as autograd computes it: 1 if a < b, 1/2 on a tie, 0 otherwise."""
-    return tl.where(a < b, 1.0, tl.where(a == b, 0.5, 0.0))
-
-
-@triton.jit
-def _clipped_pg(
-    ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr
-):
-    """(pg, dpg/dratio, low, high) of PPO's clipped term (low/high: the clip indicators)."""
-    low = 1.0 - eps_low
-    high = 1.0 + eps_high
-    if HAS_DELTA:
-        unclipped = tl.minimum(ratio, delta_clip)
-        d_unclipped = (ratio <= delta_clip).to(tl.float32)
-    else:
-        unclipped = ratio
-        d_unclipped = tl.full(ratio.shape, 1.0, tl.float32)
-    clipped = tl.minimum(tl.maximum(ratio, low), high)
-    d_clipped = ((ratio >= low) & (ratio <= high)).to(tl.float32)
-    u_adv = unclipped * adv
-    c_adv = clipped * adv
-    w_unclipped = _tie_weight(u_adv, c_adv)
-    pg = -tl.minimum(u_adv, c_adv)
-    d_pg = -adv * (w_unclipped * d_unclipped + (1.0 - w_unclipped) * d_clipped)
-    if HAS_DUAL:
-        bound = -adv * dual_clip_c
-        negative = adv < 0
-        d_pg = tl.where(negative, d_pg * _tie_weight(pg, bound), d_pg)
-        pg = tl.where(negative, tl.minimum(pg, bound), pg)
-    return pg, d_pg, (unclipped < low) & (adv < 0), (unclipped > high) & (adv > 0)
-
-
-@triton.jit
-def _policy_gradient(
-    ratio,
-    lp,
-    adv,
-    log_w,
-    eps_low,
-    eps_high,
-    delta_clip,
-    dual_clip_c,
-    sapo_t_pos,
-    sapo_t_neg,
-    vespo_k_pos,
-    vespo_lambda_pos,
-    vespo_k_neg,
-    vespo_lambda_neg,
-    LOSS: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-    HAS_DUAL: tl.constexpr,
-):
-    """(pg, dpg/dratio, dpg/dlogp at a fixed ratio, low, high) of the loss type's PG term."""
-    d_pg_logp = tl.zeros(ratio.shape, dtype=tl.float32)
-    low = d_pg_logp != 0.0
-    high = low
-    if LOSS == LOSS_CISPO:
-        weight = tl.minimum(ratio, eps_high)  # detached: no slope in the ratio
-        pg = -weight * adv * lp
-        d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
-        d_pg_logp = -weight * adv
-        high = (ratio > eps_high) & (adv > 0)
-    elif LOSS == LOSS_SAPO:
-        temperature = tl.where(adv > 0, sapo_t_pos, sapo_t_neg)
-        gate = tl.sigmoid(temperature * (ratio - 1.0))
-        pg = -gate * (4.0 / temperature) * adv
-        d_pg = -4.0 * adv * gate * (1.0 - gate)
-    elif LOSS == LOSS_VESPO:
-        nonnegative = adv >= 0
-        k = tl.where(nonnegative, vespo_k_pos, vespo_k_neg)
-        lam = tl.maximum(tl.where(nonnegative, vespo_lambda_pos, vespo_lambda_neg), 1e-4)
-        phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
-        phi = tl.where((phi == phi) & (tl.abs(phi) < float("inf")), phi, 0.0)  # TRL's nan_to_num(0)
-        pg = -phi * adv * lp
-        d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
-        d_pg_logp = -phi * adv
-    else:
-        pg, d_pg, low, high = _clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c, HAS_DELTA, HAS_DUAL)
-    return pg, d_pg, d_pg_logp, low, high
 
 
 @triton.heuristics(
@@ -256,10 +126,10 @@ def _token_stage_kernel(
             lp = tl.load(logp_ptr + base + l0 + offs, mask=in_row, other=0.0)
             old = tl.load(old_ptr + base + l0 + offs, mask=in_row, other=0.0)
             log_ratio_sum += tl.where(m, lp - old, 0.0)
-            log_w_sum += tl.where(m, tl.minimum(tl.maximum(lp - old, -_LOG_W_MAX), _LOG_W_MAX), 0.0)
+            log_w_sum += tl.where(m, tl.minimum(tl.maximum(lp - old, -LOG_W_MAX), LOG_W_MAX), 0.0)
         if HAS_IS_WEIGHTS and LOSS == LOSS_VESPO:
             log_is = tl.log(tl.load(isw_ptr + base + l0 + offs, mask=m, other=1.0))
-            log_w_sum += tl.where(m, tl.minimum(tl.maximum(log_is, _LOG_W_MIN), _LOG_W_MAX), 0.0)
+            log_w_sum += tl.where(m, tl.minimum(tl.maximum(log_is, LOG_W_MIN), LOG_W_MAX), 0.0)
     n_tokens = tl.sum(count, axis=0)
     per_token_share = 1.0 / tl.maximum(n_tokens, 1.0)
     if PER_SEQUENCE_MEAN:
@@ -269,7 +139,7 @@ def _token_stage_kernel(
     else:
         scale = tl.load(inv_norm_ptr)
     seq_ratio = tl.exp(tl.sum(log_ratio_sum, axis=0) * per_token_share)
-    log_w = tl.minimum(tl.maximum(tl.sum(log_w_sum, axis=0), _LOG_W_MIN), _LOG_W_MAX)
+    log_w = tl.minimum(tl.maximum(tl.sum(log_w_sum, axis=0), LOG_W_MIN), LOG_W_MAX)
     if HAS_QUANTILE:
         threshold = tl.load(threshold_ptr)
 
@@ -292,7 +162,7 @@ def _token_stage_kernel(
         ent = tl.where(m, tl.load(entropy_ptr + at, mask=in_row, other=0.0), 0.0)
         adv = tl.load(adv_ptr + at, mask=m, other=0.0)
 
-        log_q = _log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q, BRANCH)
+        log_q = log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q, BRANCH)
         log_q = tl.where(m, log_q, 0.0)
         q = tl.exp(log_q)
 
@@ -310,7 +180,7 @@ def _token_stage_kernel(
             if HAS_KL_CLAMP:  # the opt-in overflow guard, torch.clamp's gradient: zero outside the bounds
                 inside = (delta >= -kl_clamp) & (delta <= kl_clamp)
                 delta = tl.minimum(tl.maximum(delta, -kl_clamp), kl_clamp)
-            kl, kl_slope = _kl_and_slope(delta, KL)
+            kl, kl_slope = kl_and_slope(delta, KL)
             if HAS_KL_CLAMP:
                 kl_slope = tl.where(inside, kl_slope, 0.0)
             kl = tl.where(m, kl, 0.0)
@@ -325,7 +195,7 @@ def _token_stage_kernel(
             kl_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
             kl_ratio_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
 
-        pg, d_pg, d_pg_logp, low, high = _policy_gradient(
+        pg, d_pg, d_pg_logp, low, high = policy_gradient(
             ratio,
             lp,
             adv,

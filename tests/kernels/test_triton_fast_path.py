@@ -20,7 +20,7 @@ from tolerances import TOLERANCES  # noqa: E402
 
 from sage_kernels import LossConfig, fused_linear_sage_loss  # noqa: E402
 from sage_kernels.spec import validate_inputs  # noqa: E402
-from sage_kernels.triton import gemm, ops, sweep_fwd, three_matmul, tiles  # noqa: E402
+from sage_kernels.triton import boundary, gemm, ops_local, sweep_fwd, three_matmul, tiles
 from sage_kernels.triton.tiles import interpreting  # noqa: E402
 
 THREE, TWO = "three-matmul", "two-pass"
@@ -218,7 +218,7 @@ def test_three_matmul_stays_under_the_logits_limit(dtype):
         config=config,
     )
     with KernelMemoryRecorder(B * L * V // 16) as recorder:
-        out = ops.local_forward(
+        out = ops_local.local_forward(
             inputs.hidden,
             inputs.weight,
             inputs.bias,
@@ -280,7 +280,7 @@ def test_three_matmul_backward_twice_is_refused():
 def test_opcheck_local_loss_operator():
     problem = make_problem(B=2, L=5, V=200, D=32, seed=1)
     config = LossConfig(entropy_coef=0.01)
-    floats, ints, num_items = ops._pack(config)
+    floats, ints, num_items = boundary.pack_config(config)
     hidden = problem["hidden"].reshape(-1, 32).detach().requires_grad_()
     weight = problem["weight"].detach().requires_grad_()
     args = (

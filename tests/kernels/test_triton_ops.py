@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
-from sage_kernels.triton import ops
+from sage_kernels.triton import boundary
 from test_triton_loss import DEVICE, make_problem
 
 COMPILE_BACKEND = "inductor" if DEVICE.type == "cuda" else "aot_eager"
 
 
 def loss_op_args(problem, config):
-    floats, ints, num_items = ops._pack(config)
+    floats, ints, num_items = boundary.pack_config(config)
     hidden = problem["hidden"].reshape(-1, problem["hidden"].shape[-1]).detach().requires_grad_()
     weight = problem["weight"].detach().requires_grad_()
     return (
@@ -51,9 +51,9 @@ def test_config_round_trips_through_the_operator_arguments():
         beta=0.0,
         tau=0.9,
     )
-    assert ops._unpack(*ops._pack(config)) == config
+    assert boundary.unpack_config(*boundary.pack_config(config)) == config
     n = torch.tensor(5.0)
-    assert ops._unpack(*ops._pack(LossConfig(num_items_in_batch=n))).num_items_in_batch is n
+    assert boundary.unpack_config(*boundary.pack_config(LossConfig(num_items_in_batch=n))).num_items_in_batch is n
 
 
 def test_opcheck_loss_operator():

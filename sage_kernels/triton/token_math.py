@@ -1,0 +1,141 @@
+"""The per-token maths of the Triton token stage as device functions: the guide, the KL estimate
+and its slope, and each loss type's policy-gradient term and slopes (docs/loss.md), with the
+`spec` codes they switch on as kernel constants."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..reference import VESPO_LOG_W_MAX, VESPO_LOG_W_MIN
+from ..spec import KL_CODES, LOSS_TYPE_CODES
+
+# The codes of `spec` as kernel constants (k3 is the kernel's default branch).
+KL_K1 = tl.constexpr(KL_CODES["k1"])
+KL_K2 = tl.constexpr(KL_CODES["k2"])
+KL_FK3 = tl.constexpr(KL_CODES["fk3"])
+LOSS_CISPO = tl.constexpr(LOSS_TYPE_CODES["cispo"])
+LOSS_SAPO = tl.constexpr(LOSS_TYPE_CODES["sapo"])
+LOSS_VESPO = tl.constexpr(LOSS_TYPE_CODES["vespo"])
+LOSS_LUSPO = tl.constexpr(LOSS_TYPE_CODES["luspo"])
+LOG_W_MIN = tl.constexpr(VESPO_LOG_W_MIN)
+LOG_W_MAX = tl.constexpr(VESPO_LOG_W_MAX)
+
+
+@triton.jit
+def log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q: tl.constexpr, BRANCH: tl.constexpr):
+    """log q per token: the caller's log_q, the branch guide from the entropy, or 0."""
+    if HAS_LOG_Q:
+        log_q = tl.load(log_q_ptr + at, mask=m, other=0.0)
+    elif BRANCH:
+        guide = 1.0 + gamma * tl.maximum(ent - tau, 0.0)
+        log_q = tl.log(tl.minimum(tl.maximum(guide, q_min), q_max))
+    else:
+        log_q = tl.zeros_like(ent)
+    return log_q
+
+
+@triton.jit
+def kl_and_slope(delta, KL: tl.constexpr):
+    """The KL estimate from delta = log anchor - logp, and its derivative with respect to logp."""
+    if KL == KL_K1:
+        kl = -delta
+        slope = tl.full(delta.shape, 1.0, tl.float32)
+    elif KL == KL_K2:
+        kl = 0.5 * delta * delta
+        slope = -delta
+    elif KL == KL_FK3:
+        # fk3 = r*d - (r - 1), r = exp(d): the same cancellation for small d; series sum_m (m-1) d^m / m!.
+        r = tl.exp(delta)
+        series = delta * (1.0 / 30.0 + delta * (1.0 / 144.0))
+        series = delta * delta * (0.5 + delta * (1.0 / 3.0 + delta * (1.0 / 8.0 + series)))
+        kl = tl.where(tl.abs(delta) < 0.1, series, r * delta - (r - 1.0))
+        slope = -r * delta
+    else:
+        # exp(d) - 1 - d cancels for small d in fp32: use its Taylor series there (error < 1e-9 relative).
+        series = delta * delta * (0.5 + delta * (1.0 / 6.0 + delta * (1.0 / 24.0 + delta * (1.0 / 120.0))))
+        em1 = tl.exp(delta) - 1.0
+        kl = tl.where(tl.abs(delta) < 0.1, series, em1 - delta)
+        slope = -em1
+    return kl, slope
+
+
+@triton.jit
+def tie_weight(a, b):
+    """d min(a, b) / d a as autograd computes it: 1 if a < b, 1/2 on a tie, 0 otherwise."""
+    return tl.where(a < b, 1.0, tl.where(a == b, 0.5, 0.0))
+
+
+@triton.jit
+def clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c, HAS_DELTA: tl.constexpr, HAS_DUAL: tl.constexpr):
+    """(pg, dpg/dratio, low, high) of PPO's clipped term (low/high: the clip indicators)."""
+    low = 1.0 - eps_low
+    high = 1.0 + eps_high
+    if HAS_DELTA:
+        unclipped = tl.minimum(ratio, delta_clip)
+        d_unclipped = (ratio <= delta_clip).to(tl.float32)
+    else:
+        unclipped = ratio
+        d_unclipped = tl.full(ratio.shape, 1.0, tl.float32)
+    clipped = tl.minimum(tl.maximum(ratio, low), high)
+    d_clipped = ((ratio >= low) & (ratio <= high)).to(tl.float32)
+    u_adv = unclipped * adv
+    c_adv = clipped * adv
+    w_unclipped = tie_weight(u_adv, c_adv)
+    pg = -tl.minimum(u_adv, c_adv)
+    d_pg = -adv * (w_unclipped * d_unclipped + (1.0 - w_unclipped) * d_clipped)
+    if HAS_DUAL:
+        bound = -adv * dual_clip_c
+        negative = adv < 0
+        d_pg = tl.where(negative, d_pg * tie_weight(pg, bound), d_pg)
+        pg = tl.where(negative, tl.minimum(pg, bound), pg)
+    return pg, d_pg, (unclipped < low) & (adv < 0), (unclipped > high) & (adv > 0)
+
+
+@triton.jit
+def policy_gradient(
+    ratio,
+    lp,
+    adv,
+    log_w,
+    eps_low,
+    eps_high,
+    delta_clip,
+    dual_clip_c,
+    sapo_t_pos,
+    sapo_t_neg,
+    vespo_k_pos,
+    vespo_lambda_pos,
+    vespo_k_neg,
+    vespo_lambda_neg,
+    LOSS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_DUAL: tl.constexpr,
+):
+    """(pg, dpg/dratio, dpg/dlogp at a fixed ratio, low, high) of the loss type's PG term."""
+    d_pg_logp = tl.zeros(ratio.shape, dtype=tl.float32)
+    low = d_pg_logp != 0.0
+    high = low
+    if LOSS == LOSS_CISPO:
+        weight = tl.minimum(ratio, eps_high)  # detached: no slope in the ratio
+        pg = -weight * adv * lp
+        d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
+        d_pg_logp = -weight * adv
+        high = (ratio > eps_high) & (adv > 0)
+    elif LOSS == LOSS_SAPO:
+        temperature = tl.where(adv > 0, sapo_t_pos, sapo_t_neg)
+        gate = tl.sigmoid(temperature * (ratio - 1.0))
+        pg = -gate * (4.0 / temperature) * adv
+        d_pg = -4.0 * adv * gate * (1.0 - gate)
+    elif LOSS == LOSS_VESPO:
+        nonnegative = adv >= 0
+        k = tl.where(nonnegative, vespo_k_pos, vespo_k_neg)
+        lam = tl.maximum(tl.where(nonnegative, vespo_lambda_pos, vespo_lambda_neg), 1e-4)
+        phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
+        phi = tl.where((phi == phi) & (tl.abs(phi) < float("inf")), phi, 0.0)  # TRL's nan_to_num(0)
+        pg = -phi * adv * lp
+        d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
+        d_pg_logp = -phi * adv
+    else:
+        pg, d_pg, low, high = clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c, HAS_DELTA, HAS_DUAL)
+    return pg, d_pg, d_pg_logp, low, high
