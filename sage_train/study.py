@@ -42,8 +42,8 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, parse_args, read_yaml
+from .study_report import START, write_report
 
-START = "start"  # the arm name of the starting point (the warm-started model, no RL)
 STUDY_KEYS = ("algorithms", "seeds", "baseline", "eval_n", "eval_problems", "train_config", "train")
 
 
@@ -74,7 +74,7 @@ class Study:
     def train_args(self, arm: Arm | None, seed: int) -> list:
         """The sage-train command line of (arm, seed); arm None is the seed's starting point."""
         values = {**self.train, "seed": seed, "output_dir": str(self.out / "runs"), "resume": True}
-        values.update(progress=False, tensorboard=False, plots=False)  # the study draws its own plots
+        values.update(progress=False, report_to=[], plots=False)  # the study draws its own plots
         if arm is None:  # the warm start only: one RL step (steps must be > 0), no evaluation
             values.update(name=f"{START}-s{seed}", steps=1, eval_problems=0)
         else:
@@ -329,8 +329,6 @@ def main(argv=None) -> int:
     study = parse_study(argv)
     study.out.mkdir(parents=True, exist_ok=True)
     if "--report-only" in argv:
-        from .study_report import write_report
-
         print(write_report(study, argv, wall_time_s=None)["summary"])
         return 0
     state, started = {"stopping": False}, time.time()
@@ -344,8 +342,6 @@ def main(argv=None) -> int:
     if state["stopping"]:
         print(f"sage-study: stopped; finished runs are kept, rerun the same command to finish {study.out}")
         return 130
-    from .study_report import write_report
-
     report = write_report(study, argv, wall_time_s=time.time() - started)
     print(report["summary"])
     failed = {name: status for name, status in statuses.items() if not status.startswith("ok")}

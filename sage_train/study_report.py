@@ -26,7 +26,8 @@ import numpy as np
 
 from .evaluate import pass_at_k
 from .report import read_metrics
-from .study import START as START_NAME
+
+START = "start"  # the arm name of the starting point (the warm-started model, no RL)
 
 CURVE_METRICS = ("reward", "entropy", "kl", "sage/q_mean", "sage/frac_q_gt_1")
 BOOTSTRAP_SAMPLES = 2000
@@ -172,7 +173,7 @@ def window_mean(curve: dict, last: bool, fraction: float = 0.1) -> float:
 def write_report(study, argv: list, wall_time_s) -> dict:
     """study.json, study.md, pass_at_k.png and training_curves.png in study.out; returns the
     report with a "summary" (the console's table). wall_time_s: None for --report-only."""
-    arm_names = [START_NAME, *(arm.name for arm in study.arms)]
+    arm_names = [START, *(arm.name for arm in study.arms)]
     report = {
         "command": "sage-study " + " ".join(argv),
         "commit": _commit(),
@@ -272,7 +273,7 @@ def markdown(report: dict, study) -> str:
         f"{report['run_time_s'] / 60:.1f} min in all (the evaluations not counted)",
         f"- held-out: {study.eval_problems} problems x {study.eval_n} samples per model; seeds {study.seeds}; "
         f"training config `{study.train_config}` with {json.dumps(study.train)}",
-        f"- arms: `{START_NAME}` is the warm-started model every algorithm of a seed starts from (no RL); "
+        f"- arms: `{START}` is the warm-started model every algorithm of a seed starts from (no RL); "
         + "; ".join(f"`{name}`: {json.dumps(spec)}" for name, spec in report["study"]["arms"].items()),
         "",
         "95% intervals: the wider of a t-interval over seeds and a bootstrap over problems "
@@ -356,7 +357,7 @@ def plot_curves(all_curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(CURVE_METRICS), figsize=(4 * len(CURVE_METRICS), 3.6), constrained_layout=True)
-    colors = _colors([START_NAME, *all_curves])
+    colors = _colors([START, *all_curves])
     for ax, metric in zip(axes, CURVE_METRICS):
         for arm, metrics in all_curves.items():
             if metric not in metrics:
