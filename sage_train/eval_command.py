@@ -210,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--problems-per-call",
         type=int,
         default=1,
-        help="prompts per generate call (more is faster with the hf engine and small n; "
-        "1 makes each problem's samples independent of the others)",
+        help="prompts per generate call (more is faster with the hf engine and small n; a problem's "
+        "samples do not depend on it: each problem is drawn with a seed of its own)",
     )
     p.add_argument(
         "--samples-per-call",

@@ -183,9 +183,9 @@ def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
         "--task-options",
         json.dumps({"arithmetic": TASK_OPTIONS}),
         "--n",
-        "8",
+        "64",
         "--seeds",
-        "0,1,2",
+        "0,1,2,3,4,5",
         "--max-new-tokens",
         "3",
         "--limit",
@@ -194,6 +194,7 @@ def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
         str(tmp_path),
         "--no-progress",
     ]
+    # enough work after the first records (42 problem-seeds of 64 samples) that Ctrl-C lands mid-run
     code = f"import sys; from sage_train.cli import eval_main; sys.exit(eval_main({args!r}))"
     process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     records = tmp_path / "records.jsonl"
@@ -206,7 +207,7 @@ def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
     assert process.returncode == 130, stderr
     assert "rerun the same command to resume" in stderr
     finished = records.read_text().count("\n")
-    total = 3 * len(get_task("arithmetic", **TASK_OPTIONS).problems("test", 16, 0))  # 1-digit sums: 7 in test
+    total = 6 * len(get_task("arithmetic", **TASK_OPTIONS).problems("test", 16, 0))  # 1-digit sums: 7 in test
     assert 2 <= finished < total
 
     assert main(args) == 0
