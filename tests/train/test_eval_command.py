@@ -185,7 +185,7 @@ def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
         "--n",
         "64",
         "--seeds",
-        "0,1,2,3,4,5",
+        "0,1,2,3,4,5,6,7,8,9,10,11",
         "--max-new-tokens",
         "3",
         "--limit",
@@ -194,9 +194,13 @@ def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
         str(tmp_path),
         "--no-progress",
     ]
-    # enough work after the first records (42 problem-seeds of 64 samples) that Ctrl-C lands mid-run
+    # enough work after the first records (84 problem-seeds of 64 samples) that Ctrl-C lands mid-run;
+    # the child gets Ctrl-C's default action whatever this process inherited or installed
     code = f"import sys; from sage_train.cli import eval_main; sys.exit(eval_main({args!r}))"
-    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
+    )
     records = tmp_path / "records.jsonl"
     deadline = time.monotonic() + 120
     while not (records.is_file() and records.read_text().count("\n") >= 2):
@@ -207,7 +211,7 @@ def test_interrupted_run_resumes_where_it_stopped(models, tmp_path):
     assert process.returncode == 130, stderr
     assert "rerun the same command to resume" in stderr
     finished = records.read_text().count("\n")
-    total = 6 * len(get_task("arithmetic", **TASK_OPTIONS).problems("test", 16, 0))  # 1-digit sums: 7 in test
+    total = 12 * len(get_task("arithmetic", **TASK_OPTIONS).problems("test", 16, 0))  # 1-digit sums: 7 in test
     assert 2 <= finished < total
 
     assert main(args) == 0
