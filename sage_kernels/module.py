@@ -307,28 +307,26 @@ def fused_linear_grpo(
     """Liger's functional ``liger_fused_linear_grpo`` (same positional order and defaults), computed by
     the fused SAGE loss with the guide off: returns ``(loss, metrics)`` like `FusedLinearSAGELoss`.
     Keyword `options` are further `LossConfig` fields (guide, gamma, ...)."""
-    del compiled, chunk_size
-    options = {"guide": "none", "kl": "k3", **options}
-    module = FusedLinearSAGELoss(
-        backend=backend,
+    module = FusedLinearSAGELoss.from_liger(
+        beta=beta,
+        compiled=compiled,
         use_ref_model=use_ref_model,
-        **_liger_options(
-            beta,
-            epsilon_low,
-            epsilon_high,
-            loss_type,
-            max_completion_length,
-            importance_sampling_level,
-            sapo_temperature_pos,
-            sapo_temperature_neg,
-            temperature,
-            delta,
-            use_bias_correction_kl,
-            vespo_k_pos,
-            vespo_lambda_pos,
-            vespo_k_neg,
-            vespo_lambda_neg,
-        ),
+        chunk_size=chunk_size,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        loss_type=loss_type,
+        max_completion_length=max_completion_length,
+        importance_sampling_level=importance_sampling_level,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+        temperature=temperature,
+        delta=delta,
+        use_bias_correction_kl=use_bias_correction_kl,
+        vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg,
+        backend=backend,
         **options,
     )
     return module(
