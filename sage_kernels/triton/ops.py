@@ -46,7 +46,7 @@ from .boundary import (
     unit_stride,
     unpack_config,
 )
-from .gemm import has_fp32_output, on_device
+from .gemm import has_fp32_output, launched_on_hidden_device
 from .stages import stage as timed
 from .sweep_bwd import sweep_backward
 from .sweep_fwd import scoring_forward, sweep_forward
@@ -76,16 +76,8 @@ def loss_forward(
     )[:12]
 
 
+@launched_on_hidden_device  # every launch (sweep, token stage) on the tensors' GPU
 def _two_pass_forward(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, config):
-    with on_device(hidden):  # every launch (sweep, token stage) on the tensors' GPU
-        return _two_pass_forward_here(
-            hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, config
-        )
-
-
-def _two_pass_forward_here(
-    hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, config
-):
     PATHS_TAKEN["two-pass"] += 1
     B, L = mask.shape
     flat_mask, rows, count, n, identity = row_order(mask)

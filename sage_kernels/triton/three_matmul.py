@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ..spec import LossConfig
 from . import token_stage
-from .gemm import addmm_f32_, mm_f32, on_device
+from .gemm import addmm_f32_, launched_on_hidden_device, mm_f32
 from .stages import stage
 from .sweep_fwd import _NEG_START
 from .tiles import new_buffer, tiles_for
@@ -216,6 +216,7 @@ def chunk_rows(total_rows: int, rows_to_do: int, vocab: int) -> int:
     return min(cap, triton.cdiv(triton.cdiv(max(rows_to_do, 1), chunks), 16) * 16)
 
 
+@launched_on_hidden_device  # Triton launches on the current device: make it the tensors'
 def fused_loss(
     hidden,
     weight,
@@ -243,49 +244,6 @@ def fused_loss(
     Returns (logp, entropy, q, kl, ratio, g, c, row_stats, grad_hidden, grad_weight, grad_bias);
     logp and entropy are flat [N] (zero at masked rows); gradients None where not wanted.
     """
-    with on_device(hidden):  # Triton launches on the current device: make it the tensors'
-        return _fused_loss(
-            hidden,
-            weight,
-            bias,
-            token_ids,
-            mask,
-            advantages,
-            old_logp,
-            ref_logp,
-            is_weights,
-            log_q,
-            config,
-            rows,
-            count,
-            rows_to_do,
-            rows_are_identity,
-            need_hidden,
-            need_weight,
-            need_bias,
-        )
-
-
-def _fused_loss(
-    hidden,
-    weight,
-    bias,
-    token_ids,
-    mask,
-    advantages,
-    old_logp,
-    ref_logp,
-    is_weights,
-    log_q,
-    config,
-    rows,
-    count,
-    rows_to_do,
-    rows_are_identity,
-    need_hidden,
-    need_weight,
-    need_bias,
-):
     N, D = hidden.shape
     V = weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
