@@ -92,7 +92,8 @@ class RunOptions:
     task: str = "arithmetic"
     task_options: dict = field(default_factory=dict)
     eval_task: str = ""  # "" evaluates on `task`'s test split
-    train_problems: int = 0  # RL prompts come from the first N training problems (0: all the task gives)
+    # RL prompts: the first N training problems (0: the task's pool; the synthetic tasks give 1000, or N when larger)
+    train_problems: int = 0
 
     # supervised warm start (plain AdamW, identical on every rank, before the RL engine exists)
     sft_steps: int = 0

@@ -72,6 +72,8 @@ def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
     deepspeed_config(cfg, world, 1, torch.device("cpu"))  # reads and checks the deepspeed_config file
     task = _task("task", cfg.task, cfg.task_options)
     sft_problems = list(task.problems("train", None, cfg.seed))
+    if cfg.train_problems > len(sft_problems):  # the synthetic tasks are unbounded: draw the larger pool asked for
+        sft_problems = list(task.problems("train", cfg.train_problems, cfg.seed))
     train_problems = sft_problems[: cfg.train_problems] if cfg.train_problems else sft_problems
     if len(train_problems) < cfg.prompts_per_step * cfg.steps_per_generation:
         raise ConfigError(

@@ -4,6 +4,7 @@ import pytest
 
 from sage_train.config import ConfigError, TrainConfig, build, packaged_config_names, parse_args, resolve
 from sage_train.presets import PRESETS, loss_config
+from sage_train.run_dir import check_inputs
 
 
 def test_packaged_default_loads_and_resolves_to_sage_branch():
@@ -166,3 +167,15 @@ def test_main_reports_config_errors_and_help(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "usage: sage-train" in out and "--sft_target_loss=" in out and "tiny-cpu" in out
+
+
+def test_train_problems_beyond_the_default_pool_draws_a_larger_pool_with_the_default_as_its_prefix():
+    default = check_inputs(parse_args([]), world=1)
+    larger = check_inputs(parse_args(["--train_problems=2500"]), world=1)
+    smaller = check_inputs(parse_args(["--train_problems=100"]), world=1)
+    assert len(default.train_problems) == 1000 and len(larger.train_problems) == 2500
+    assert len({p.id for p in larger.train_problems}) == 2500
+    assert [p.id for p in larger.train_problems[:1000]] == [p.id for p in default.train_problems]
+    # the warm start sees the pool the prompts come from, and never less than the default one
+    assert larger.sft_problems == larger.train_problems and smaller.sft_problems == default.sft_problems
+    assert [p.id for p in smaller.train_problems] == [p.id for p in default.train_problems[:100]]
