@@ -238,7 +238,8 @@ def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
     """
     B, L = inputs.shape
     N = B * L
-    flat_mask = inputs.mask.reshape(N)
+    # only the positions that enter the loss are swept (all of them under luspo_include_padding)
+    flat_mask = inputs.loss_mask.reshape(N)
     rows = None if bool(flat_mask.all()) else flat_mask.nonzero().squeeze(1)
     sweep = _Sweep(
         inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids.reshape(N), rows, config.temperature, ops, N
@@ -344,7 +345,7 @@ def sage_loss(inputs: SageInputs, config: LossConfig, native: Optional[bool] = N
     else:
         loss, logp, entropy, per_token, _ = _run(inputs, config, ops, {"hidden": False, "weight": False, "bias": False})
         side.update(logp=logp, entropy=entropy, per_token=per_token)
-    per_token, mask = side["per_token"], inputs.mask
+    per_token, mask = side["per_token"], inputs.loss_mask
     return SageLossOutput(
         loss=loss,
         logp=torch.where(mask, side["logp"], 0.0),

@@ -17,11 +17,11 @@ Where Liger's semantics differ from TRL's (which `LossConfig` follows), `forward
   `LossConfig`'s meaning (this process's divisor);
 - Liger's refusals happen where Liger makes them: sequence-level ratios with cispo, sapo or
   vespo and dr_grpo without ``max_completion_length`` raise ValueError at `forward`; both
-  ``ref_per_token_logps`` and ``ref_input`` given warn, and the log-probs are used.
-
-One difference is kept on purpose: for luspo the loss is TRL 1.16's, sum over each sequence's
-unmasked tokens then mean over sequences; Liger 0.8.5 also sums the padded positions whenever
-its per-token loss is [B, T] (token-level ratios, a KL term or per-token vLLM weights).
+  ``ref_per_token_logps`` and ``ref_input`` given warn, and the log-probs are used;
+- luspo sums the padded positions too, each row weighted by its token count, whenever the
+  per-token loss varies along the row (token-level ratios, a KL term, per-token vLLM weights):
+  `from_liger` sets ``luspo_include_padding`` (TRL 1.16, and `LossConfig` by default, sum the
+  unmasked tokens only). Token ids and per-token inputs are then read at padded positions too.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class FusedLinearSAGELoss(nn.Module):
         `options` are further `LossConfig` fields (guide, gamma, ...).
         """
         del compiled, chunk_size
-        options = {"guide": "none", "kl": "k3", **options}
+        options = {"guide": "none", "kl": "k3", "luspo_include_padding": loss_type == "luspo", **options}
         return cls(
             backend=backend,
             use_ref_model=use_ref_model,

@@ -78,20 +78,22 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
     """Everything after the vocabulary sweep, on [B, L] tensors.
 
     Returns (loss, per_token) where per_token holds detached q, kl, ratio and the metrics.
-    Differentiable in `logp` and `entropy`; the guide is a constant.
+    Differentiable in `logp` and `entropy`; the guide is a constant. The per-token values are
+    formed where `inputs.loss_mask` is set; the completion mask alone drives the sequence-level
+    ratio, the entropy quantile's threshold, the luspo row weights and the metrics.
     """
-    mask = inputs.mask
+    mask, active = inputs.mask, inputs.loss_mask
     B, L = inputs.shape
     m = mask.to(logp.dtype)
-    logp = torch.where(mask, logp, 0.0)
-    entropy = torch.where(mask, entropy, 0.0)
+    logp = torch.where(active, logp, 0.0)
+    entropy = torch.where(active, entropy, 0.0)
     A = inputs.advantages.to(logp.dtype)
 
     if inputs.log_q is not None:
         log_q = inputs.log_q.to(logp.dtype)
     elif config.guide == "branch":
         q = branch_guide(entropy, gamma=config.gamma, tau=config.tau, q_min=config.q_min, q_max=config.q_max)
-        log_q = torch.where(mask, q.log(), 0.0)
+        log_q = torch.where(active, q.log(), 0.0)
     else:
         log_q = torch.zeros_like(logp)
 
@@ -99,7 +101,7 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
         delta = inputs.ref_logp.to(logp.dtype) + log_q - logp
         if config.kl_clamp is not None:  # the opt-in overflow guard: no gradient outside the bounds
             delta = delta.clamp(-config.kl_clamp, config.kl_clamp)
-        kl = torch.where(mask, kl_estimate(delta, config.kl), 0.0)
+        kl = torch.where(active, kl_estimate(delta, config.kl), 0.0)
     else:
         kl = torch.zeros_like(logp)
 
@@ -113,7 +115,7 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
         kl = kl * ratio
     pg, low, high = policy_gradient_term(logp, ratio, token_log_ratio, A, inputs, config)
     if config.top_entropy_quantile < 1.0:
-        pg = pg * high_entropy_mask(entropy, mask, config.top_entropy_quantile).to(pg.dtype)
+        pg = pg * high_entropy_mask(entropy, mask, config.top_entropy_quantile, active).to(pg.dtype)
     if inputs.is_weights is not None and config.loss_type != "vespo":
         pg = pg * inputs.is_weights.to(pg.dtype)
 
@@ -122,7 +124,7 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
         per_token_loss = per_token_loss + config.beta * kl
     loss = aggregate(per_token_loss, m, config)
 
-    q = torch.where(mask, log_q.detach().exp(), 1.0)
+    q = torch.where(active, log_q.detach().exp(), 1.0)
     any_token = mask.any()
     metrics = {
         "kl": _masked_mean(kl.detach(), mask),
@@ -134,7 +136,7 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
         "clip_ratio/high_mean": _masked_mean(high.to(q.dtype), mask),
         "clip_ratio/region_mean": _masked_mean((low | high).to(q.dtype), mask),
     }
-    per_token = {"q": q, "kl": kl.detach(), "ratio": torch.where(mask, ratio.detach(), 1.0), "metrics": metrics}
+    per_token = {"q": q, "kl": kl.detach(), "ratio": torch.where(active, ratio.detach(), 1.0), "metrics": metrics}
     return loss, per_token
 
 
@@ -190,13 +192,13 @@ def vespo_weight(token_log_ratio, A, mask, is_weights, config: LossConfig) -> to
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
-    """Positions whose entropy is at or above the (1 - rho) quantile of the unmasked entropies."""
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float, active: torch.Tensor) -> torch.Tensor:
+    """Positions of `active` whose entropy is at or above the (1 - rho) quantile of the unmasked entropies."""
     values = entropy.detach()[mask]
     if values.numel() == 0:
         return torch.zeros_like(mask)
     threshold = torch.quantile(values.to(torch.float64), 1.0 - rho).to(entropy.dtype)
-    return (entropy.detach() >= threshold) & mask
+    return (entropy.detach() >= threshold) & active
 
 
 #: loss types averaged per sequence, then over sequences.
@@ -225,6 +227,10 @@ def aggregate(per_token_loss: torch.Tensor, m: torch.Tensor, config: LossConfig)
     if config.loss_type in SEQUENCE_MEAN_LOSS_TYPES:
         return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     if config.loss_type == "luspo":
+        if config.luspo_include_padding:
+            # every position of row b counts, weighted by the row's token count n_b: Σ_bt l n_b / (B L)
+            B, L = m.shape
+            return (per_token_loss * m.sum(-1, keepdim=True)).sum() / (B * L)
         return masked.sum(-1).mean()
     return masked.sum() / loss_normaliser(m, config)
 
@@ -243,11 +249,11 @@ def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutpu
     )
     logp, entropy = logp.view(B, L), entropy.view(B, L)
     loss, per_token = token_stage(logp, entropy, inputs, config)
-    mask = inputs.mask
+    active = inputs.loss_mask
     return SageLossOutput(
         loss=loss,
-        logp=torch.where(mask, logp.detach(), 0.0),
-        entropy=torch.where(mask, entropy.detach(), 0.0),
+        logp=torch.where(active, logp.detach(), 0.0),
+        entropy=torch.where(active, entropy.detach(), 0.0),
         q=per_token["q"],
         kl=per_token["kl"],
         ratio=per_token["ratio"],

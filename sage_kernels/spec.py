@@ -76,7 +76,9 @@ class LossConfig:
     sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures for A > 0 and A <= 0.
     vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO gamma shape and rate
     for A >= 0 and A < 0. use_bias_correction_kl: multiply the per-token KL by the ratio
-    (TRL's option; off by default here). kl_clamp: clamp delta = log(q*pi_ref / pi) to
+    (TRL's option; off by default here). luspo_include_padding: luspo only; sum every padded
+    position into the loss, each row weighted by its token count (Liger 0.8.5's and TRL <= 1.15's
+    form), instead of TRL 1.16's sum over unmasked tokens. kl_clamp: clamp delta = log(q*pi_ref / pi) to
     [-kl_clamp, kl_clamp] before the KL estimator, its gradient zero outside (verl clamps at 20);
     None clamps nothing (TRL's behaviour: one token with delta > ~88 overflows k3 and fk3).
     """
@@ -106,6 +108,7 @@ class LossConfig:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     use_bias_correction_kl: bool = False
+    luspo_include_padding: bool = False
     kl_clamp: Optional[float] = None
 
     def __post_init__(self) -> None:
@@ -141,6 +144,13 @@ class LossConfig:
             )
         if self.loss_type == "cispo":
             _require(self.eps_high > 0, "eps_high", "> 0 for loss_type 'cispo' (the cap on the ratio)", self.eps_high)
+        if self.luspo_include_padding:
+            _require(
+                self.loss_type == "luspo",
+                "luspo_include_padding",
+                f"False for loss_type {self.loss_type!r} (it selects luspo's aggregation)",
+                self.luspo_include_padding,
+            )
         if self.loss_type not in CLIPPED_LOSS_TYPES:
             for name in ("delta_clip", "dual_clip_c"):
                 _require(
@@ -199,9 +209,11 @@ def resolve_config(config: Optional[LossConfig], options: dict) -> LossConfig:
 class SageInputs:
     """Validated inputs in canonical form: hidden [N, D]; per-token tensors [B, L].
 
-    Per-token float inputs are cast to the compute dtype (float32, or float64 when
-    `hidden` is float64) and their masked positions are replaced by neutral values
-    (0 for log-probs, 1 for `is_weights`), so garbage under the mask cannot reach the loss.
+    `mask` is the completion mask; `loss_mask` marks the positions that enter the loss: the
+    completion mask, or every position under `LossConfig.luspo_include_padding` (None means
+    `mask`). Per-token float inputs are cast to the compute dtype (float32, or float64 when
+    `hidden` is float64) and replaced outside `loss_mask` by neutral values (0 for log-probs,
+    1 for `is_weights`), so garbage there cannot reach the loss.
     """
 
     hidden: torch.Tensor
@@ -214,6 +226,11 @@ class SageInputs:
     ref_logp: Optional[torch.Tensor]
     is_weights: Optional[torch.Tensor]
     log_q: Optional[torch.Tensor]
+    loss_mask: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.mask
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -228,9 +245,10 @@ class SageInputs:
 class SageLossOutput:
     """The loss and its per-token parts.
 
-    loss: scalar, differentiable. logp, entropy, q, kl, ratio: [B, L], detached; at masked
-    positions logp = entropy = kl = 0 and q = ratio = 1. metrics: detached 0-d tensors named
-    as in `METRIC_NAMES` (means over unmasked positions); no host sync is made for them.
+    loss: scalar, differentiable. logp, entropy, q, kl, ratio: [B, L], detached; at positions
+    outside the loss (masked ones, unless luspo_include_padding) logp = entropy = kl = 0 and
+    q = ratio = 1. metrics: detached 0-d tensors named as in `METRIC_NAMES` (means over unmasked
+    positions); no host sync is made for them.
     """
 
     loss: torch.Tensor
@@ -340,6 +358,9 @@ def validate_inputs(
     if config.beta != 0 and ref_logp is None:
         raise ValueError(f"ref_logp is required when beta != 0 (beta={config.beta}); pass beta=0 to drop the KL term")
 
+    # the positions whose values are read: luspo_include_padding sums the padded ones into the loss too
+    loss_mask = torch.ones_like(mask) if config.luspo_include_padding else mask
+    where = "at every position (luspo_include_padding)" if config.luspo_include_padding else "at unmasked positions"
     cd = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     per_token = {}
     for name, value, neutral in (
@@ -354,28 +375,29 @@ def validate_inputs(
         _check_tensor(name, value, device=device, float_=True)
         if tuple(value.shape) != (B, L):
             raise ValueError(f"{name} must have shape [B={B}, L={L}], got {tuple(value.shape)}")
-        _check_finite(name, value, mask)
-        per_token[name] = torch.where(mask, value.detach().to(cd), neutral)
+        _check_finite(name, value, loss_mask)
+        per_token[name] = torch.where(loss_mask, value.detach().to(cd), neutral)
 
     adv = advantages.detach().to(cd)
     adv = adv[:, None].expand(B, L) if adv.dim() == 1 else adv
-    _check_finite("advantages", adv, mask)
+    _check_finite("advantages", adv, loss_mask)
     _check_finite("hidden", hidden)
-    bad = ((token_ids < 0) | (token_ids >= V)) & mask
+    bad = ((token_ids < 0) | (token_ids >= V)) & loss_mask
     if device.type == "cpu":
         if bool(bad.any()):
-            raise ValueError(f"token_ids must be in [0, V={V}) at unmasked positions; found {int(token_ids[bad][0])}")
+            raise ValueError(f"token_ids must be in [0, V={V}) {where}; found {int(token_ids[bad][0])}")
     else:
-        torch._assert_async(~bad.any(), f"token_ids must be in [0, V={V}) at unmasked positions")
+        torch._assert_async(~bad.any(), f"token_ids must be in [0, V={V}) {where}")
 
     return SageInputs(
         hidden=hidden.reshape(B * L, D),
         weight=weight,
         bias=bias,
-        token_ids=torch.where(mask, token_ids.long(), 0),
+        token_ids=torch.where(loss_mask, token_ids.long(), 0),
         mask=mask,
-        advantages=torch.where(mask, adv, 0.0),
+        advantages=torch.where(loss_mask, adv, 0.0),
         **per_token,
+        loss_mask=loss_mask,
     )
 
 

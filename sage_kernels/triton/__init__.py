@@ -10,7 +10,8 @@ Two paths, chosen per call (`ops.takes_three_matmul_path`; `three_matmul.PATHS_T
   formed in the forward and scaled by the upstream gradient in the backward.
 - two-pass, for sequence-level ratios and the entropy quantile, which need every token first:
   1. `sweep_fwd`: a Triton sweep over [tokens x vocab] tiles of h W^T gives lse, logp and
-     the entropy of every valid token (masked tokens are compacted away, not computed);
+     the entropy of every valid token (masked tokens are compacted away, not computed; under
+     luspo_include_padding, which sums padded positions into the loss, every token is valid);
   2. `token_stage`: a Triton kernel per sequence computes the guide, the anchor, the KL,
      the ratios, the clipped PG term, the loss and g = dloss/dlogp, c = dloss/dH;
   3. `sweep_bwd`: the backward recomputes the logit tiles of the valid tokens, forms

@@ -80,7 +80,8 @@ def loss_forward(
 def _two_pass_forward(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, config):
     PATHS_TAKEN["two-pass"] += 1
     B, L = mask.shape
-    flat_mask, rows, count, n, identity = row_order(mask)
+    # the swept positions are those that enter the loss: every one under luspo_include_padding
+    flat_mask, rows, count, n, identity = row_order(torch.ones_like(mask) if config.luspo_include_padding else mask)
     with timed("forward sweep"):
         lse, logp, entropy = sweep_forward(
             unit_stride(hidden), unit_stride(weight), bias, token_ids.reshape(-1), rows, count, config.temperature, n

@@ -57,7 +57,8 @@ from .tiles import new_buffer, tiles_for
 #: paths taken by the loss forward, by name ("three-matmul", "two-pass"): tests read it.
 PATHS_TAKEN: Counter = Counter()
 #: loss types whose per-token gradient is local (each a per-token mean or a token sum with a
-#: normaliser that depends on the mask alone); new loss types join once shown to be local.
+#: normaliser that depends on the mask alone); new loss types join once shown to be local. luspo
+#: stays out also because its luspo_include_padding form needs the padded rows this path skips.
 LOCAL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 #: bytes of the fp32 logits workspace below N = 64 * rows (about 0.6% of the naive loss's
 #: memory at N = 16k on a 152k vocabulary).

@@ -4,14 +4,16 @@ One program per sequence (row b) walks its L positions in BLOCK_L chunks:
 
 1. row statistics: the token count and, for sequence-level ratios, sum_t m (logp - old_logp);
    for vespo, the log of the sequence weight w (docs/loss.md);
-2. every per-token quantity of docs/loss.md, written for all positions (masked positions get
-   q = ratio = 1, kl = 0, g = c = 0), the row's share of the loss and of each metric;
+2. every per-token quantity of docs/loss.md, written for all positions (positions outside the
+   loss get q = ratio = 1, kl = 0, g = c = 0), the row's share of the loss and of each metric;
 3. sequence-level ratios only: the ratio is shared by the row, so g_t needs the row sum
    G_b = sum_s scale_s dl_s/dr from step 2: g_t += G_b r m_t / count_b.
 
 g = dloss/dlogp and c = dloss/dH already include the loss-type normaliser
 (scale_t = m_t / (B max(count_b, 1)) for grpo and sapo, m_t / B for luspo, m_t / normaliser
-otherwise). The batch-wide inputs (the token-sum normaliser and the top-entropy threshold)
+otherwise). Under luspo_include_padding (PADDED) every position enters the loss with
+scale_t = count_b / (B L), while the mask still drives the row statistics, the quantile and the
+metrics. The batch-wide inputs (the token-sum normaliser and the top-entropy threshold)
 are 0-d device tensors computed beforehand by `batch_statistics`, so nothing syncs.
 
 Gradient conventions follow PyTorch autograd of the reference exactly: clamp passes the
@@ -97,6 +99,7 @@ def _token_stage_kernel(
     BRANCH: tl.constexpr,
     SEQUENCE: tl.constexpr,
     LOSS: tl.constexpr,
+    PADDED: tl.constexpr,
     PER_SEQUENCE_MEAN: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     HAS_DELTA: tl.constexpr,
@@ -134,6 +137,8 @@ def _token_stage_kernel(
     per_token_share = 1.0 / tl.maximum(n_tokens, 1.0)
     if PER_SEQUENCE_MEAN:
         scale = per_token_share / B
+    elif PADDED:  # luspo with padding: every position of the row, weighted by its token count
+        scale = n_tokens / B / L
     elif LOSS == LOSS_LUSPO:
         scale = 1.0 / B
     else:
@@ -158,24 +163,29 @@ def _token_stage_kernel(
         at = base + l0 + offs
         in_row = l0 + offs < L
         m = tl.load(mask_ptr + at, mask=in_row, other=0) != 0
-        lp = tl.where(m, tl.load(logp_ptr + at, mask=in_row, other=0.0), 0.0)
-        ent = tl.where(m, tl.load(entropy_ptr + at, mask=in_row, other=0.0), 0.0)
-        adv = tl.load(adv_ptr + at, mask=m, other=0.0)
+        # the positions that enter the loss (m: those the metrics and row statistics count)
+        if PADDED:
+            active = in_row
+        else:
+            active = m
+        lp = tl.where(active, tl.load(logp_ptr + at, mask=in_row, other=0.0), 0.0)
+        ent = tl.where(active, tl.load(entropy_ptr + at, mask=in_row, other=0.0), 0.0)
+        adv = tl.load(adv_ptr + at, mask=active, other=0.0)
 
-        log_q = log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q, BRANCH)
-        log_q = tl.where(m, log_q, 0.0)
+        log_q = log_guide(log_q_ptr, at, active, ent, gamma, tau, q_min, q_max, HAS_LOG_Q, BRANCH)
+        log_q = tl.where(active, log_q, 0.0)
         q = tl.exp(log_q)
 
         if SEQUENCE:
             ratio = tl.zeros([BLOCK_L], dtype=tl.float32) + seq_ratio
         elif HAS_OLD:
-            ratio = tl.exp(lp - tl.load(old_ptr + at, mask=m, other=0.0))
+            ratio = tl.exp(lp - tl.load(old_ptr + at, mask=active, other=0.0))
         else:
             ratio = tl.full([BLOCK_L], 1.0, tl.float32)
 
         # the KL term: its value, its slope in logp at a fixed ratio, its slope in the ratio
         if HAS_REF:
-            ref = tl.load(ref_ptr + at, mask=m, other=0.0)
+            ref = tl.load(ref_ptr + at, mask=active, other=0.0)
             delta = ref + log_q - lp
             if HAS_KL_CLAMP:  # the opt-in overflow guard, torch.clamp's gradient: zero outside the bounds
                 inside = (delta >= -kl_clamp) & (delta <= kl_clamp)
@@ -183,13 +193,13 @@ def _token_stage_kernel(
             kl, kl_slope = kl_and_slope(delta, KL)
             if HAS_KL_CLAMP:
                 kl_slope = tl.where(inside, kl_slope, 0.0)
-            kl = tl.where(m, kl, 0.0)
+            kl = tl.where(active, kl, 0.0)
             kl_ratio_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
             if BIAS_CORRECTION:
                 kl_ratio_slope = tl.where(beta != 0.0, beta * kl, 0.0)
                 kl = kl * ratio
                 kl_slope = kl_slope * ratio
-            kl_slope = tl.where(m & (beta != 0.0), beta * kl_slope, 0.0)
+            kl_slope = tl.where(active & (beta != 0.0), beta * kl_slope, 0.0)
         else:
             kl = tl.zeros([BLOCK_L], dtype=tl.float32)
             kl_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
@@ -220,16 +230,16 @@ def _token_stage_kernel(
             d_pg *= keep
             d_pg_logp *= keep
         if HAS_IS_WEIGHTS and LOSS != LOSS_VESPO:  # vespo folds the weights into w
-            weights = tl.load(isw_ptr + at, mask=m, other=1.0)
+            weights = tl.load(isw_ptr + at, mask=active, other=1.0)
             pg *= weights
             d_pg *= weights
             d_pg_logp *= weights
 
-        token_scale = tl.where(m, scale, 0.0)
+        token_scale = tl.where(active, scale, 0.0)
         kl_term = tl.where(beta != 0.0, beta * kl, 0.0)
-        loss_sum += tl.where(m, token_scale * (pg + kl_term - entropy_coef * ent), 0.0)
-        kl_sum += kl
-        entropy_sum += ent
+        loss_sum += tl.where(active, token_scale * (pg + kl_term - entropy_coef * ent), 0.0)
+        kl_sum += tl.where(m, kl, 0.0)
+        entropy_sum += tl.where(m, ent, 0.0)
         q_sum += tl.where(m, q, 0.0)
         q_lo = tl.minimum(q_lo, tl.where(m, q, float("inf")))
         q_hi = tl.maximum(q_hi, tl.where(m, q, float("-inf")))
@@ -239,13 +249,13 @@ def _token_stage_kernel(
         high_sum += high.to(tl.float32)
         region_sum += (low | high).to(tl.float32)
 
-        tl.store(q_ptr + at, tl.where(m, q, 1.0), mask=in_row)
+        tl.store(q_ptr + at, tl.where(active, q, 1.0), mask=in_row)
         tl.store(kl_ptr + at, kl, mask=in_row)
-        tl.store(ratio_ptr + at, tl.where(m, ratio, 1.0), mask=in_row)
+        tl.store(ratio_ptr + at, tl.where(active, ratio, 1.0), mask=in_row)
         tl.store(c_ptr + at, -entropy_coef * token_scale, mask=in_row)
         local = token_scale * (d_pg_logp + kl_slope)
         if SEQUENCE:
-            ratio_slope_sum += tl.where(m, token_scale * (d_pg + kl_ratio_slope), 0.0)
+            ratio_slope_sum += tl.where(active, token_scale * (d_pg + kl_ratio_slope), 0.0)
             tl.store(g_ptr + at, local, mask=in_row)
         else:
             tl.store(g_ptr + at, local + token_scale * (d_pg + kl_ratio_slope) * ratio, mask=in_row)
@@ -360,6 +370,7 @@ def token_stage(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights,
         BRANCH=config.guide == "branch",
         SEQUENCE=config.importance_sampling == "sequence",
         LOSS=LOSS_TYPE_CODES[config.loss_type],
+        PADDED=config.luspo_include_padding,
         PER_SEQUENCE_MEAN=config.loss_type in SEQUENCE_MEAN_LOSS_TYPES,
         BIAS_CORRECTION=config.use_bias_correction_kl,
         HAS_DELTA=config.delta_clip is not None,

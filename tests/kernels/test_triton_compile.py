@@ -221,6 +221,7 @@ def compile_all() -> None:
         (1, True, "grpo"),
         (2, False, "dapo"),
         (3, True, "luspo"),
+        (2, False, "luspo"),
         (3, False, "cispo"),
         (4, True, "sapo"),
         (3, True, "vespo"),
@@ -230,6 +231,7 @@ def compile_all() -> None:
             BRANCH=not everything,
             SEQUENCE=everything,
             LOSS=LOSS_TYPE_CODES[loss_type],
+            PADDED=everything and loss_type == "luspo",  # luspo_include_padding
             PER_SEQUENCE_MEAN=loss_type in SEQUENCE_MEAN_LOSS_TYPES,
             BIAS_CORRECTION=everything,
             HAS_DELTA=everything and loss_type in CLIPPED_LOSS_TYPES,

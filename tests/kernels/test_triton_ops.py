@@ -52,6 +52,8 @@ def test_config_round_trips_through_the_operator_arguments():
         tau=0.9,
     )
     assert boundary.unpack_config(*boundary.pack_config(config)) == config
+    padded = LossConfig(loss_type="luspo", luspo_include_padding=True)
+    assert boundary.unpack_config(*boundary.pack_config(padded)) == padded
     n = torch.tensor(5.0)
     assert boundary.unpack_config(*boundary.pack_config(LossConfig(num_items_in_batch=n))).num_items_in_batch is n
 

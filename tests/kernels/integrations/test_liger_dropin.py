@@ -46,6 +46,16 @@ CASES = {
         dict(loss_type="luspo", beta=0.0, use_ref_model=False, importance_sampling_level="sequence"),
         {"far"},
     ),
+    # Liger's luspo sums padded positions too once its per-token loss is [B, T] (from_liger follows)
+    "luspo-sequence-kl-far": (
+        dict(loss_type="luspo", beta=0.1, importance_sampling_level="sequence"),
+        {"ref_logps", "far", "bias"},
+    ),
+    "luspo-sequence-kl-ref_input-delta": (
+        dict(loss_type="luspo", beta=0.05, importance_sampling_level="sequence", delta=1.5),
+        {"ref_input", "far"},
+    ),
+    "luspo-token-kl-vllm_is-far": (dict(loss_type="luspo", beta=0.05), {"ref_logps", "far", "vllm_token"}),
     "vespo-far": (dict(loss_type="vespo", beta=0.05, vespo_k_pos=1.5, vespo_lambda_neg=2.5), {"ref_logps", "far"}),
     "vespo-far-vllm_is": (dict(loss_type="vespo", beta=0.0, use_ref_model=False), {"far", "vllm_token"}),
     "grpo-bias_kl-far": (dict(loss_type="grpo", beta=0.1, use_bias_correction_kl=True), {"ref_logps", "far"}),
