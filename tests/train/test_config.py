@@ -170,7 +170,7 @@ def test_main_reports_config_errors_and_help(capsys):
 
 
 def test_train_problems_beyond_the_default_pool_draws_a_larger_pool_with_the_default_as_its_prefix():
-    default = check_inputs(parse_args([]), world=1)
+    default = check_inputs(parse_args(["--train_problems=0"]), world=1)
     larger = check_inputs(parse_args(["--train_problems=2500"]), world=1)
     smaller = check_inputs(parse_args(["--train_problems=100"]), world=1)
     assert len(default.train_problems) == 1000 and len(larger.train_problems) == 2500
