@@ -23,8 +23,9 @@ import json
 import os
 import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -135,6 +136,38 @@ def _commit(root: Path, written: Path, world: int) -> None:
     _write_synced(root / "latest.tmp", final.name)
     os.replace(root / "latest.tmp", root / "latest")
     _fsync(root)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`path` holds `text` whole, or what it held before: staged beside it, fsynced, renamed over it.
+    For the files a resume or a study reads back (eval_before.json, summary.json)."""
+    staged = path.with_name(f".{path.name}.tmp")
+    _write_synced(staged, text)
+    os.replace(staged, path)
+    _fsync(path.parent)
+
+
+@contextmanager
+def folder_written_atomically(folder: Path) -> Iterator[Path]:
+    """Yields a staging folder to write `folder`'s files into; when the block ends without an error
+    they are fsynced and the staging folder replaces `folder`. A kill or an error leaves the
+    previous `folder` (or none), never a half-written one that loads as a model."""
+    staged = folder.with_name(f".{folder.name}{PARTIAL}")
+    shutil.rmtree(staged, ignore_errors=True)  # a save killed earlier
+    staged.mkdir(parents=True)
+    yield staged
+    for path in staged.rglob("*"):
+        _fsync(path)
+    _fsync(staged)
+    if folder.exists():
+        aside = folder.with_name(f".{folder.name}.replaced")
+        shutil.rmtree(aside, ignore_errors=True)
+        folder.rename(aside)
+        staged.rename(folder)
+        shutil.rmtree(aside)
+    else:
+        staged.rename(folder)
+    _fsync(folder.parent)
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -173,7 +173,7 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
             split_task, problems = eval_set(cfg, ctx.task, ctx.tokenizer, ctx.train_problems, split)
             results[split] = pass_at_k_over_ranks(ctx, split_task, problems)
     if ctx.rank == 0:
-        path.write_text(json.dumps(results, indent=1) + "\n")
+        checkpoint.write_atomically(path, json.dumps(results, indent=1) + "\n")
     return results
 
 
@@ -236,13 +236,14 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
     lm = engine.module.lm
     gather = deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None, enabled=cfg.zero_stage == 3)
     with gather:
-        if rank == 0 and is_lora(lm):  # the adapter, and the merged model beside it
-            lm.save_pretrained(path / "adapter")
-            base_lm(lm).save_pretrained(path, state_dict=dict(merged_named_weights(lm)))
-            tokenizer.save_pretrained(path)
-        elif rank == 0:
-            lm.save_pretrained(path)
-            tokenizer.save_pretrained(path)
+        if rank == 0:
+            with checkpoint.folder_written_atomically(path) as staged:
+                if is_lora(lm):  # the adapter, and the merged model beside it
+                    lm.save_pretrained(staged / "adapter")
+                    base_lm(lm).save_pretrained(staged, state_dict=dict(merged_named_weights(lm)))
+                else:
+                    lm.save_pretrained(staged)
+                tokenizer.save_pretrained(staged)
     dist.barrier()
 
 
@@ -274,5 +275,5 @@ def write_summary(
         "final_model": None if interrupted else str(run_dir / "final"),
         "plot": str(plot) if plot else None,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    checkpoint.write_atomically(run_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
     return summary

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .build import chat_prompted, with_lora
+from .checkpoint import folder_written_atomically
 from .tasks.chat import official_sft_completion
 from .config import ConfigError, TrainConfig
 from .lora import merge_lora
@@ -53,8 +54,9 @@ def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, 
             model = merge_lora(model)
         if rank == 0:
             print(f"sage-train: warm start done after {steps} SFT steps", flush=True)
-            model.save_pretrained(sft_dir)
-            tokenizer.save_pretrained(sft_dir)
+            with folder_written_atomically(sft_dir) as staged:  # a resume loads it when config.json is there
+                model.save_pretrained(staged)
+                tokenizer.save_pretrained(staged)
     return model, tokenizer
 
 

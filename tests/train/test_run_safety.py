@@ -356,6 +356,32 @@ def test_full_disk_says_so_and_keeps_the_previous_checkpoint(runs, tmp_path):
     assert_same_metrics(metrics(run_dir), runs.whole)
 
 
+def test_a_failed_model_save_leaves_the_previous_folder_whole_and_a_finished_one_replaces_it(tmp_path):
+    """final/ and sft/ are written through `folder_written_atomically`: a save that dies half-way (here a
+    write that raises after the first file) never leaves a folder that loads as a model."""
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "config.json").write_text("old")
+    with pytest.raises(OSError, match="disk gone"):
+        with checkpoint.folder_written_atomically(final) as staged:
+            (staged / "config.json").write_text("new")
+            raise OSError("disk gone")
+    assert [p.name for p in final.iterdir()] == ["config.json"] and (final / "config.json").read_text() == "old"
+    with checkpoint.folder_written_atomically(final) as staged:
+        (staged / "config.json").write_text("new")
+        (staged / "model.safetensors").write_bytes(b"weights")
+    assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]
+    assert (final / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no staging or replaced copy left
+    summary = tmp_path / "summary.json"
+    checkpoint.write_atomically(summary, '{"steps_done": 1}\n')
+    checkpoint.write_atomically(summary, '{"steps_done": 2}\n')
+    assert json.loads(summary.read_text()) == {"steps_done": 2} and sorted(p.name for p in tmp_path.iterdir()) == [
+        "final",
+        "summary.json",
+    ]
+
+
 # --- non-finite steps ----------------------------------------------------------------------------------
 
 
