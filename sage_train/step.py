@@ -324,30 +324,31 @@ def collect_groups(ctx: Context, step: int):
     needed = prompts // ctx.world
     informative, uninformative = [], []
     rounds = 0
-    while True:
-        problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, prompts)[ctx.rank :: ctx.world]
-        params = SamplingParams(
-            n=cfg.group_size,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            min_p=cfg.min_p,
-            max_new_tokens=cfg.max_new_tokens,
-            stop=tuple(cfg.stop),
-            seed=rollout_seed(cfg.seed, step, rounds, ctx.rank),
-            max_prompt_tokens=cfg.max_prompt_length,
-        )
-        outputs = ctx.rollout.generate([ctx.task.prompt(p) for p in problems], params)
-        for problem, completions in zip(problems, outputs):
-            scores = grade(ctx.task, [c.text for c in completions], problem)
-            group = {"problem": problem, "completions": completions, "rewards": scores}
-            (informative if len(set(scores)) > 1 or not cfg.dynamic_sampling else uninformative).append(group)
-        rounds += 1
-        if not cfg.dynamic_sampling:
-            break
-        done = len(informative) >= needed or rounds >= cfg.dynamic_sampling_max_rounds
-        if all_ranks(done, ctx.device):
-            break
+    with ctx.rollout.awake():  # the rounds of one step share one wake (vllm: one weight push)
+        while True:
+            problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, prompts)[ctx.rank :: ctx.world]
+            params = SamplingParams(
+                n=cfg.group_size,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                min_p=cfg.min_p,
+                max_new_tokens=cfg.max_new_tokens,
+                stop=tuple(cfg.stop),
+                seed=rollout_seed(cfg.seed, step, rounds, ctx.rank),
+                max_prompt_tokens=cfg.max_prompt_length,
+            )
+            outputs = ctx.rollout.generate([ctx.task.prompt(p) for p in problems], params)
+            for problem, completions in zip(problems, outputs):
+                scores = grade(ctx.task, [c.text for c in completions], problem)
+                group = {"problem": problem, "completions": completions, "rewards": scores}
+                (informative if len(set(scores)) > 1 or not cfg.dynamic_sampling else uninformative).append(group)
+            rounds += 1
+            if not cfg.dynamic_sampling:
+                break
+            done = len(informative) >= needed or rounds >= cfg.dynamic_sampling_max_rounds
+            if all_ranks(done, ctx.device):
+                break
     groups = (informative + uninformative)[:needed]
     rewards = torch.tensor([g["rewards"] for g in groups], dtype=torch.float32)
     return groups, rewards, rounds

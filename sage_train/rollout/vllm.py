@@ -4,8 +4,8 @@ per training process, as in the official SAGE code
 - memory is shared with training through sleep mode: the engine sleeps at level 2 (weights and
   KV cache released, no CPU copy kept) right after start-up and after each generation;
   `sync_weights` wakes the weights and loads the policy's current parameters, and `generate`
-  wakes the KV cache. Inside `awake()` (an evaluation) the engine does not sleep between
-  generate calls, so the weights are pushed at most once for all of them;
+  wakes the KV cache. Inside `awake()` (an evaluation, or a step's dynamic-sampling rounds) the
+  engine does not sleep between generate calls, so the weights are pushed at most once for all of them;
 - weights are pushed after every optimizer step in buckets of about `sync_bucket_mb`: one
   ZeRO-3 gather per bucket (`deepspeed.zero.GatheredParameters`), then
   `model.load_weights` on vLLM's model; a LoRA policy is pushed merged, W + BA computed out of

@@ -14,7 +14,7 @@ from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import derive_seed
 from sage_train.rollout.hf import HFEngine
 from sage_train.run import evaluate_once, run_prompts
-from sage_train.step import Context
+from sage_train.step import Context, collect_groups
 from sage_train.tasks import get_task
 from tiny_models import tiny_model
 
@@ -117,6 +117,20 @@ def test_evaluate_once_one_call_per_split_inside_one_session(tiny_config, tmp_pa
     assert (tmp_path / "eval.json").is_file()
     evaluate_once(ctx, tmp_path / "eval.json")  # done: read back, nothing sampled
     assert engine.calls == [5, 5]
+
+
+def test_dynamic_sampling_rounds_of_a_step_share_one_awake_session(tiny_config, distributed):
+    """DAPO's extra rounds are generate calls of the same step: one session, so an engine that
+    sleeps between sessions (vllm) wakes, and receives the weights, once per step."""
+    engine, tokenizer, task = engine_and_task()
+    cfg = tiny_config(dynamic_sampling=True, dynamic_sampling_max_rounds=3, prompts_per_step=4, group_size=2)
+    train_problems = list(task.problems("train", None, cfg.seed))
+    ctx = Context(cfg, None, None, engine, tokenizer, task, train_problems, None, 0, 1, torch.device("cpu"))
+    groups, rewards, rounds = collect_groups(ctx, step=1)
+    informative = sum(len(set(r)) > 1 for r in rewards.tolist())
+    assert rounds == len(engine.calls) and (rounds == 3 or informative == 4)
+    assert rounds > 1  # the untrained model's groups are mostly all-wrong: more rounds were drawn
+    assert engine.sessions == 1 and all(engine.awake_calls) and len(groups) == 4
 
 
 def test_vllm_context_length_is_the_longest_prompt_plus_the_longest_completion(tiny_config):
