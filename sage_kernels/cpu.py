@@ -39,13 +39,16 @@ import torch
 from .reference import token_stage
 from .spec import LossConfig, SageInputs, SageLossOutput
 
+_HERE = Path(__file__).resolve().parent
 #: environment switch: "0" forces the PyTorch block loop even where the operator builds.
 NATIVE_ENV = "SAGE_CPU_NATIVE"
 #: the logits workspace may hold this fraction of the LM head's elements ...
 WORKSPACE_SHARE_OF_WEIGHT = 0.25
 #: ... or this many elements (16 MiB of float32), whichever is more.
 WORKSPACE_MIN_ELEMENTS = 1 << 22
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "sage_cpu.cpp"
+#: the operator's source: inside the installed package (a wheel), else the checkout's csrc/
+_SOURCES = (_HERE / "csrc" / "sage_cpu.cpp", _HERE.parent / "csrc" / "sage_cpu.cpp")
+_SOURCE = next((path for path in _SOURCES if path.is_file()), _SOURCES[-1])
 # Instruction-set flags per torch CPU capability; the capability is part of the extension's name,
 # so a cache shared between machines never loads code built for a richer instruction set.
 _ISA_FLAGS = {
@@ -71,7 +74,7 @@ def build_extension(source: Path, name: str, flags: list) -> bool:
     if not source.is_file():
         warnings.warn(
             f"sage_kernels: native CPU operator unavailable ({source} not found: csrc/ ships with "
-            f"source checkouts and editable installs); using the slower chunked PyTorch path",
+            f"checkouts and wheels); using the slower chunked PyTorch path",
             RuntimeWarning,
             stacklevel=3,
         )
