@@ -267,10 +267,17 @@ def kill_inside_a_save(process: subprocess.Popen, run_dir: Path) -> bool:
     first is half-written: stopped (SIGSTOP) as soon as one appears, killed if it is still there.
     False when the run ended without the poll catching one (a save takes milliseconds)."""
     partial, first = run_dir / "checkpoints" / checkpoint.PARTIAL, run_dir / "checkpoints" / "step000001"
+
+    def staged() -> list:  # the staging folder comes and goes with each save, also while it is listed
+        try:
+            return [p for p in partial.glob("step*") if p.is_dir()]
+        except FileNotFoundError:
+            return []
+
     while process.poll() is None:
-        if first.is_dir() and any(partial.glob("step*")):
+        if first.is_dir() and staged():
             process.send_signal(signal.SIGSTOP)
-            if any(p.is_dir() for p in partial.glob("step*")):  # still mid-save: kill it there
+            if staged():  # still mid-save: kill it there
                 process.kill()
                 process.wait()
                 return True
