@@ -399,8 +399,7 @@ def main(argv=None) -> int:
                 k: sum(model["tasks"][t]["pass_at_k"][k]["mean"] for t in AVERAGED) / len(AVERAGED) for k in ks
             }
         table += "\n\n" + average_table(results, ks)
-    write_outputs(out, results)
-    (out / "results.md").write_text(table + "\n")
+    write_outputs(out, results, table)
     print(table)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass_at_k.png'}")
     return 0

@@ -27,6 +27,7 @@ import statistics
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from .checkpoint import write_atomically
 from .rollout.base import RolloutEngine, SamplingParams, derive_seed
 from .rewards import grade
 from .tasks.base import Problem, Task
@@ -204,11 +205,12 @@ def sample(
 # ----------------------------------------------------------------------------- outputs
 
 
-def write_outputs(out: Path, results: dict) -> None:
-    """results.json, results.md and pass_at_k.png in `out`."""
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown_table(results) + "\n")
+def write_outputs(out: Path, results: dict, table: str) -> None:
+    """results.md (`table`), pass_at_k.png, then results.json in `out`: written last and whole, it is
+    what a resumed study or evaluation reads to know this one is done."""
+    (out / "results.md").write_text(table + "\n")
     plot_curves(results, out / "pass_at_k.png")
+    write_atomically(out / "results.json", json.dumps(results, indent=1) + "\n")
 
 
 def markdown_table(results: dict) -> str:
