@@ -96,7 +96,8 @@ def max_rel_err(a, b):
 def test_reference_matches_liger_float64(name, vllm):
     pytest.importorskip("liger_kernel")
     options = VARIANTS[name]
-    # Liger sums luspo's per-token loss over padded positions too; TRL (and we) mask them: compare on full rows.
+    # Liger sums luspo's per-token loss over padded positions too, TRL 1.16 (our default) masks them: compare on
+    # full rows here (test_luspo_padding.py compares luspo_include_padding with Liger on padded rows).
     batch = far_batch(seed=len(name), full_mask=options["loss_type"] == "luspo")
     want_loss, want_grad, want_metrics = liger_loss(batch, options, vllm=vllm)
     loss, per_token, logp, _ = stage(
