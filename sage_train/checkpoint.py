@@ -125,13 +125,7 @@ def _commit(root: Path, written: Path, world: int) -> None:
     for folder in {p.parent for p in written.rglob("*")} | {written}:
         _fsync(folder)
     final = root / written.name
-    if final.exists():  # a checkpoint of a timeline abandoned by a resume from an older step
-        aside = written.parent / f"replaced-{written.name}"
-        final.rename(aside)
-        written.rename(final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        written.rename(final)
+    _replace_folder(final, written)  # an existing one: a checkpoint of a timeline abandoned by a resume
     _fsync(root)
     _write_synced(root / "latest.tmp", final.name)
     os.replace(root / "latest.tmp", root / "latest")
@@ -159,15 +153,21 @@ def folder_written_atomically(folder: Path) -> Iterator[Path]:
     for path in staged.rglob("*"):
         _fsync(path)
     _fsync(staged)
+    _replace_folder(folder, staged)
+    _fsync(folder.parent)
+
+
+def _replace_folder(folder: Path, staged: Path) -> None:
+    """Rename the complete `staged` folder to `folder`, moving an existing `folder` aside first and
+    deleting it after: at every moment `folder` is the old copy, absent, or the new one."""
     if folder.exists():
-        aside = folder.with_name(f".{folder.name}.replaced")
+        aside = staged.with_name(f"replaced-{staged.name}")
         shutil.rmtree(aside, ignore_errors=True)
         folder.rename(aside)
         staged.rename(folder)
-        shutil.rmtree(aside)
+        shutil.rmtree(aside, ignore_errors=True)
     else:
         staged.rename(folder)
-    _fsync(folder.parent)
 
 
 def _write_synced(path: Path, text: str) -> None:
