@@ -1,23 +1,29 @@
 // The vocabulary sweep of the SAGE loss on the CPU (docs/loss.md), one token block at a time.
 //
 // Two operators, driven block by block from sage_kernels/cpu.py:
-//   sage_cpu::block_stats  logits = (h W^T + b) / T by one BLAS matmul into a caller-owned
-//                          [rows, V] workspace, then one fused pass per row: max, sum-exp and
-//                          sum p*z give lse, logp[y] and the entropy.
+//   sage_cpu::block_stats  logits = (h W^T + b) / T by BLAS into a caller-owned [rows, V]
+//                          workspace, then one fused pass per row: max, sum-exp and sum p*z give
+//                          lse, logp[y] and the entropy.
 //   sage_cpu::block_grad   turns the workspace into d(logits) in place in one fused pass,
 //                          d z_v = (g (1[v = y] - p_v) - c p_v (log p_v + H)) / T,
-//                          then BLAS matmuls into grad_hidden, grad_weight (+=) and grad_bias (+=),
+//                          then the products into grad_hidden, grad_weight (+=) and grad_bias (+=),
 //                          each optional.
 // Everything is float32; the Python side upcasts low-precision inputs and owns every large
 // buffer, so no [N, V] tensor exists and the allocation recorder sees the workspace.
 // The per-row loops are plain C++ written so that the compiler vectorises them (`omp simd`),
 // including the exponential, which is our own (Cephes-style) so that it vectorises.
+//
+// The same bits for any number of threads: every result element is computed by one thread in an
+// order fixed by the shapes alone. Rows are whole tasks; each product is cut into tiles of fixed
+// size (never by the thread count) whose inner dimension is never split, and each tile is one BLAS
+// call made inside the parallel region, where the BLAS runs sequentially; the bias gradient sums
+// the rows in order. A BLAS left to thread a whole product may split its inner dimension by the
+// number of threads, and at::sum splits by threads too: both would change the last bits.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/sum.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -57,6 +63,66 @@ void check_block(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// Tile sizes of the products: fixed, so the work split never depends on the thread count.
+constexpr int64_t kVocabTile = 512;   // vocabulary rows of W per task (logits, grad_weight, grad_bias)
+constexpr int64_t kHiddenTile = 256;  // hidden columns per task (grad_hidden, whose inner dimension is V)
+
+int64_t tiles_of(int64_t size, int64_t tile) { return (size + tile - 1) / tile; }
+
+// fn(tile) for every tile, each inside the parallel region, where a BLAS call runs sequentially.
+// At least two tasks, so that the region opens whenever there are two or more threads, even for
+// one tile (a product left to the calling thread could be threaded, and split, by the BLAS).
+template <typename F>
+void for_each_tile(int64_t count, const F& fn) {
+  at::parallel_for(0, std::max<int64_t>(count, 2), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < std::min(end, count); ++t) fn(t);
+  });
+}
+
+// out[rows, V] = a[rows, D] @ w[V, D]^T, tiled over V.
+void logits_product(const at::Tensor& a, const at::Tensor& w, const at::Tensor& out) {
+  const int64_t V = w.size(0);
+  for_each_tile(tiles_of(V, kVocabTile), [&](int64_t t) {
+    const int64_t v0 = t * kVocabTile, width = std::min(kVocabTile, V - v0);
+    at::Tensor out_tile = out.narrow(1, v0, width);
+    at::mm_out(out_tile, a, w.narrow(0, v0, width).t());
+  });
+}
+
+// out[rows, D] = d[rows, V] @ w[V, D], tiled over D; each tile's inner product over V is whole.
+void hidden_product(const at::Tensor& d, const at::Tensor& w, const at::Tensor& out) {
+  const int64_t D = w.size(1);
+  for_each_tile(tiles_of(D, kHiddenTile), [&](int64_t t) {
+    const int64_t d0 = t * kHiddenTile, width = std::min(kHiddenTile, D - d0);
+    at::Tensor out_tile = out.narrow(1, d0, width);
+    at::mm_out(out_tile, d, w.narrow(1, d0, width));
+  });
+}
+
+// acc[V, D] += d[rows, V]^T @ a[rows, D], tiled over V; each tile's inner product over rows is whole.
+void weight_product(const at::Tensor& d, const at::Tensor& a, const at::Tensor& acc) {
+  const int64_t V = acc.size(0);
+  for_each_tile(tiles_of(V, kVocabTile), [&](int64_t t) {
+    const int64_t v0 = t * kVocabTile, width = std::min(kVocabTile, V - v0);
+    acc.narrow(0, v0, width).addmm_(d.narrow(1, v0, width).t(), a);
+  });
+}
+
+// acc[V] += sum over rows of d[rows, V], rows in order.
+void bias_sum(const at::Tensor& d, const at::Tensor& acc) {
+  const int64_t rows = d.size(0), V = d.size(1);
+  const float* src = d.data_ptr<float>();
+  float* dst = acc.data_ptr<float>();
+  for_each_tile(tiles_of(V, kVocabTile), [&](int64_t t) {
+    const int64_t v0 = t * kVocabTile, v1 = std::min(V, v0 + kVocabTile);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* row = src + i * V;
+#pragma omp simd
+      for (int64_t v = v0; v < v1; ++v) dst[v] += row[v];
+    }
+  });
+}
+
 // Per row: z = (acc + b) / T in place, then lse, logp[y] and H = lse - sum p z.
 void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                  const at::Tensor& targets, double inv_temperature, const at::Tensor& logits, const at::Tensor& logp,
@@ -64,8 +130,7 @@ void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::
   check_block(logits, "logits", 2);
   const int64_t rows = logits.size(0), V = logits.size(1);
   TORCH_CHECK(hidden.size(0) == rows && weight.size(0) == V, "block_stats: logits must be [rows, V]");
-  at::Tensor out = logits;  // a handle on the caller's workspace, which mm_out fills
-  at::mm_out(out, hidden, weight.t());
+  logits_product(hidden, weight, logits);
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t* y = targets.data_ptr<int64_t>();
   float* out_logp = logp.data_ptr<float>();
@@ -130,12 +195,12 @@ void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::T
       z[y[i]] += gi;
     }
   });
-  if (grad_hidden.has_value()) {
-    at::Tensor grad_hidden_rows = *grad_hidden;  // a handle on the caller's rows, which mm_out fills
-    at::mm_out(grad_hidden_rows, logits, weight);
+  if (grad_hidden.has_value()) hidden_product(logits, weight, *grad_hidden);
+  if (grad_weight.has_value()) weight_product(logits, hidden, *grad_weight);
+  if (grad_bias.has_value()) {
+    check_block(*grad_bias, "grad_bias", 1);
+    bias_sum(logits, *grad_bias);
   }
-  if (grad_weight.has_value()) grad_weight->addmm_(logits.t(), hidden);
-  if (grad_bias.has_value()) grad_bias->add_(at::sum(logits, 0));
 }
 
 }  // namespace

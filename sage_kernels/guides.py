@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from .ordered import ordered_sum
+
 from .spec import LossConfig
 
 #: the guide's bounds and branch constants, written once: `LossConfig`'s defaults (the official values)
@@ -114,8 +116,8 @@ def surprisal_weights(surprisal: torch.Tensor, mask: torch.Tensor, normalization
     count = mask.sum(-1, keepdim=True)  # [B, 1]
     if normalization == "zscore":
         n = count.clamp(min=1)
-        mean = torch.where(mask, s, 0.0).sum(-1, keepdim=True) / n
-        std = (torch.where(mask, (s - mean) ** 2, 0.0).sum(-1, keepdim=True) / n).sqrt().clamp(min=1e-6)
+        mean = ordered_sum(torch.where(mask, s, 0.0), -1, keepdim=True) / n
+        std = (ordered_sum(torch.where(mask, (s - mean) ** 2, 0.0), -1, keepdim=True) / n).sqrt().clamp(min=1e-6)
         w = torch.sigmoid((s - mean) / std)
     else:
         # valid values first, in ascending order; masked positions sort last

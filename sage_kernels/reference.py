@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from .guides import branch_guide
+from .ordered import ordered_sum
 from .spec import LossConfig, SageInputs, SageLossOutput
 
 
@@ -49,7 +50,7 @@ def reference_logprobs_and_entropy(
     z = logits_of(hidden2d, weight, bias, temperature, dtype)
     logprobs = torch.log_softmax(z, dim=-1)
     logp = logprobs.gather(-1, token_ids_flat[:, None]).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    entropy = -ordered_sum(logprobs.exp() * logprobs, -1)
     return logp, entropy
 
 
@@ -71,7 +72,7 @@ def kl_estimate(delta: torch.Tensor, kl: str) -> torch.Tensor:
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1.0)
+    return ordered_sum(x * m) / ordered_sum(m).clamp(min=1.0)
 
 
 def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, config: LossConfig):
@@ -109,7 +110,8 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
     token_log_ratio = logp - old_logp
     log_ratio = token_log_ratio
     if config.importance_sampling == "sequence":
-        log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)).expand(B, L)
+        row_sum = ordered_sum(log_ratio * m, -1, keepdim=True)
+        log_ratio = (row_sum / ordered_sum(m, -1, keepdim=True).clamp(min=1.0)).expand(B, L)
     ratio = torch.exp(log_ratio)
     if config.use_bias_correction_kl:
         kl = kl * ratio
@@ -180,10 +182,10 @@ def vespo_weight(token_log_ratio, A, mask, is_weights, config: LossConfig) -> to
     A non-finite phi becomes 0.
     """
     m = mask.to(token_log_ratio.dtype)
-    log_w = (token_log_ratio.clamp(-VESPO_LOG_W_MAX, VESPO_LOG_W_MAX) * m).sum(-1, keepdim=True)
+    log_w = ordered_sum(token_log_ratio.clamp(-VESPO_LOG_W_MAX, VESPO_LOG_W_MAX) * m, -1, keepdim=True)
     if is_weights is not None:
         log_is = torch.where(mask, is_weights.to(m.dtype), 1.0).log().clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
-        log_w = log_w + (log_is * m).sum(-1, keepdim=True)
+        log_w = log_w + ordered_sum(log_is * m, -1, keepdim=True)
     log_w = log_w.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
     nonnegative = A >= 0
     k = _by_sign(nonnegative, config.vespo_k_pos, config.vespo_k_neg, m)
@@ -209,13 +211,13 @@ def loss_normaliser(m: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """The divisor of Σ m·l for the token-sum loss types (bnpo, dr_grpo; dapo, cispo, vespo)."""
     B, L = m.shape
     if config.loss_type == "bnpo":
-        return m.sum().clamp(min=1.0)
+        return ordered_sum(m).clamp(min=1.0)
     # torch.full, not torch.tensor: a fill kernel, not a host-to-device copy (no sync on the hot path)
     if config.loss_type == "dr_grpo":
         return torch.full((), float(B * (config.max_completion_length or L)), dtype=m.dtype, device=m.device)
     n = config.num_items_in_batch
     if n is None:
-        return m.sum().clamp(min=1.0)
+        return ordered_sum(m).clamp(min=1.0)
     if isinstance(n, torch.Tensor):
         return n.to(device=m.device, dtype=m.dtype).reshape(())
     return torch.full((), float(n), dtype=m.dtype, device=m.device)
@@ -223,16 +225,17 @@ def loss_normaliser(m: torch.Tensor, config: LossConfig) -> torch.Tensor:
 
 def aggregate(per_token_loss: torch.Tensor, m: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """Reduce [B, L] per-token losses to the scalar loss of `config.loss_type`."""
+    B, L = m.shape
     masked = per_token_loss * m
     if config.loss_type in SEQUENCE_MEAN_LOSS_TYPES:
-        return (masked.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+        row_means = ordered_sum(masked, -1) / ordered_sum(m, -1).clamp(min=1.0)
+        return ordered_sum(row_means) / B
     if config.loss_type == "luspo":
         if config.luspo_include_padding:
             # every position of row b counts, weighted by the row's token count n_b: Σ_bt l n_b / (B L)
-            B, L = m.shape
-            return (per_token_loss * m.sum(-1, keepdim=True)).sum() / (B * L)
-        return masked.sum(-1).mean()
-    return masked.sum() / loss_normaliser(m, config)
+            return ordered_sum(per_token_loss * ordered_sum(m, -1, keepdim=True)) / (B * L)
+        return ordered_sum(ordered_sum(masked, -1)) / B
+    return ordered_sum(masked) / loss_normaliser(m, config)
 
 
 def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutput:

@@ -1,8 +1,14 @@
 """A tiny Qwen2 causal LM and a character-level tokenizer, saved to a temporary folder (no network)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# tests/kernels' helpers (tolerances.py) are importable from here too, whatever was collected first
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CHARS = "abcdefghij+=0123456789 "
 SPECIAL = ["<pad>", "<eos>", "<unk>"]

@@ -1,7 +1,10 @@
 """`FusedLinearSAGELoss.from_liger` against the real liger-kernel `LigerFusedLinearGRPOLoss`.
 
 Same constructor arguments, same inputs, guide off: the loss, the metrics tuple and the
-gradients of hidden states, LM head and bias must agree in float32.
+gradients of hidden states, LM head and bias of both, in float32, must be within the float32
+tolerances of `tolerances.py` of one float64 oracle (our reference backend in float64, which
+is Liger's maths): each side is measured by its own distance to the oracle, so an option whose
+float32 rounding is large (vespo's weight) cannot fail a comparison both sides pass.
 """
 
 import pytest
@@ -10,6 +13,7 @@ import torch
 liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss")
 
 from sage_kernels import FusedLinearSAGELoss  # noqa: E402
+from tolerances import assert_close, assert_grad_close  # noqa: E402
 
 B, T, D, V = 3, 7, 16, 37
 BACKEND = "auto"  # integration tests: the default backend of the device ("cpu" here)
@@ -118,23 +122,31 @@ def run(module, inputs):
     return loss.detach(), [m.detach() for m in metrics], {k: v.grad for k, v in leaves.items()}
 
 
+def float64(inputs: dict) -> dict:
+    return {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def assert_both_near_oracle(sides: dict, oracle, what: str):
+    """Each side's (loss, metrics, grads) within the float32 tolerances of the float64 `oracle`'s."""
+    loss64, metrics64, grads64 = oracle
+    for side, (loss, metrics, grads) in sides.items():
+        assert_close(loss, loss64, torch.float32, "loss", f"{what}: {side} loss")
+        assert len(metrics) == len(metrics64)
+        for i, (got, want) in enumerate(zip(metrics, metrics64)):
+            assert_close(got, want, torch.float32, "token", f"{what}: {side} metric {i}")
+        assert grads.keys() == grads64.keys()
+        for name in grads64:
+            assert_grad_close(grads[name], grads64[name], torch.float32, f"{what}: {side} grad {name}")
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_matches_liger(case):
     kwargs, which = CASES[case]
     inputs = make_inputs(which)
     liger = liger_grpo.LigerFusedLinearGRPOLoss(compiled=False, **kwargs)
     ours = FusedLinearSAGELoss.from_liger(compiled=False, backend=BACKEND, **kwargs)
-    loss_l, metrics_l, grads_l = run(liger, inputs)
-    loss_s, metrics_s, grads_s = run(ours, inputs)
-    torch.testing.assert_close(loss_s, loss_l, atol=1e-6, rtol=1e-5)
-    assert len(metrics_s) == len(metrics_l)
-    for name, got, want in zip(["kl", "clip"][-len(metrics_l) :], metrics_s, metrics_l):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m: f"metric {name}: {m}")
-    assert grads_s.keys() == grads_l.keys()
-    for name in grads_l:
-        torch.testing.assert_close(
-            grads_s[name], grads_l[name], atol=1e-6, rtol=1e-5, msg=lambda m: f"grad {name}: {m}"
-        )
+    oracle = run(FusedLinearSAGELoss.from_liger(compiled=False, backend="reference", **kwargs), float64(inputs))
+    assert_both_near_oracle({"liger": run(liger, inputs), "ours": run(ours, inputs)}, oracle, case)
 
 
 def test_clip_metric_is_measured_before_the_delta_cap():
