@@ -273,6 +273,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, rows_to_do)
     ctx.temperature = floats[TEMPERATURE]
     ctx.entropy_grad = floats[ENTROPY_COEF] != 0.0
+    ctx.set_materialize_grads(False)  # only the loss takes a gradient: no zeros for the other outputs
 
 
 def _backward(ctx, grad_loss, *_unused_grads):

@@ -136,6 +136,9 @@ def _local_loss_fake(
 
 def _local_setup_context(ctx, inputs, output):
     ctx.save_for_backward(*output[7:])
+    # only the loss takes a gradient: autograd would otherwise fill every other output's gradient
+    # with zeros, the returned gradients' included ([V, D] and [N, D] per backward)
+    ctx.set_materialize_grads(False)
     ctx.used = False
 
 

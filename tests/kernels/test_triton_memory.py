@@ -11,12 +11,18 @@ Under TRITON_INTERPRET=1 the interpreter stages the storage of every kernel argu
 through a byte tensor (``aten.set_.source_Storage`` and ``aten.copy_`` on uint8, the
 whole weight included) to emulate device memory; those copies do not exist on a GPU and
 are not counted.
+
+A backward allocates nothing of the weight's or hidden's size besides the gradients themselves
+(`test_backward_allocates_no_gradient_sized_zeros`, seen from outside the operators).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from alloc import AllocationRecorder
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
@@ -116,3 +122,42 @@ def test_the_recorder_catches_materialised_logits():
         fused_linear_sage_loss(config=LossConfig(beta=0.0), backend="reference", **problem)
     with pytest.raises(AssertionError, match="elements was allocated"):
         recorder.check()
+
+
+class NewStorageRecorder(TorchDispatchMode):
+    """The (operator, shape) of every tensor an ATen operator returns in storage of its own (not a
+    view, not an in-place result) with at least `limit` elements."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+        self.allocated = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.numel() >= self.limit and t.untyped_storage().data_ptr() not in inputs:
+                self.allocated.append((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("options", [{}, {"importance_sampling": "sequence"}], ids=["three-matmul", "two-pass"])
+def test_backward_allocates_no_gradient_sized_zeros(options):
+    # autograd fills every operator output that gets no gradient with zeros unless told not to: the
+    # three-matmul operator returns its gradients as outputs, so that would be a [V, D] and an [N, D]
+    # tensor of zeros per backward on top of the gradients themselves
+    b, l, v, d = 2, 9, 96, 40
+    problem = make_problem(B=b, L=l, V=v, D=d, seed=3, mask="tail")
+    leaves = {k: problem[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+    rest = {k: t for k, t in problem.items() if k not in leaves}
+    loss = fused_linear_sage_loss(**leaves, **rest, config=LossConfig(**options), backend="triton").loss
+    with NewStorageRecorder(min(b * l * d, v * d)) as recorder:
+        loss.backward()
+    # the two-pass backward computes the gradients there, in its operator: exactly those, once each
+    expected = []
+    if options:
+        op = "sage_kernels.triton_sage_loss_backward.default"
+        expected = [(op, (b * l, d)), (op, (v, d))]
+    assert sorted(recorder.allocated) == expected
+    assert all(leaves[k].grad is not None and torch.isfinite(leaves[k].grad).all() for k in leaves)
