@@ -1,20 +1,27 @@
-"""What crosses the Triton operators' boundary: `LossConfig` as flat numbers, the rows in the
-order the kernels take them, and the metrics as one vector.
+"""What crosses the Triton operators' boundary, each as a named record with one flat form.
 
-Operators take tensors and flat lists of numbers, so `LossConfig` crosses the boundary as
-(floats, ints, num_items) from `pack_config` and is rebuilt (and re-validated) by `unpack_config`;
-both walk `LossConfig`'s fields by their declared types, so a new option needs no change here.
+`torch.library` operators take and return flat lists of tensors and numbers, so every group of
+them has a NamedTuple here with `flat()` (the operator's argument or output order) and
+`from_flat()` (the record back, its length checked): the loss's tensors (`LossTensors`), the
+gradients a call wants (`GradsWanted`), what each loss operator returns (`TwoPassOutputs`,
+`LocalOutputs`), what the two-pass backward reads (`TwoPassSaved`) and its options
+(`BackwardFlags`, passed by keyword). Code on either side names fields, never positions.
+
+`LossConfig` crosses as (floats, ints, num_items) from `pack_config` and is rebuilt (and
+re-validated) by `unpack_config`; both walk `LossConfig`'s fields by their declared types, so a
+new option needs no change here. Also here: the rows in the order the kernels take them
+(`row_order`) and the metrics as one vector.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LOSS_TYPE_CODES, LossConfig
+from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LOSS_TYPE_CODES, LossConfig, SageInputs
 from . import token_stage as stage
 from .stages import stage as timed
 from .sweep_fwd import compact_rows, host_row_count
@@ -37,9 +44,168 @@ assert set(_CODE_TABLES) == {f.name for f in _FIELDS if f.type == "str"}, "a str
 _ABSENT = -1.0
 TEMPERATURE = FLOAT_FIELDS.index("temperature")
 ENTROPY_COEF = FLOAT_FIELDS.index("entropy_coef")
-#: inputs of the two-pass loss operator after hidden, weight and bias: none of them gets a gradient
-#: (the local operator has one more, its list of needed gradients).
-N_OTHER_INPUTS = 10
+
+MaybeTensor = Optional[Tensor]
+
+
+def _checked(cls, values: Sequence):
+    values = tuple(values)
+    if len(values) != len(cls._fields):
+        raise ValueError(f"{cls.__name__} has {len(cls._fields)} fields, got {len(values)} values")
+    return cls._make(values)
+
+
+class LossTensors(NamedTuple):
+    """The tensors of one loss call, in the order both loss operators take them (hidden [N, D])."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: MaybeTensor
+    token_ids: Tensor
+    mask: Tensor
+    advantages: Tensor
+    old_logp: MaybeTensor
+    ref_logp: MaybeTensor
+    is_weights: MaybeTensor
+    log_q: MaybeTensor
+
+    @classmethod
+    def of(cls, inputs: SageInputs) -> LossTensors:
+        return cls(*(getattr(inputs, name) for name in cls._fields))
+
+    def flat(self) -> tuple:
+        return tuple(self)
+
+    @classmethod
+    def from_flat(cls, values: Sequence) -> LossTensors:
+        return _checked(cls, values)
+
+    def for_kernels(self) -> LossTensors:
+        """Unit stride along D for hidden and weight; the [B, L] tensors row-major (the token stage
+        addresses them so)."""
+
+        def row_major(t):
+            return None if t is None else t.contiguous()
+
+        return self._replace(
+            hidden=unit_stride(self.hidden),
+            weight=unit_stride(self.weight),
+            advantages=row_major(self.advantages),
+            old_logp=row_major(self.old_logp),
+            ref_logp=row_major(self.ref_logp),
+            is_weights=row_major(self.is_weights),
+            log_q=row_major(self.log_q),
+        )
+
+
+class GradsWanted(NamedTuple):
+    """Which of hidden, weight and bias a three-matmul call forms gradients for."""
+
+    hidden: bool
+    weight: bool
+    bias: bool
+
+    @classmethod
+    def of(cls, tensors: LossTensors) -> GradsWanted:
+        grad_on = torch.is_grad_enabled()
+        return cls(
+            *(grad_on and t is not None and t.requires_grad for t in (tensors.hidden, tensors.weight, tensors.bias))
+        )
+
+    def flat(self) -> list[bool]:
+        return list(self)
+
+    @classmethod
+    def from_flat(cls, values: Sequence[bool]) -> GradsWanted:
+        return _checked(cls, (bool(v) for v in values))
+
+
+class TwoPassOutputs(NamedTuple):
+    """What ``triton_sage_loss`` returns: the loss, the [B, L] per-token outputs and the [8] metrics,
+    then what its backward needs (lse, g, c, the compacted row order, the valid count and, as a
+    CPU tensor, the rows the host counted: -1 when nothing is masked)."""
+
+    loss: Tensor
+    logp: Tensor
+    entropy: Tensor
+    q: Tensor
+    kl: Tensor
+    ratio: Tensor
+    metrics: Tensor
+    lse: Tensor
+    g: Tensor
+    c: Tensor
+    rows: Tensor
+    count: Tensor
+    rows_to_do: Tensor
+
+    def flat(self) -> tuple:
+        return tuple(self)
+
+    @classmethod
+    def from_flat(cls, values: Sequence) -> TwoPassOutputs:
+        return _checked(cls, values)
+
+
+class LocalOutputs(NamedTuple):
+    """What ``triton_sage_loss_local`` returns: the loss, the [B, L] per-token outputs, the [8]
+    metrics and the gradients formed in the forward (empty where not wanted)."""
+
+    loss: Tensor
+    logp: Tensor
+    entropy: Tensor
+    q: Tensor
+    kl: Tensor
+    ratio: Tensor
+    metrics: Tensor
+    grad_hidden: Tensor
+    grad_weight: Tensor
+    grad_bias: Tensor
+
+    def flat(self) -> tuple:
+        return tuple(self)
+
+    @classmethod
+    def from_flat(cls, values: Sequence) -> LocalOutputs:
+        return _checked(cls, values)
+
+
+class TwoPassSaved(NamedTuple):
+    """The tensors the two-pass backward reads, in the backward operator's order after grad_loss."""
+
+    hidden: Tensor
+    weight: Tensor
+    bias: MaybeTensor
+    token_ids: Tensor
+    rows: Tensor
+    count: Tensor
+    lse: Tensor
+    entropy: Tensor
+    g: Tensor
+    c: Tensor
+    rows_to_do: Tensor
+
+    @classmethod
+    def of(cls, tensors: LossTensors, out: TwoPassOutputs) -> TwoPassSaved:
+        fields = {**tensors._asdict(), **out._asdict()}
+        return cls(*(fields[name] for name in cls._fields))
+
+    def flat(self) -> tuple:
+        return tuple(self)
+
+    @classmethod
+    def from_flat(cls, values: Sequence) -> TwoPassSaved:
+        return _checked(cls, values)
+
+
+class BackwardFlags(NamedTuple):
+    """The two-pass backward's options, passed to its operator by keyword (`flags._asdict()`)."""
+
+    temperature: float
+    entropy_grad: bool
+    need_hidden: bool
+    need_weight: bool
+    need_bias: bool
 
 
 def pack_config(config: LossConfig):
@@ -96,18 +262,24 @@ def unit_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def row_order(mask: Tensor):
-    """(flat mask, rows valid-first, device count, rows to cover, whether rows is the identity)."""
+class RowOrder(NamedTuple):
+    """The rows a call covers: the flat mask, every row index valid-first, the valid count on the
+    device, the rows to cover (the count read on the host, or N) and whether rows is 0..N-1."""
+
+    flat_mask: Tensor
+    rows: Tensor
+    count: Tensor
+    n: int
+    identity: bool
+
+
+def row_order(mask: Tensor) -> RowOrder:
+    """The `RowOrder` of the positions where `mask` is set."""
     flat_mask = mask.reshape(-1)
     with timed("compact rows"):
         rows, count = compact_rows(flat_mask)
         n, exact = host_row_count(count, flat_mask.numel())
-    return flat_mask, rows, count, n, exact and n == flat_mask.numel()
-
-
-def contiguous(*tensors):
-    # the token stage addresses [B, L] tensors as row-major
-    return tuple(None if t is None else t.contiguous() for t in tensors)
+    return RowOrder(flat_mask, rows, count, n, exact and n == flat_mask.numel())
 
 
 def none_as_empty(t: Optional[Tensor], like: Tensor) -> Tensor:

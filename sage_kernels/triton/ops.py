@@ -18,7 +18,8 @@ operators are opaque to the compiler; their fake implementations give output sha
 only where torch writes 16-bit products as fp32 (`gemm.has_fp32_output`), so logits are
 never rounded to bf16.
 
-Operators take tensors and flat lists of numbers: `boundary.py` carries `LossConfig` across.
+Operators take tensors and flat lists of numbers: `boundary.py` names each group of them (a
+record with `flat()` / `from_flat()`) and carries `LossConfig` across.
 The loss and metrics stay on the device; the one host read of a call is the valid-token
 count (`sweep_fwd.host_row_count`), which sizes the grids and GEMMs so masked tokens cost
 nothing.
@@ -36,114 +37,102 @@ from . import ops_local  # noqa: F401  (registers the three-matmul operator)
 from . import token_stage as stage
 from .boundary import (
     ENTROPY_COEF,
-    N_OTHER_INPUTS,
     TEMPERATURE,
-    contiguous,
+    BackwardFlags,
+    GradsWanted,
+    LocalOutputs,
+    LossTensors,
+    MaybeTensor,
+    TwoPassOutputs,
+    TwoPassSaved,
     metrics_vector,
     none_as_empty,
     pack_config,
     row_order,
-    unit_stride,
     unpack_config,
 )
-from .gemm import has_fp32_output, launched_on_hidden_device
+from .gemm import has_fp32_output, on_device
 from .stages import stage as timed
 from .sweep_bwd import sweep_backward
 from .sweep_fwd import scoring_forward, sweep_forward
 from .three_matmul import PATHS_TAKEN, per_token_grad_is_local
 from .tiles import interpreting
 
-MaybeTensor = Optional[Tensor]
 
-
-def loss_forward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: MaybeTensor,
-    token_ids: Tensor,
-    mask: Tensor,
-    advantages: Tensor,
-    old_logp: MaybeTensor,
-    ref_logp: MaybeTensor,
-    is_weights: MaybeTensor,
-    log_q: MaybeTensor,
-    config: LossConfig,
-) -> tuple[Tensor, ...]:
+def loss_forward(tensors: LossTensors, config: LossConfig) -> TwoPassOutputs:
     """The two-pass path's forward behind the loss operator (tests call it directly: a dispatch
-    mode sees the operator only as a whole). Returns the operator's first twelve outputs."""
-    return _two_pass_forward(
-        hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, config
-    )[:12]
+    mode sees the operator only as a whole), every launch on the tensors' GPU."""
+    with on_device(tensors.hidden):
+        return _two_pass_forward(tensors.for_kernels(), config)
 
 
-@launched_on_hidden_device  # every launch (sweep, token stage) on the tensors' GPU
-def _two_pass_forward(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, config):
+def _two_pass_forward(tensors: LossTensors, config: LossConfig) -> TwoPassOutputs:
     PATHS_TAKEN["two-pass"] += 1
+    mask = tensors.mask
     B, L = mask.shape
     # the swept positions are those that enter the loss: every one under luspo_include_padding
-    flat_mask, rows, count, n, identity = row_order(torch.ones_like(mask) if config.luspo_include_padding else mask)
+    order = row_order(torch.ones_like(mask) if config.luspo_include_padding else mask)
     with timed("forward sweep"):
         lse, logp, entropy = sweep_forward(
-            unit_stride(hidden), unit_stride(weight), bias, token_ids.reshape(-1), rows, count, config.temperature, n
+            tensors.hidden,
+            tensors.weight,
+            tensors.bias,
+            tensors.token_ids.reshape(-1),
+            order.rows,
+            order.count,
+            config.temperature,
+            order.n,
         )
-    lse = torch.where(flat_mask, lse, 0.0)
-    logp = torch.where(flat_mask, logp, 0.0).view(B, L)
-    entropy = torch.where(flat_mask, entropy, 0.0).view(B, L)
-    old_logp, ref_logp, is_weights, log_q, advantages = contiguous(old_logp, ref_logp, is_weights, log_q, advantages)
+    lse = torch.where(order.flat_mask, lse, 0.0)
+    logp = torch.where(order.flat_mask, logp, 0.0).view(B, L)
+    entropy = torch.where(order.flat_mask, entropy, 0.0).view(B, L)
     with timed("token stage"):
-        q, kl, ratio, g, c, row_stats = stage.token_stage(
-            logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config
-        )
-    loss = row_stats[:, stage.ROW_LOSS].sum()
+        per_token = stage.token_stage(logp, entropy, tensors, config)
     # the host's row count travels to the backward as a CPU tensor (-1: nothing masked); reading
     # the device count there instead would wait for the whole forward
-    rows_to_do = torch.full((), -1 if identity else n, dtype=torch.int64)
-    return (loss, logp, entropy, q, kl, ratio, metrics_vector(row_stats, mask), lse, g, c, rows, count, rows_to_do)
+    rows_to_do = torch.full((), -1 if order.identity else order.n, dtype=torch.int64)
+    return TwoPassOutputs(
+        loss=per_token.row_stats[:, stage.ROW_LOSS].sum(),
+        logp=logp,
+        entropy=entropy,
+        q=per_token.q,
+        kl=per_token.kl,
+        ratio=per_token.ratio,
+        metrics=metrics_vector(per_token.row_stats, mask),
+        lse=lse,
+        g=per_token.g,
+        c=per_token.c,
+        rows=order.rows,
+        count=order.count,
+        rows_to_do=rows_to_do,
+    )
 
 
-def loss_backward(
-    grad_loss: Tensor,
-    hidden: Tensor,
-    weight: Tensor,
-    bias: MaybeTensor,
-    token_ids: Tensor,
-    rows: Tensor,
-    count: Tensor,
-    lse: Tensor,
-    entropy: Tensor,
-    g: Tensor,
-    c: Tensor,
-    temperature: float,
-    entropy_grad: bool,
-    need_weight: bool,
-    need_bias: bool,
-    need_hidden: bool = True,
-    rows_to_do: Optional[int] = None,
-):
+def loss_backward(grad_loss: Tensor, saved: TwoPassSaved, flags: BackwardFlags):
     """The backward pass behind the backward operator: (grad_hidden or None, grad_weight or None,
-    grad_bias or None). `rows_to_do`: the forward's host row count, -1 when no row is masked,
-    None to cover every row."""
+    grad_bias or None). `saved.rows_to_do`: the forward's host row count, -1 when no row is
+    masked."""
+    rows_to_do = int(saved.rows_to_do)
     identity = rows_to_do == -1
-    n = hidden.shape[0] if identity else rows_to_do
     return sweep_backward(
         grad_loss,
-        unit_stride(hidden),
-        unit_stride(weight),
-        bias,
-        token_ids.reshape(-1),
-        rows,
-        count,
-        lse,
-        entropy.reshape(-1),
-        g,
-        c,
-        temperature,
-        entropy_grad,
-        need_weight,
-        need_bias,
-        need_hidden,
-        n,
-        identity,
+        saved.hidden,
+        saved.weight,
+        saved.bias,
+        saved.token_ids.reshape(-1),
+        saved.rows,
+        saved.count,
+        saved.lse,
+        saved.entropy.reshape(-1),
+        saved.g,
+        saved.c,
+        flags.temperature,
+        flags.entropy_grad,
+        need_weight=flags.need_weight,
+        need_bias=flags.need_bias,
+        need_hidden=flags.need_hidden,
+        rows_to_do=saved.hidden.shape[0] if identity else rows_to_do,
+        rows_are_identity=identity,
     )
 
 
@@ -163,26 +152,15 @@ def _sage_loss_op(
     floats: list[float],
     ints: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _two_pass_forward(
-        hidden,
-        weight,
-        bias,
-        token_ids,
-        mask,
-        advantages,
-        old_logp,
-        ref_logp,
-        is_weights,
-        log_q,
-        unpack_config(floats, ints, num_items),
-    )
+    tensors = LossTensors(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q)
+    return loss_forward(tensors, unpack_config(floats, ints, num_items)).flat()
 
 
 @_sage_loss_op.register_fake
-def _sage_loss_fake(
-    hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, num_items, floats, ints
-):
-    B, L = mask.shape
+def _sage_loss_fake(*args):
+    tensors = LossTensors.from_flat(args[: len(LossTensors._fields)])
+    B, L = tensors.mask.shape
+    hidden = tensors.hidden
     f32 = dict(dtype=torch.float32, device=hidden.device)
     per_token = [hidden.new_empty((B, L), **f32) for _ in range(5)]
     flat = [hidden.new_empty((B * L,), **f32) for _ in range(3)]
@@ -211,96 +189,49 @@ def _sage_loss_backward_op(
     g: Tensor,
     c: Tensor,
     rows_to_do: Tensor,
+    *,
     temperature: float,
     entropy_grad: bool,
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    grads = loss_backward(
-        grad_loss,
-        hidden,
-        weight,
-        bias,
-        token_ids,
-        rows,
-        count,
-        lse,
-        entropy,
-        g,
-        c,
-        temperature,
-        entropy_grad,
-        need_weight,
-        need_bias,
-        need_hidden,
-        int(rows_to_do),
-    )
-    return tuple(none_as_empty(grad, hidden) for grad in grads)
+    saved = TwoPassSaved(hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, rows_to_do)
+    flags = BackwardFlags(temperature, entropy_grad, need_hidden, need_weight, need_bias)
+    return tuple(none_as_empty(grad, hidden) for grad in loss_backward(grad_loss, saved, flags))
 
 
 @_sage_loss_backward_op.register_fake
-def _sage_loss_backward_fake(
-    grad_loss,
-    hidden,
-    weight,
-    bias,
-    token_ids,
-    rows,
-    count,
-    lse,
-    entropy,
-    g,
-    c,
-    rows_to_do,
-    temperature,
-    entropy_grad,
-    need_hidden,
-    need_weight,
-    need_bias,
-):
+def _sage_loss_backward_fake(grad_loss, *saved, temperature, entropy_grad, need_hidden, need_weight, need_bias):
+    saved = TwoPassSaved.from_flat(saved)
+    hidden = saved.hidden
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty((0,)),
-        torch.empty_like(weight) if need_weight else hidden.new_empty((0,)),
-        torch.empty_like(bias) if need_bias else hidden.new_empty((0,)),
+        torch.empty_like(saved.weight) if need_weight else hidden.new_empty((0,)),
+        torch.empty_like(saved.bias) if need_bias else hidden.new_empty((0,)),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, token_ids = inputs[:4]
-    floats = inputs[11]
-    _, _, entropy, _, _, _, _, lse, g, c, rows, count, rows_to_do = output
-    ctx.save_for_backward(hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, rows_to_do)
+    tensors = LossTensors.from_flat(inputs[: len(LossTensors._fields)])
+    floats = inputs[len(LossTensors._fields) + 1]  # after the tensors, num_items
+    ctx.save_for_backward(*TwoPassSaved.of(tensors, TwoPassOutputs.from_flat(output)).flat())
+    ctx.n_inputs = len(inputs)
     ctx.temperature = floats[TEMPERATURE]
     ctx.entropy_grad = floats[ENTROPY_COEF] != 0.0
     ctx.set_materialize_grads(False)  # only the loss takes a gradient: no zeros for the other outputs
 
 
 def _backward(ctx, grad_loss, *_unused_grads):
-    hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, rows_to_do = ctx.saved_tensors
+    saved = TwoPassSaved.from_flat(ctx.saved_tensors)
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    need_bias = need_bias and bias is not None
-    none = (None,) * N_OTHER_INPUTS
+    need_bias = need_bias and saved.bias is not None
+    none = (None,) * (ctx.n_inputs - 3)
     if grad_loss is None or not (need_hidden or need_weight or need_bias):
         return (None, None, None) + none
+    flags = BackwardFlags(ctx.temperature, ctx.entropy_grad, need_hidden, need_weight, need_bias)
     grad_hidden, grad_weight, grad_bias = torch.ops.sage_kernels.triton_sage_loss_backward(
-        grad_loss,
-        hidden,
-        weight,
-        bias,
-        token_ids,
-        rows,
-        count,
-        lse,
-        entropy,
-        g,
-        c,
-        rows_to_do,
-        ctx.temperature,
-        ctx.entropy_grad,
-        need_hidden,
-        need_weight,
-        need_bias,
+        grad_loss, *saved.flat(), **flags._asdict()
     )
     return (
         grad_hidden if need_hidden else None,
@@ -341,37 +272,22 @@ def takes_three_matmul_path(inputs: SageInputs, config: LossConfig) -> bool:
 def sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutput:
     """The SAGE loss of validated `inputs` with the fused Triton kernels (backend "triton")."""
     _check_device(inputs.hidden)
+    tensors = LossTensors.of(inputs)
     floats, ints, num_items = pack_config(config)
-    args = (
-        inputs.hidden,
-        inputs.weight,
-        inputs.bias,
-        inputs.token_ids,
-        inputs.mask,
-        inputs.advantages,
-        inputs.old_logp,
-        inputs.ref_logp,
-        inputs.is_weights,
-        inputs.log_q,
-        num_items,
-        floats,
-        ints,
-    )
+    args = (*tensors.flat(), num_items, floats, ints)
     if takes_three_matmul_path(inputs, config):
-        grad_on = torch.is_grad_enabled()
-        needs = [grad_on and t is not None and t.requires_grad for t in (inputs.hidden, inputs.weight, inputs.bias)]
-        out = torch.ops.sage_kernels.triton_sage_loss_local(*args, needs)
+        out = torch.ops.sage_kernels.triton_sage_loss_local(*args, GradsWanted.of(tensors).flat())
+        out = LocalOutputs.from_flat(out)
     else:
-        out = torch.ops.sage_kernels.triton_sage_loss(*args)
-    loss, logp, entropy, q, kl, ratio, metrics = out[:7]
-    metrics = metrics.detach()
+        out = TwoPassOutputs.from_flat(torch.ops.sage_kernels.triton_sage_loss(*args))
+    metrics = out.metrics.detach()
     return SageLossOutput(
-        loss=loss,
-        logp=logp.detach(),
-        entropy=entropy.detach(),
-        q=q.detach(),
-        kl=kl.detach(),
-        ratio=ratio.detach(),
+        loss=out.loss,
+        logp=out.logp.detach(),
+        entropy=out.entropy.detach(),
+        q=out.q.detach(),
+        kl=out.kl.detach(),
+        ratio=out.ratio.detach(),
         metrics={name: metrics[i] for i, name in enumerate(METRIC_NAMES)},
     )
 

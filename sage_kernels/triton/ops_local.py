@@ -4,72 +4,31 @@ the loss, the [B, L] per-token outputs, the metrics and the gradients, formed in
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
 from ..spec import METRIC_NAMES, LossConfig
 from . import token_stage as stage
-from .boundary import N_OTHER_INPUTS, contiguous, metrics_vector, none_as_empty, row_order, unit_stride, unpack_config
+from .boundary import GradsWanted, LocalOutputs, LossTensors, MaybeTensor, metrics_vector, none_as_empty, row_order
+from .boundary import unpack_config
 from .three_matmul import fused_loss
 
-MaybeTensor = Optional[Tensor]
 
-
-def local_forward(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: MaybeTensor,
-    token_ids: Tensor,
-    mask: Tensor,
-    advantages: Tensor,
-    old_logp: MaybeTensor,
-    ref_logp: MaybeTensor,
-    is_weights: MaybeTensor,
-    log_q: MaybeTensor,
-    config: LossConfig,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-) -> tuple[Tensor, ...]:
-    """The three-matmul path behind the local loss operator: (loss, logp, entropy, q, kl, ratio,
-    metrics, grad_hidden, grad_weight, grad_bias), gradients None where not wanted."""
-    B, L = mask.shape
-    _, rows, count, n, identity = row_order(mask)
-    old_logp, ref_logp, is_weights, log_q, advantages = contiguous(old_logp, ref_logp, is_weights, log_q, advantages)
-    logp, entropy, q, kl, ratio, _, _, row_stats, grad_hidden, grad_weight, grad_bias = fused_loss(
-        unit_stride(hidden),
-        unit_stride(weight),
-        bias,
-        token_ids.reshape(-1),
-        mask,
-        advantages,
-        old_logp,
-        ref_logp,
-        is_weights,
-        log_q,
-        config,
-        rows,
-        count,
-        n,
-        identity,
-        need_hidden,
-        need_weight,
-        need_bias,
-    )
-    loss = row_stats[:, stage.ROW_LOSS].sum()
-    return (
-        loss,
-        logp.view(B, L),
-        entropy.view(B, L),
-        q,
-        kl,
-        ratio,
-        metrics_vector(row_stats, mask),
-        grad_hidden,
-        grad_weight,
-        grad_bias,
+def local_forward(tensors: LossTensors, config: LossConfig, wanted: GradsWanted) -> LocalOutputs:
+    """The three-matmul path behind the local loss operator; gradients None where not `wanted`."""
+    B, L = tensors.mask.shape
+    out = fused_loss(tensors.for_kernels(), config, row_order(tensors.mask), wanted)
+    return LocalOutputs(
+        loss=out.stage.row_stats[:, stage.ROW_LOSS].sum(),
+        logp=out.logp.view(B, L),
+        entropy=out.entropy.view(B, L),
+        q=out.stage.q,
+        kl=out.stage.kl,
+        ratio=out.stage.ratio,
+        metrics=metrics_vector(out.stage.row_stats, tensors.mask),
+        grad_hidden=out.grad_hidden,
+        grad_weight=out.grad_weight,
+        grad_bias=out.grad_bias,
     )
 
 
@@ -90,56 +49,39 @@ def _local_loss_op(
     ints: list[int],
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out = local_forward(
-        hidden,
-        weight,
-        bias,
-        token_ids,
-        mask,
-        advantages,
-        old_logp,
-        ref_logp,
-        is_weights,
-        log_q,
-        unpack_config(floats, ints, num_items),
-        *needs,
+    tensors = LossTensors(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q)
+    out = local_forward(tensors, unpack_config(floats, ints, num_items), GradsWanted.from_flat(needs))
+    empty_if_none = dict(
+        grad_hidden=none_as_empty(out.grad_hidden, hidden),
+        grad_weight=none_as_empty(out.grad_weight, hidden),
+        grad_bias=none_as_empty(out.grad_bias, hidden),
     )
-    return out[:7] + tuple(none_as_empty(grad, hidden) for grad in out[7:])
+    return out._replace(**empty_if_none).flat()
 
 
 @_local_loss_op.register_fake
-def _local_loss_fake(
-    hidden,
-    weight,
-    bias,
-    token_ids,
-    mask,
-    advantages,
-    old_logp,
-    ref_logp,
-    is_weights,
-    log_q,
-    num_items,
-    floats,
-    ints,
-    needs,
-):
-    B, L = mask.shape
+def _local_loss_fake(*args):
+    tensors = LossTensors.from_flat(args[: len(LossTensors._fields)])
+    wanted = GradsWanted.from_flat(args[-1])
+    B, L = tensors.mask.shape
+    hidden = tensors.hidden
     f32 = dict(dtype=torch.float32, device=hidden.device)
     per_token = [hidden.new_empty((B, L), **f32) for _ in range(5)]
     grads = [
         torch.empty_like(t) if need and t is not None else hidden.new_empty((0,))
-        for t, need in zip((hidden, weight, bias), needs)
+        for t, need in zip((hidden, tensors.weight, tensors.bias), wanted)
     ]
     return (hidden.new_empty((), **f32), *per_token, hidden.new_empty((len(METRIC_NAMES),), **f32), *grads)
 
 
 def _local_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*output[7:])
+    out = LocalOutputs.from_flat(output)
+    ctx.save_for_backward(out.grad_hidden, out.grad_weight, out.grad_bias)
+    ctx.n_inputs = len(inputs)
+    ctx.used = False
     # only the loss takes a gradient: autograd would otherwise fill every other output's gradient
     # with zeros, the returned gradients' included ([V, D] and [N, D] per backward)
     ctx.set_materialize_grads(False)
-    ctx.used = False
 
 
 def _local_backward(ctx, grad_loss, *_unused_grads):
@@ -154,7 +96,7 @@ def _local_backward(ctx, grad_loss, *_unused_grads):
     grads = []
     for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3]):
         grads.append(grad.mul_(grad_loss) if needed and grad_loss is not None and grad.numel() else None)
-    return (*grads,) + (None,) * (N_OTHER_INPUTS + 1)
+    return (*grads,) + (None,) * (ctx.n_inputs - len(grads))
 
 
 _local_loss_op.register_autograd(_local_backward, setup_context=_local_setup_context)

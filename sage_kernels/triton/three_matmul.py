@@ -42,6 +42,7 @@ later blocks only read entries that no store has reached.
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -49,7 +50,8 @@ import triton.language as tl
 
 from ..spec import LossConfig
 from . import token_stage
-from .gemm import addmm_f32_, launched_on_hidden_device, mm_f32
+from .boundary import GradsWanted, LossTensors, RowOrder
+from .gemm import addmm_f32_, mm_f32, on_device
 from .stages import stage
 from .sweep_fwd import _NEG_START
 from .tiles import new_buffer, tiles_for
@@ -188,12 +190,22 @@ def _dlogits_in_place_kernel(
             tl.store(dz_row + cols, tl.zeros([BLOCK_V], dtype=DZ), mask=cols < V)
 
 
-def stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config):
+def stage_of_tokens(logp, entropy, tensors, config) -> token_stage.StageOutputs:
     """`token_stage.token_stage` on the flat [N] logp and entropy seen as [B, L]."""
-    B, L = mask.shape
-    return token_stage.token_stage(
-        logp.view(B, L), entropy.view(B, L), mask, advantages, old_logp, ref_logp, is_weights, log_q, config
-    )
+    B, L = tensors.mask.shape
+    return token_stage.token_stage(logp.view(B, L), entropy.view(B, L), tensors, config)
+
+
+class FusedResult(NamedTuple):
+    """`fused_loss`'s result: logp and entropy flat [N] (zero at masked rows), the token stage's
+    outputs, and the gradients (None where not wanted)."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    stage: token_stage.StageOutputs
+    grad_hidden: Optional[torch.Tensor]
+    grad_weight: Optional[torch.Tensor]
+    grad_bias: Optional[torch.Tensor]
 
 
 def _weight_accumulator_dtype(dtype: torch.dtype, n_rows: int, hidden_size: int) -> torch.dtype:
@@ -217,34 +229,20 @@ def chunk_rows(total_rows: int, rows_to_do: int, vocab: int) -> int:
     return min(cap, triton.cdiv(triton.cdiv(max(rows_to_do, 1), chunks), 16) * 16)
 
 
-@launched_on_hidden_device  # Triton launches on the current device: make it the tensors'
-def fused_loss(
-    hidden,
-    weight,
-    bias,
-    token_ids,
-    mask,
-    advantages,
-    old_logp,
-    ref_logp,
-    is_weights,
-    log_q,
-    config: LossConfig,
-    rows,
-    count,
-    rows_to_do: int,
-    rows_are_identity: bool,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-):
-    """Loss forward with the gradients of the three-matmul path.
+def fused_loss(tensors: LossTensors, config: LossConfig, order: RowOrder, wanted: GradsWanted) -> FusedResult:
+    """Loss forward with the gradients of the three-matmul path, every launch on the tensors' GPU.
 
-    `rows`, `count` as from `sweep_fwd.compact_rows`; `rows_to_do` the valid count read on the
-    host (or N when it stayed on the device); `rows_are_identity` when no token is masked.
-    Returns (logp, entropy, q, kl, ratio, g, c, row_stats, grad_hidden, grad_weight, grad_bias);
-    logp and entropy are flat [N] (zero at masked rows); gradients None where not wanted.
+    `tensors` as `LossTensors.for_kernels` leaves them (hidden [N, D]); `order` the rows to cover
+    (`boundary.row_order`: `n` the valid count read on the host, or N when it stayed on the device).
     """
+    with on_device(tensors.hidden):
+        return _fused_loss(tensors, config, order, wanted)
+
+
+def _fused_loss(tensors: LossTensors, config: LossConfig, order: RowOrder, wanted: GradsWanted) -> FusedResult:
+    hidden, weight, bias, token_ids = tensors.hidden, tensors.weight, tensors.bias, tensors.token_ids.reshape(-1)
+    rows, count, rows_to_do, rows_are_identity = order.rows, order.count, order.n, order.identity
+    need_hidden, need_weight, need_bias = wanted
     N, D = hidden.shape
     V = weight.shape[0]
     device, dtype = hidden.device, hidden.dtype
@@ -294,8 +292,7 @@ def fused_loss(
         if not want_grads:
             continue
         with stage("token stage"):
-            per_token = stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config)
-        _, _, _, g, c, _ = per_token
+            per_token = stage_of_tokens(logp, entropy, tensors, config)
         with stage("d(logits)"):
             _dlogits_in_place_kernel[(t,)](
                 z,
@@ -305,8 +302,8 @@ def fused_loss(
                 count,
                 lse,
                 entropy,
-                g,
-                c,
+                per_token.g,
+                per_token.c,
                 begin,
                 V,
                 z.stride(0),
@@ -338,10 +335,9 @@ def fused_loss(
     if per_token is None or not want_grads:
         # no chunk ran the stage (no gradient wanted, or no valid token): once, on everything
         with stage("token stage"):
-            per_token = stage_of_tokens(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config)
-    q, kl, ratio, g, c, row_stats = per_token
+            per_token = stage_of_tokens(logp, entropy, tensors, config)
     if grad_bias is not None:
         grad_bias = grad_bias.to(dtype)
     if grad_weight is not None:
         grad_weight = grad_weight.to(dtype)
-    return logp, entropy, q, kl, ratio, g, c, row_stats, grad_hidden, grad_weight, grad_bias
+    return FusedResult(logp, entropy, per_token, grad_hidden, grad_weight, grad_bias)

@@ -25,6 +25,8 @@ fixed order, so the result is deterministic.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,9 @@ from ..reference import SEQUENCE_MEAN_LOSS_TYPES, loss_normaliser
 from ..spec import KL_CODES, LOSS_TYPE_CODES, LossConfig
 from .tiles import interpreting, new_buffer
 from .token_math import LOSS_LUSPO, LOSS_VESPO, LOG_W_MAX, LOG_W_MIN, kl_and_slope, log_guide, policy_gradient
+
+if TYPE_CHECKING:
+    from .boundary import LossTensors
 
 #: columns of the per-row statistics buffer.
 ROW_LOSS, ROW_KL, ROW_ENTROPY, ROW_Q, ROW_Q_MIN, ROW_Q_MAX, ROW_LOW, ROW_HIGH, ROW_REGION = range(9)
@@ -312,12 +317,22 @@ def batch_statistics(entropy: torch.Tensor, mask: torch.Tensor, config: LossConf
     return inv_norm, threshold
 
 
-def token_stage(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights, log_q, config: LossConfig):
-    """Run the per-token stage on [B, L] float32 inputs.
+class StageOutputs(NamedTuple):
+    """The token stage's outputs: q, kl, ratio [B, L]; g = dloss/dlogp and c = dloss/dH flat [B*L];
+    the per-row partial sums [B, N_ROW_STATS] (columns named by the ROW_* constants)."""
 
-    Returns (q, kl, ratio, g, c, row_stats): [B, L] outputs, g and c flat [B*L], and the
-    per-row partial sums [B, N_ROW_STATS] (columns named by the ROW_* constants).
-    """
+    q: torch.Tensor
+    kl: torch.Tensor
+    ratio: torch.Tensor
+    g: torch.Tensor
+    c: torch.Tensor
+    row_stats: torch.Tensor
+
+
+def token_stage(logp, entropy, tensors: LossTensors, config: LossConfig) -> StageOutputs:
+    """Run the per-token stage on the [B, L] float32 `logp` and `entropy` of a call's `tensors`
+    (their mask, advantages and optional per-token inputs, row-major)."""
+    mask = tensors.mask
     B, L = mask.shape
     device = logp.device
     inv_norm, threshold = batch_statistics(entropy, mask, config)
@@ -329,11 +344,11 @@ def token_stage(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights,
         logp,
         entropy,
         mask.contiguous().view(torch.uint8),
-        advantages,
-        old_logp,
-        ref_logp,
-        is_weights,
-        log_q,
+        tensors.advantages,
+        tensors.old_logp,
+        tensors.ref_logp,
+        tensors.is_weights,
+        tensors.log_q,
         threshold,
         inv_norm,
         q,
@@ -380,4 +395,4 @@ def token_stage(logp, entropy, mask, advantages, old_logp, ref_logp, is_weights,
         BLOCK_L=block_l,
         num_warps=4,
     )
-    return q, kl, ratio, g, c, row_stats
+    return StageOutputs(q, kl, ratio, g, c, row_stats)

@@ -16,6 +16,7 @@ import torch
 
 from alloc import AllocationRecorder
 from test_triton_loss import DEVICE, check_against_reference, make_problem, run
+from test_triton_ops import loss_op_args
 from tolerances import TOLERANCES  # noqa: E402
 
 from sage_kernels import LossConfig, fused_linear_sage_loss  # noqa: E402
@@ -218,22 +219,8 @@ def test_three_matmul_stays_under_the_logits_limit(dtype):
         config=config,
     )
     with KernelMemoryRecorder(B * L * V // 16) as recorder:
-        out = ops_local.local_forward(
-            inputs.hidden,
-            inputs.weight,
-            inputs.bias,
-            inputs.token_ids,
-            inputs.mask,
-            inputs.advantages,
-            inputs.old_logp,
-            inputs.ref_logp,
-            inputs.is_weights,
-            inputs.log_q,
-            config,
-            True,
-            True,
-            True,
-        )
+        wanted = boundary.GradsWanted(hidden=True, weight=True, bias=True)
+        out = ops_local.local_forward(boundary.LossTensors.of(inputs), config, wanted)
     recorder.check()
     assert recorder.largest > 0
     assert all(torch.isfinite(t).all() for t in out)
@@ -279,29 +266,10 @@ def test_three_matmul_backward_twice_is_refused():
 
 def test_opcheck_local_loss_operator():
     problem = make_problem(B=2, L=5, V=200, D=32, seed=1)
-    config = LossConfig(entropy_coef=0.01)
-    floats, ints, num_items = boundary.pack_config(config)
-    hidden = problem["hidden"].reshape(-1, 32).detach().requires_grad_()
-    weight = problem["weight"].detach().requires_grad_()
-    args = (
-        hidden,
-        weight,
-        problem["bias"],
-        problem["token_ids"],
-        problem["mask"],
-        problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(),
-        problem["old_logp"],
-        problem["ref_logp"],
-        None,
-        None,
-        num_items,
-        floats,
-        ints,
-        [True, True, False],
-    )
+    needs = boundary.GradsWanted(hidden=True, weight=True, bias=False).flat()
     torch.library.opcheck(
         torch.ops.sage_kernels.triton_sage_loss_local.default,
-        args,
+        (*loss_op_args(problem, LossConfig(entropy_coef=0.01)), needs),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
 

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from alloc import AllocationRecorder
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
 from sage_kernels.spec import validate_inputs
-from sage_kernels.triton import ops, tiles
+from sage_kernels.triton import boundary, ops, tiles
 from sage_kernels.triton.tiles import interpreting
 from test_triton_loss import DEVICE, make_problem
 
@@ -70,37 +70,12 @@ def test_forward_and_backward_stay_under_the_limit(dtype):
         config=config,
     )
     with KernelMemoryRecorder(LIMIT) as recorder:
-        out = ops.loss_forward(
-            inputs.hidden,
-            inputs.weight,
-            inputs.bias,
-            inputs.token_ids,
-            inputs.mask,
-            inputs.advantages,
-            inputs.old_logp,
-            inputs.ref_logp,
-            inputs.is_weights,
-            inputs.log_q,
-            config,
+        tensors = boundary.LossTensors.of(inputs)
+        out = ops.loss_forward(tensors, config)
+        flags = boundary.BackwardFlags(
+            config.temperature, entropy_grad=True, need_hidden=True, need_weight=True, need_bias=True
         )
-        _, _, entropy, _, _, _, _, lse, g, c, rows, count = out
-        grads = ops.loss_backward(
-            torch.tensor(1.5, device=DEVICE),
-            inputs.hidden,
-            inputs.weight,
-            inputs.bias,
-            inputs.token_ids,
-            rows,
-            count,
-            lse,
-            entropy,
-            g,
-            c,
-            config.temperature,
-            True,
-            True,
-            True,
-        )
+        grads = ops.loss_backward(torch.tensor(1.5, device=DEVICE), boundary.TwoPassSaved.of(tensors, out), flags)
     recorder.check()
     assert recorder.largest > 0
     assert all(torch.isfinite(grad).all() for grad in grads)
@@ -135,7 +110,9 @@ class NewStorageRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.numel() >= self.limit and t.untyped_storage().data_ptr() not in inputs:
                 self.allocated.append((str(func), tuple(t.shape)))
@@ -147,17 +124,17 @@ def test_backward_allocates_no_gradient_sized_zeros(options):
     # autograd fills every operator output that gets no gradient with zeros unless told not to: the
     # three-matmul operator returns its gradients as outputs, so that would be a [V, D] and an [N, D]
     # tensor of zeros per backward on top of the gradients themselves
-    b, l, v, d = 2, 9, 96, 40
-    problem = make_problem(B=b, L=l, V=v, D=d, seed=3, mask="tail")
+    b, length, v, d = 2, 9, 96, 40
+    problem = make_problem(B=b, L=length, V=v, D=d, seed=3, mask="tail")
     leaves = {k: problem[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias")}
     rest = {k: t for k, t in problem.items() if k not in leaves}
     loss = fused_linear_sage_loss(**leaves, **rest, config=LossConfig(**options), backend="triton").loss
-    with NewStorageRecorder(min(b * l * d, v * d)) as recorder:
+    with NewStorageRecorder(min(b * length * d, v * d)) as recorder:
         loss.backward()
     # the two-pass backward computes the gradients there, in its operator: exactly those, once each
     expected = []
     if options:
         op = "sage_kernels.triton_sage_loss_backward.default"
-        expected = [(op, (b * l, d)), (op, (v, d))]
+        expected = [(op, (b * length, d)), (op, (v, d))]
     assert sorted(recorder.allocated) == expected
     assert all(leaves[k].grad is not None and torch.isfinite(leaves[k].grad).all() for k in leaves)

@@ -18,24 +18,21 @@ COMPILE_BACKEND = "inductor" if DEVICE.type == "cuda" else "aot_eager"
 
 
 def loss_op_args(problem, config):
+    """The loss operators' flat arguments for `problem` (hidden and weight as leaves)."""
     floats, ints, num_items = boundary.pack_config(config)
-    hidden = problem["hidden"].reshape(-1, problem["hidden"].shape[-1]).detach().requires_grad_()
-    weight = problem["weight"].detach().requires_grad_()
-    return (
-        hidden,
-        weight,
-        problem["bias"],
-        problem["token_ids"],
-        problem["mask"],
-        problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(),
-        problem["old_logp"],
-        problem["ref_logp"],
-        None,
-        None,
-        num_items,
-        floats,
-        ints,
+    tensors = boundary.LossTensors(
+        hidden=problem["hidden"].reshape(-1, problem["hidden"].shape[-1]).detach().requires_grad_(),
+        weight=problem["weight"].detach().requires_grad_(),
+        bias=problem["bias"],
+        token_ids=problem["token_ids"],
+        mask=problem["mask"],
+        advantages=problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(),
+        old_logp=problem["old_logp"],
+        ref_logp=problem["ref_logp"],
+        is_weights=None,
+        log_q=None,
     )
+    return (*tensors.flat(), num_items, floats, ints)
 
 
 def test_config_round_trips_through_the_operator_arguments():
@@ -151,3 +148,25 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
     problem = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in problem.items()}
     with pytest.raises(ValueError, match="CUDA tensors"):
         fused_linear_sage_loss(backend="triton", **problem)
+
+
+def test_boundary_records_round_trip_their_flat_form():
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=6)
+    tensors = boundary.LossTensors.from_flat(loss_op_args(problem, LossConfig())[:10])
+    assert tensors.flat()[4] is tensors.mask and boundary.LossTensors.from_flat(tensors.flat()) == tensors
+    flags = boundary.BackwardFlags(0.7, entropy_grad=False, need_hidden=True, need_weight=False, need_bias=True)
+    assert flags._asdict() == dict(
+        temperature=0.7, entropy_grad=False, need_hidden=True, need_weight=False, need_bias=True
+    )
+    schema = torch.ops.sage_kernels.triton_sage_loss_backward.default._schema
+    keyword_only = [a.name for a in schema.arguments if a.kwarg_only]
+    assert keyword_only == list(boundary.BackwardFlags._fields)  # the flags travel by name
+    positional = [a.name for a in schema.arguments if not a.kwarg_only]
+    assert positional == ["grad_loss", *boundary.TwoPassSaved._fields]
+    loss_schema = torch.ops.sage_kernels.triton_sage_loss.default._schema
+    assert [a.name for a in loss_schema.arguments][:10] == list(boundary.LossTensors._fields)
+    assert len(loss_schema.returns) == len(boundary.TwoPassOutputs._fields)
+    local = torch.ops.sage_kernels.triton_sage_loss_local.default._schema
+    assert len(local.returns) == len(boundary.LocalOutputs._fields)
+    with pytest.raises(ValueError, match="LossTensors has 10 fields, got 9"):
+        boundary.LossTensors.from_flat(tensors.flat()[:9])
