@@ -14,9 +14,13 @@ operators are opaque to the compiler; their fake implementations give output sha
 - ``sage_kernels::triton_sage_loss_backward``: the two-pass path's backward sweep.
 - ``sage_kernels::triton_logprobs_entropy``: the forward-only scoring sweep.
 
-`PATHS_TAKEN` counts the path each loss call took. 16-bit inputs take the three-matmul path
+`PATHS_TAKEN` counts the path each loss call took. bf16 inputs take the three-matmul path
 only where torch writes 16-bit products as fp32 (`gemm.has_fp32_output`), so logits are
-never rounded to bf16.
+never rounded to bf16. fp16 inputs always take the two-pass path: the three-matmul path rounds
+d(logits) to the input dtype in the forward, before the upstream gradient is known, and fp16's
+range needs that gradient's loss scale (torch.amp.GradScaler) applied first. At a batch-sized
+normaliser the per-token gradient is ~1e-4 and g * p falls below fp16's smallest number over
+most of the vocabulary; the two-pass backward forms d(logits) from g * grad_loss.
 
 Operators take tensors and flat lists of numbers: `boundary.py` names each group of them (a
 record with `flat()` / `from_flat()`) and carries `LossConfig` across.
@@ -265,8 +269,9 @@ def _check_device(hidden: Tensor) -> None:
 
 
 def takes_three_matmul_path(inputs: SageInputs, config: LossConfig) -> bool:
-    """Whether a loss call with `inputs` and `config` runs the three-matmul path."""
-    return per_token_grad_is_local(config) and has_fp32_output(inputs.hidden.dtype, inputs.hidden.device)
+    """Whether a loss call with `inputs` and `config` runs the three-matmul path (not fp16: see above)."""
+    dtype = inputs.hidden.dtype
+    return per_token_grad_is_local(config) and dtype != torch.float16 and has_fp32_output(dtype, inputs.hidden.device)
 
 
 def sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutput:

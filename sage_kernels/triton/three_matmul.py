@@ -30,7 +30,7 @@ about 26 at N = 16k on a 152k vocabulary). From N = 16 D on (about 57k tokens at
 where the chunks grow many and the accumulator is below N V / 16 elements, it is fp32,
 summed inside the GEMM (`gemm.addmm_f32_`) and rounded once at the end.
 
-In-place d(logits): a token's dz (2 bytes per entry for bf16/fp16) is written over the
+In-place d(logits): a token's dz (2 bytes per entry for bf16) is written over the
 first half of its own fp32 row, so row r of dz starts where row r of z does and the
 [T, V] dz matrix has row stride 2V elements, which cuBLAS takes as its leading dimension.
 Within a row, block [v0, v0 + BV) writes bytes that hold fp32 entries below v0 + BV/2,
@@ -68,7 +68,8 @@ WORKSPACE_BYTES = 384 * 2**20
 #: workspace rows come in multiples of this (GEMM-friendly M).
 ROW_MULTIPLE = 64
 
-_DZ_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+#: d(logits) dtypes; fp16 takes the two-pass path (`ops.takes_three_matmul_path`: loss scaling)
+_DZ_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 def per_token_grad_is_local(config: LossConfig) -> bool:

@@ -17,7 +17,7 @@ import torch
 from alloc import AllocationRecorder
 from test_triton_loss import DEVICE, check_against_reference, make_problem, run
 from test_triton_ops import loss_op_args
-from tolerances import TOLERANCES  # noqa: E402
+from tolerances import TOLERANCES, assert_grad_close  # noqa: E402
 
 from sage_kernels import LossConfig, fused_linear_sage_loss  # noqa: E402
 from sage_kernels.spec import validate_inputs  # noqa: E402
@@ -47,6 +47,13 @@ def path_of(call) -> str:
     taken = three_matmul.PATHS_TAKEN - before
     assert sum(taken.values()) == 1, taken
     return next(iter(taken))
+
+
+def path_of_result(call, expected: str):
+    """`call()`'s result, asserting it took the `expected` path."""
+    result = []
+    assert path_of(lambda: result.append(call())) == expected
+    return result[0]
 
 
 # ---------------------------------------------------------------- which path runs
@@ -86,7 +93,22 @@ def test_three_matmul_dtypes_and_masks(dtype, mask, small_chunks):
     # N = 39 over 7-row chunks; V = 1271 and D = 40 leave tails in every block.
     problem = make_problem(B=3, L=13, V=1271, D=40, dtype=dtype, seed=5, mask=mask, is_weights=True)
     config = LossConfig(entropy_coef=0.01, temperature=0.7, dual_clip_c=3.0)
-    assert path_of(lambda: check_against_reference(problem, config, dtype)) == THREE
+    expected = TWO if dtype == torch.float16 else THREE  # fp16: see test_fp16_survives_loss_scaling
+    assert path_of(lambda: check_against_reference(problem, config, dtype)) == expected
+
+
+@pytest.mark.parametrize("options", [{}, {"importance_sampling": "sequence"}], ids=["default", "sequence"])
+def test_fp16_survives_loss_scaling(options):
+    # torch.amp.GradScaler's upstream gradient (2^16) and a 16k-token normaliser (per-token gradient
+    # ~6e-5): d(logits) must be formed after the scale is applied, or g * p flushes to zero in fp16
+    problem = make_problem(B=2, L=8, V=300, D=32, dtype=torch.float16, seed=3)
+    config = LossConfig(loss_type="dapo", num_items_in_batch=16384, **options)
+    upstream = 2.0**16
+    _, grads = path_of_result(lambda: run(problem, config, "triton", torch.float16, upstream=upstream), TWO)
+    _, expected = run(problem, config, "reference", torch.float64, upstream=upstream)
+    for name in ("hidden", "weight", "bias"):
+        assert torch.isfinite(grads[name]).all()
+        assert_grad_close(grads[name], expected[name], torch.float16, f"grad {name}")
 
 
 @pytest.mark.parametrize(
