@@ -6,9 +6,10 @@ Two paths, chosen per call (`ops.takes_three_matmul_path`; `three_matmul.PATHS_T
   (token-level ratios, grpo/bnpo/dr_grpo/dapo, no entropy quantile: the default
   configuration) and the inputs are fp32 or bf16 (fp16 needs its loss scale applied before
   d(logits) is rounded, which only the two-pass backward can do): chunks of valid tokens go
-  through a cuBLAS GEMM into an fp32 logits workspace, a Triton row pass (lse, logp, entropy), the token stage, a Triton pass that
-  turns the workspace into d(logits) in place, and two more GEMMs; 6 N D V FLOP, gradients
-  formed in the forward and scaled by the upstream gradient in the backward.
+  through a cuBLAS GEMM into an fp32 logits workspace, a Triton row pass (lse, logp,
+  entropy), the token stage, a Triton pass that turns the workspace into d(logits) in place,
+  and two more GEMMs; 6 N D V FLOP, gradients formed in the forward and scaled by the
+  upstream gradient in the backward.
 - two-pass, for sequence-level ratios and the entropy quantile, which need every token first,
   and for fp16:
   1. `sweep_fwd`: a Triton sweep over [tokens x vocab] tiles of h W^T gives lse, logp and
