@@ -90,21 +90,26 @@ def _dlogits_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GROUP_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0).to(tl.int64)
-    pid_v = tl.program_id(1).to(tl.int64)
+    # grouped launch order: consecutive programs take GROUP_N token blocks at one vocab tile, then
+    # the next tile, so a wave of programs shares a few hidden blocks and a few weight tiles in L2
+    pid = tl.program_id(0)
+    v_tiles = tl.cdiv(chunk_width, BLOCK_V)
+    per_group = GROUP_N * v_tiles
+    first_block = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(tl.maximum(tl.cdiv(N, BLOCK_N), 1) - first_block, GROUP_N)  # N = 0: one block
+    pid_n = (first_block + (pid % per_group) % group_size).to(tl.int64)
+    pid_v = ((pid % per_group) // group_size).to(tl.int64)
     count = tl.load(count_ptr).to(tl.int64)
     start = pid_n * BLOCK_N
     idx = start + tl.arange(0, BLOCK_N)
-    in_range = idx < N
-    rows = tl.load(rows_ptr + idx, mask=in_range, other=0)
     local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    cols = v_begin + local
-    col_ok = (local < chunk_width) & (cols < V)
-    out_ptrs = dz_ptr + idx[:, None] * stride_dz + local[None, :]  # dz rows in compacted order
-    out_mask = in_range[:, None] & col_ok[None, :]
     if start < count:
         valid = idx < count
+        rows = tl.load(rows_ptr + idx, mask=valid, other=0)
+        cols = v_begin + local
+        col_ok = (local < chunk_width) & (cols < V)
         acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
         for k0 in range(0, D, BLOCK_D):
             ks = k0 + tl.arange(0, BLOCK_D)
@@ -120,19 +125,26 @@ def _dlogits_kernel(
             acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        # the epilogue keeps two [BLOCK_N, BLOCK_V] values live at most (log p, then p and dz in its
+        # place): at the register limit a third one spills. 1/T is folded into the per-row g and c.
         lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
-        g = tl.load(g_ptr + rows, mask=valid, other=0.0)
-        targets = tl.load(ids_ptr + rows, mask=valid, other=-1)
+        g = tl.load(g_ptr + rows, mask=valid, other=0.0) * inv_temperature
         log_p = acc * inv_temperature - lse[:, None]
-        p = tl.exp(log_p)
-        dz = g[:, None] * ((cols[None, :] == targets[:, None]).to(tl.float32) - p)
         if HAS_ENTROPY_GRAD:
             entropy = tl.load(entropy_ptr + rows, mask=valid, other=0.0)
-            c = tl.load(c_ptr + rows, mask=valid, other=0.0)
-            dz -= c[:, None] * p * (log_p + entropy[:, None])
-        dz = tl.where(valid[:, None] & col_ok[None, :], dz * inv_temperature, 0.0)
-        tl.store(out_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=out_mask)
+            c = tl.load(c_ptr + rows, mask=valid, other=0.0) * inv_temperature
+            dz = -tl.exp(log_p) * (g[:, None] + c[:, None] * (log_p + entropy[:, None]))
+        else:
+            dz = -tl.exp(log_p) * g[:, None]
+        targets = tl.load(ids_ptr + rows, mask=valid, other=-1)
+        dz = tl.where(cols[None, :] == targets[:, None], dz + g[:, None], dz)
+        # rows past the count: zero, whatever exp gave for their (bias-only) logits
+        dz = tl.where(valid[:, None], dz, 0.0)
+        out_ptrs = dz_ptr + idx[:, None] * stride_dz + local[None, :]  # dz rows in compacted order
+        tl.store(out_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=(idx < N)[:, None] & col_ok[None, :])
     else:
+        out_ptrs = dz_ptr + idx[:, None] * stride_dz + local[None, :]
+        out_mask = (idx < N)[:, None] & ((local < chunk_width) & (v_begin + local < V))[None, :]
         tl.store(out_ptrs, tl.zeros([BLOCK_N, BLOCK_V], dtype=dz_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -188,7 +200,7 @@ def sweep_backward(
     for v0 in range(0, V, width):
         cols = min(width, V - v0)
         dz = dz_buffer[:, :cols]
-        grid = (max(1, triton.cdiv(n, tiles.block_n)), triton.cdiv(cols, tiles.block_v))
+        grid = (max(1, triton.cdiv(n, tiles.block_n)) * triton.cdiv(cols, tiles.block_v),)
         with on_device(hidden), stage("backward d(logits)"):
             _dlogits_kernel[grid](
                 hidden,
@@ -217,6 +229,7 @@ def sweep_backward(
                 BLOCK_N=tiles.block_n,
                 BLOCK_V=tiles.block_v,
                 BLOCK_D=tiles.block_d,
+                GROUP_N=tiles.group_n,
                 num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages,
             )

@@ -14,9 +14,12 @@ s <- a s and t <- a (t - s (m' - m)) with a = exp(m - m').
 
 Only valid tokens are computed: the launcher orders rows valid-first with a stable sort
 of the mask (no host sync: the count stays on the device and programs past it exit), as
-Cut Cross-Entropy compacts its valid rows. The vocabulary may be split across a second
-grid axis to fill the GPU when there are few token blocks; each split writes its partial
-(m, s, t, target logit) and a small O(N x splits) combine finishes the job.
+Cut Cross-Entropy compacts its valid rows. The vocabulary is split into ranges, each walked
+by its own program: to fill the GPU when there are few token blocks, and so that the programs
+running at once (the splits vary fastest in the launch order) share few token blocks, whose
+hidden rows then stay in L2 across the vocabulary walk instead of being read again from memory
+for every vocab tile. Each split writes its partial (m, s, t, target logit) and a small
+O(N x splits) combine finishes the job.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ _NEG_START = tl.constexpr(-1.0e30)
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
-@triton.jit(do_not_specialize=["N", "V", "tiles_per_split"])  # see tiles.py
+@triton.jit(do_not_specialize=["N", "V", "tiles_per_split", "n_splits"])  # see tiles.py
 def _sweep_fwd_kernel(
     hidden_ptr,
     weight_ptr,
@@ -55,6 +58,7 @@ def _sweep_fwd_kernel(
     stride_w,
     inv_temperature,
     tiles_per_split,
+    n_splits,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -62,8 +66,12 @@ def _sweep_fwd_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_n = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1).to(tl.int64)
+    # one grid axis (limit 2^31 - 1), vocab splits varying fastest: a wave of programs covers few
+    # token blocks, whose hidden rows stay in L2 while it walks the vocabulary, and reads each
+    # split's weight tiles once for all of them
+    pid = tl.program_id(0).to(tl.int64)
+    split = pid % n_splits
+    pid_n = pid // n_splits
     count = tl.load(count_ptr).to(tl.int64)
     start = pid_n * BLOCK_N
     if start < count:
@@ -95,11 +103,13 @@ def _sweep_fwd_kernel(
                 acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            z = tl.where(col_ok[None, :], acc * inv_temperature, float("-inf"))
+            # columns past V at a finite -1e30: exp gives exactly 0 there and 0 * shifted stays 0,
+            # so one select covers them (fewer live [BLOCK_N, BLOCK_V] values: no spills)
+            z = tl.where(col_ok[None, :], acc * inv_temperature, _NEG_START)
             new_max = tl.maximum(run_max, tl.max(z, axis=1))
             rescale = tl.exp(run_max - new_max)
-            shifted = tl.where(col_ok[None, :], z - new_max[:, None], 0.0)
-            e = tl.where(col_ok[None, :], tl.exp(shifted), 0.0)
+            shifted = z - new_max[:, None]
+            e = tl.exp(shifted)
             shifted_pz = rescale * (shifted_pz - sumexp * (new_max - run_max)) + tl.sum(e * shifted, axis=1)
             sumexp = rescale * sumexp + tl.sum(e, axis=1)
             run_max = new_max
@@ -137,13 +147,22 @@ def host_row_count(count: torch.Tensor, n_rows: int) -> tuple[int, bool]:
     return int(count), True
 
 
+#: token blocks a wave of programs (about one per SM) should share at most: their hidden rows
+#: (128 x D 3584 bf16 = 0.9 MB a block) stay in L2 while the wave walks the vocabulary.
+L2_TOKEN_BLOCKS = 16
+
+
 def _num_splits(n_rows: int, n_tiles: int, block_n: int, device: torch.device) -> int:
-    """Vocab splits so that about two programs per SM run when token blocks alone are too few."""
+    """Vocab splits: about two programs per SM when token blocks alone are too few, and at least
+    enough that a wave of programs covers at most `L2_TOKEN_BLOCKS` token blocks; at most one
+    split per 8 vocab tiles."""
     if interpreting() or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     blocks = triton.cdiv(n_rows, block_n)
-    return max(1, min(triton.cdiv(2 * sms, blocks), n_tiles // 8))
+    fill = triton.cdiv(2 * sms, blocks)
+    reuse = triton.cdiv(sms, L2_TOKEN_BLOCKS) if blocks > L2_TOKEN_BLOCKS else 1
+    return max(1, min(max(fill, reuse), n_tiles // 8))
 
 
 def sweep_forward(
@@ -172,7 +191,7 @@ def sweep_forward(
     tiles_per_split = triton.cdiv(n_tiles, splits)
     splits = triton.cdiv(n_tiles, tiles_per_split)  # every split owns at least one tile
     partials = [new_buffer((splits, N), torch.float32, device) for _ in range(4)]
-    grid = (max(1, triton.cdiv(rows_to_do, tiles.block_n)), splits)
+    grid = (splits * max(1, triton.cdiv(rows_to_do, tiles.block_n)),)
     with on_device(hidden):
         _sweep_fwd_kernel[grid](
             hidden,
@@ -189,6 +208,7 @@ def sweep_forward(
             weight.stride(0),
             1.0 / temperature,
             tiles_per_split,
+            splits,
             DOT_PRECISION=dot_precision(hidden.dtype),
             DOT_UPCAST=dot_upcast(hidden.dtype),
             BLOCK_N=tiles.block_n,

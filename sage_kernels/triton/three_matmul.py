@@ -82,7 +82,7 @@ def per_token_grad_is_local(config: LossConfig) -> bool:
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
-@triton.jit(do_not_specialize=["V", "row_begin"])  # see tiles.py
+@triton.jit(do_not_specialize=["row_begin"])  # V specialises: see tiles.py
 def _row_stats_kernel(
     logits_ptr,
     bias_ptr,
@@ -139,7 +139,7 @@ def _row_stats_kernel(
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
-@triton.jit(do_not_specialize=["V", "row_begin"])  # see tiles.py
+@triton.jit(do_not_specialize=["row_begin"])  # V specialises: see tiles.py
 def _dlogits_in_place_kernel(
     logits_ptr,
     bias_ptr,

@@ -7,8 +7,11 @@ op through NumPy, so small tiles keep the CPU tests fast and still exercise padd
 Specialisation: Triton compiles a variant per value class of each integer argument
 (divisible by 16, equal to 1, other). The kernels keep that for D and the row strides,
 which decide vectorised, pipelined loads, and opt out (``do_not_specialize``) for
-token counts, V and chunk offsets, which only enter masks: a new batch shape or
-vocabulary then reuses the compiled kernel instead of compiling another.
+token counts, chunk offsets and, in the sweeps, V, which only enter masks of 2-D tiles: a new
+batch shape then reuses the compiled kernel instead of compiling another. The three-matmul
+path's row passes let V specialise: their 1-D loads along a row are vectorised only when the
+mask ``cols < V`` is known to hold in runs of 16 (V divisible by 16, as real vocabularies are),
+at the cost of one more variant for a vocabulary that is not.
 
 `new_buffer` allocates every tensor a kernel writes. Tests set `POISON_BUFFERS` to True
 so those buffers start as NaN and an element a kernel forgets to write fails loudly.
@@ -47,12 +50,16 @@ class SweepTiles:
     #: pass's vocab block (one program walks one token's row).
     chunk_n: int = 0
     row_block_v: int = 1024
+    #: backward sweep: token blocks that sweep a chunk's vocab tiles together (launch order; see
+    #: sweep_bwd.py). 16 blocks of 128 rows at D 3584 bf16 are 15 MB of hidden rows, which a wave
+    #: of programs (one per SM) keeps in L2 with the ~8 weight tiles it reads.
+    group_n: int = 16
 
 
 def sweep_tiles(dtype: torch.dtype) -> SweepTiles:
     """The tile shape for inputs of `dtype` on the current platform."""
     if interpreting():
-        return SweepTiles(block_n=32, block_v=128, block_d=64, num_warps=1, num_stages=1, row_block_v=128)
+        return SweepTiles(block_n=32, block_v=128, block_d=64, num_warps=1, num_stages=1, row_block_v=128, group_n=2)
     # fp32 tiles are twice the bytes: one pipeline stage fewer keeps them within shared memory.
     stages = 2 if dtype == torch.float32 else 3
     return SweepTiles(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=stages)

@@ -221,9 +221,12 @@ def test_all_positions_masked_give_zero_loss_and_zero_gradient():
 
 
 def test_vocab_splits_token_blocks_and_backward_chunks(monkeypatch):
-    # Force the multi-split forward and several backward chunks on a tiny problem.
+    # Force the multi-split forward and several backward chunks on a tiny problem; 16-row token
+    # blocks in groups of 2 leave a short last group in the backward's launch order.
     tile = tiles.tiles_for(torch.float32)
     monkeypatch.setitem(tiles.TILE_OVERRIDE, "splits", 3)
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "block_n", 16)
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "group_n", 2)
     monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_v", 2 * tile.block_v)
     problem = make_problem(B=5, L=15, V=1271, D=72, seed=2, mask="tail")
     check_against_reference(problem, LossConfig(entropy_coef=0.02, importance_sampling="sequence"), torch.float32)
