@@ -314,3 +314,18 @@ def test_three_matmul_in_place_d_logits_on_a_real_vocabulary(dtype):
     problem = make_problem(B=4, L=64, V=50_257, D=128, dtype=dtype, seed=17, mask="tail", is_weights=True)
     config = LossConfig(entropy_coef=0.01, temperature=0.9)
     assert path_of(lambda: check_against_reference(problem, config, dtype)) == THREE
+
+
+def test_the_fp32_output_probe_is_a_constant_to_torch_compile():
+    # the path choice probes cuBLAS once per device and dtype; traced code must not contain (or break
+    # at) the probe's CUDA work. Here torch has no CUDA: the probe answers False, once.
+    gemm._probe.cache_clear()
+
+    def pick(x):
+        return x * 2 if gemm.has_fp32_output(torch.bfloat16, torch.device("cuda", 0)) else x * 3
+
+    compiled = torch.compile(pick, backend="aot_eager", fullgraph=True)  # fullgraph: a break would raise
+    expected = 2 if torch.cuda.is_available() and gemm._probe(torch.device("cuda", 0), torch.bfloat16, False) else 3
+    for _ in range(2):
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), float(expected)))
+    assert gemm._probe.cache_info().misses == 1
