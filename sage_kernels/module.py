@@ -196,16 +196,21 @@ class FusedLinearSAGELoss(nn.Module):
         return out.loss, SageMetrics(values, out.metrics)
 
 
-def _liger_dapo_normaliser(mask: torch.Tensor, num_items_in_batch) -> torch.Tensor:
-    """Liger's dapo divisor: the completion-token count over all processes, per process, at least 1."""
+def _liger_dapo_normaliser(mask: torch.Tensor, num_items_in_batch):
+    """Liger's dapo divisor: the completion-token count over all processes, per process, at least 1.
+
+    A number stays a Python float (a device tensor made from it would be a host-to-device copy,
+    and a wait, on every call); a tensor count stays a tensor on the mask's device."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     world_size = torch.distributed.get_world_size() if distributed else 1
     if num_items_in_batch is None:
         total = mask.float().sum()
         if distributed:
             torch.distributed.all_reduce(total)
+    elif isinstance(num_items_in_batch, torch.Tensor):
+        total = num_items_in_batch.to(device=mask.device, dtype=torch.float32)
     else:
-        total = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=mask.device)
+        return max(float(num_items_in_batch) / world_size, 1.0)
     return (total / world_size).clamp(min=1.0)
 
 

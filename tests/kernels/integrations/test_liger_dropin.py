@@ -13,6 +13,7 @@ import torch
 liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss")
 
 from sage_kernels import FusedLinearSAGELoss  # noqa: E402
+from sage_kernels import module as sage_module  # noqa: E402
 from tolerances import assert_close, assert_grad_close  # noqa: E402
 
 B, T, D, V = 3, 7, 16, 37
@@ -259,3 +260,12 @@ def test_dapo_divisor_from_the_config_is_kept():
     reference = FusedLinearSAGELoss(beta=0.0, guide="none", loss_type="dapo", backend=BACKEND)
     tokens = inputs["attention_mask"].sum()
     torch.testing.assert_close(module(**inputs)[0] * 50.0, reference(**inputs)[0] * tokens)
+
+
+def test_a_number_divisor_stays_a_number():
+    # a device tensor made from a Python number (torch.as_tensor(n, device=cuda)) is a copy and a wait per call
+    mask = make_inputs(set())["attention_mask"]
+    n = sage_module._liger_dapo_normaliser(mask, 50.0)
+    assert isinstance(n, float) and n == 50.0
+    counted = sage_module._liger_dapo_normaliser(mask, torch.tensor(50.0))
+    assert isinstance(counted, torch.Tensor) and float(counted) == 50.0
