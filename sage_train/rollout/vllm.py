@@ -22,7 +22,10 @@ per training process, as in the official SAGE code
   compares like with like.
 
 Coded against vLLM's documented Python API (`vllm.LLM`, `SamplingParams`, `LLM.sleep`,
-`LLM.wake_up`, `LLM.reset_prefix_cache`); the supported range is pinned in the `vllm` extra.
+`LLM.wake_up`, `LLM.reset_prefix_cache`, `LLM.apply_model` for the weight push), never its
+internals; the supported range is pinned in the `vllm` extra. The engine joins the trainer's
+torch.distributed job when there is one (`executor_backend`) and runs on vLLM's default executor
+otherwise (`sage-eval`).
 """
 
 from __future__ import annotations
@@ -49,21 +52,12 @@ def _import_vllm():
     return vllm
 
 
-def _vllm_model(llm):
-    """The torch module inside an in-process vLLM engine (its location moved across versions)."""
-    executor = llm.llm_engine.model_executor
-    for path in ("driver_worker.model_runner.model", "driver_worker.worker.model_runner.model"):
-        obj = executor
-        try:
-            for attr in path.split("."):
-                obj = getattr(obj, attr)
-            return obj
-        except AttributeError:
-            continue
-    raise RuntimeError(
-        "cannot reach vLLM's model in this process; run with VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-        "and distributed_executor_backend='external_launcher'"
-    )
+def executor_backend() -> Optional[str]:
+    """vLLM's ``distributed_executor_backend``: "external_launcher" inside a torch.distributed job
+    (training: one engine per process, sharing the trainer's process group), else None, vLLM's
+    default executor (``sage-eval`` run as a plain command, with no RANK or WORLD_SIZE to join)."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return "external_launcher" if distributed else None
 
 
 def policy_weights_for_vllm(model):
@@ -97,14 +91,14 @@ def logprobs_mode_for(temperature: float) -> str:
     return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
 
 
-def to_vllm_sampling(vllm, params: SamplingParams, seed: Optional[int] = None):
-    """vLLM's SamplingParams for ours, drawn with `seed`; top_k -1 is "off" in every supported
-    vLLM version."""
-    return vllm.SamplingParams(
+def sampling_options(params: SamplingParams, seed: Optional[int] = None) -> dict:
+    """vLLM ``SamplingParams`` keywords for ours, drawn with `seed`. top_k is passed only when set:
+    vLLM's own default is "off" in every supported version (the value meaning off moved from -1
+    to 0 across them)."""
+    options = dict(
         n=params.n,
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=params.top_k or -1,
         min_p=params.min_p,
         max_tokens=params.max_new_tokens,
         stop=list(params.stop) or None,
@@ -112,6 +106,14 @@ def to_vllm_sampling(vllm, params: SamplingParams, seed: Optional[int] = None):
         logprobs=0 if params.logprobs else None,
         seed=seed,
     )
+    if params.top_k:
+        options["top_k"] = params.top_k
+    return options
+
+
+def to_vllm_sampling(vllm, params: SamplingParams, seed: Optional[int] = None):
+    """vLLM's SamplingParams for ours (`sampling_options`)."""
+    return vllm.SamplingParams(**sampling_options(params, seed))
 
 
 class VLLMEngine:
@@ -160,7 +162,7 @@ class VLLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_sleep_mode=enable_sleep_mode,
             tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="external_launcher",
+            distributed_executor_backend=executor_backend(),
             logprobs_mode=logprobs_mode,
         )
         self._weights_loaded, self._kv_asleep = True, False
@@ -233,25 +235,29 @@ class VLLMEngine:
             self.llm.sleep(level=2)
             self._weights_loaded, self._kv_asleep = False, True
 
+    def _load(self, weights: list) -> None:
+        """Load (name, tensor) pairs into vLLM's model through its public `LLM.apply_model`: the
+        model is in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so nothing is copied."""
+        self.llm.apply_model(lambda vllm_model: vllm_model.load_weights(weights))
+
     def _push(self, model) -> None:
         torch.cuda.synchronize()  # time the push, not the work queued before it
         start = time.perf_counter()
         if not self._weights_loaded:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
-        target = _vllm_model(self.llm)
         params = list(model.parameters())
         if not any(hasattr(p, "ds_id") for p in params):
             for bucket in weight_buckets(policy_weights_for_vllm(model), self.sync_bucket_bytes):
-                target.load_weights(bucket)
+                self._load(bucket)
         elif is_lora(model):  # ZeRO-3 + LoRA: merging needs each base weight and its factors at once
             with zero3_gathered(params):
                 for bucket in weight_buckets(policy_weights_for_vllm(model), self.sync_bucket_bytes):
-                    target.load_weights(bucket)
+                    self._load(bucket)
         else:  # ZeRO-3: one gather per bucket
             for bucket in weight_buckets(model.named_parameters(), self.sync_bucket_bytes):
                 with zero3_gathered([p for _, p in bucket]):
-                    target.load_weights([(name, p.data) for name, p in bucket])
+                    self._load([(name, p.data) for name, p in bucket])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous weights
         torch.cuda.synchronize()
         self._push_s += time.perf_counter() - start

@@ -2,6 +2,8 @@
 generates, a weight sync changes its outputs to the pushed model's, and sleep / wake keep
 generation correct. Elsewhere this module skips: no stand-in replaces vLLM."""
 
+import os
+
 import pytest
 import torch
 
@@ -110,3 +112,39 @@ def test_pushed_weights_carry_checkpoint_names_and_come_in_buckets():
     buckets = list(weight_buckets(merged.items(), bucket_bytes=64 * 1024))
     assert [n for b in buckets for n, _ in b] == list(merged)
     assert all(sum(t.nbytes for _, t in b) <= 64 * 1024 or len(b) == 1 for b in buckets)
+
+
+# ---------------------------------------------------- how the engine is configured (no vLLM needed)
+
+
+def test_the_engine_joins_a_torch_distributed_job_only(distributed):
+    import subprocess
+    import sys
+
+    from sage_train.rollout.vllm import executor_backend
+
+    assert executor_backend() == "external_launcher"  # training: the trainer's process group
+    # a plain `sage-eval` process has no torch.distributed job (and no RANK): vLLM's default executor
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    code = "from sage_train.rollout.vllm import executor_backend; print(executor_backend())"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["None"], result.stderr[-2000:]
+
+
+def test_sampling_options_leave_top_k_to_vllm_when_off():
+    from sage_train.rollout.vllm import sampling_options
+
+    off = sampling_options(SamplingParams(n=2, top_p=0.9, min_p=0.05, max_new_tokens=5, stop=("\n",)), seed=3)
+    assert "top_k" not in off  # vLLM's default is "off"; the value meaning off differs across versions
+    assert off == dict(
+        n=2,
+        temperature=1.0,
+        top_p=0.9,
+        min_p=0.05,
+        max_tokens=5,
+        stop=["\n"],
+        include_stop_str_in_output=True,
+        logprobs=0,
+        seed=3,
+    )
+    assert sampling_options(SamplingParams(top_k=20, logprobs=False))["top_k"] == 20
