@@ -1,9 +1,10 @@
 """`sage-bench loss` / `python -m benchmarks.loss`: the fused SAGE loss against its peers.
 
 Every point (shape, N, dtype, masked fraction) runs in a fresh worker process
-(`benchmarks/worker.py`) that measures each provider in each mode on the same inputs. The
-rows (JSONL, long format), a markdown report with the ratio of ours to each peer, and a plot
-of time and memory against N are written to --out. Without --shapes, the device's default
+(`benchmarks/worker.py`; on CUDA one per provider, so a CUDA fault costs only that provider's
+rows) that measures each provider in each mode on the same inputs. The rows (JSONL, long
+format) and a markdown report with the ratio of ours to each peer are written to --out as each
+worker ends, and a plot of time and memory against N at the end. Without --shapes, the device's default
 plan of `shapes.DEFAULT_PLANS` runs (about 10 minutes on a 2-core CPU).
 """
 
@@ -107,11 +108,11 @@ def plan(args) -> list[tuple[Point, list[str]]]:
     return points
 
 
-def run_worker(points: list[tuple[Point, list[str]]], args, rows_path: Path) -> list[dict]:
-    """Run `points` in a fresh process; rows it could not write are reported as failed."""
+def run_worker(points: list[tuple[Point, list[str]]], providers: list[str], args, rows_path: Path) -> list[dict]:
+    """Run `providers` at `points` in a fresh process; rows it could not write are reported as failed."""
     spec = {
         "points": [{"point": dataclasses.asdict(p), "modes": modes} for p, modes in points],
-        "providers": args.providers,
+        "providers": providers,
         "repeats": args.repeats,
         "budget_s": args.budget_s,
         "seed": args.seed,
@@ -127,7 +128,7 @@ def run_worker(points: list[tuple[Point, list[str]]], args, rows_path: Path) -> 
         rows = [json.loads(line) for line in f if line.strip()]
     done = {(r["shape"], r["n"], r["mask_fraction"], r["provider"], r["mode"]) for r in rows}
     for point, modes in points:
-        for provider in args.providers:
+        for provider in providers:
             for mode in modes:
                 if (point.shape, point.n, point.mask_fraction, provider, mode) not in done:
                     rows.append(
@@ -137,6 +138,21 @@ def run_worker(points: list[tuple[Point, list[str]]], args, rows_path: Path) -> 
                         }
                     )
     return rows
+
+
+def _write_report(rows: list[dict], rows_path: Path, out: Path, command: str, args, started: float) -> str:
+    """loss.jsonl (with the rows of any worker that died) and loss.md from the rows so far."""
+    machine = next((r for r in rows if "cpu" in r), None)
+    for r in rows:  # rows written by the parent for a dead worker borrow the machine fields
+        if machine is not None:
+            for key in MACHINE_KEYS:
+                r.setdefault(key, machine[key])
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ours = [name for name in args.providers if PROVIDERS[name].ours and not name.endswith("-branch")]
+    text = report.markdown(rows, command, ours) if machine else report.results_table(rows)
+    text += f"\nTotal wall time: {time.perf_counter() - started:.0f} s.\n"
+    (out / "loss.md").write_text(text)
+    return text
 
 
 def main(argv=None) -> int:
@@ -149,23 +165,19 @@ def main(argv=None) -> int:
     args.deadline = None if args.time_limit_s is None else time.time() + args.time_limit_s
     rows = []
     # Workers append to loss.jsonl as they measure, so a run cut short keeps its rows; it is
-    # rewritten at the end with the rows of any worker that died.
+    # rewritten after each worker with the rows of any worker that died.
     rows_path = out / "loss.jsonl"
     rows_path.write_text("")
     points = plan(args)
-    groups = [points] if args.device == "cuda" else [[p] for p in points]
-    for group in groups:
-        rows += run_worker(group, args, rows_path)
-    machine = next((r for r in rows if "cpu" in r), None)
-    for r in rows:  # rows written by the parent for a dead worker borrow the machine fields
-        if machine is not None:
-            for key in MACHINE_KEYS:
-                r.setdefault(key, machine[key])
-    rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ours = [name for name in args.providers if PROVIDERS[name].ours and not name.endswith("-branch")]
-    text = report.markdown(rows, command, ours) if machine else report.results_table(rows)
-    text += f"\nTotal wall time: {time.perf_counter() - started:.0f} s.\n"
-    (out / "loss.md").write_text(text)
+    if args.device == "cuda":
+        # one worker per provider, at every point: a CUDA fault poisons only its own process (the
+        # providers after it still run), and each peer compiles once
+        groups = [(points, [name]) for name in args.providers]
+    else:
+        groups = [([p], args.providers) for p in points]  # a clean heap per point for the memory measurement
+    for group, providers in groups:
+        rows += run_worker(group, providers, args, rows_path)
+        text = _write_report(rows, rows_path, out, command, args, started)  # as each worker ends
     problem = report.plot(rows, str(out / "loss.png"))
     print(text)
     print(problem or f"wrote {out / 'loss.jsonl'}, {out / 'loss.md'}, {out / 'loss.png'}", file=sys.stderr)

@@ -7,7 +7,11 @@ stage (logits GEMM, row stats, token stage, d(logits), each gradient GEMM; forwa
 backward d(logits), ...), and the bare GEMM floor (`providers.gemm-floor`: the three products
 and nothing else). Per path: the median over the timed runs of every stage, the whole call,
 the share of the whole and the ratio to the floor, and the peak memory above the inputs.
-Rows go to ``stages.jsonl`` and a markdown table to ``stages.md`` in --out.
+
+Each part (a path, the floor) runs in a process of its own (`isolated.py`), at most
+--part-timeout-s seconds: a part that fails or is cut short is reported as failed and the
+others still run. Its row is appended to ``stages.jsonl`` and ``stages.md`` in --out is
+rewritten from the rows so far as each part ends.
 
 On CUDA the stages are timed with CUDA events (no sync between them); on CPU the kernels
 run under TRITON_INTERPRET=1 (set here when it is not) and the wall clock times them, which
@@ -17,7 +21,6 @@ is only good for checking the harness at a tiny shape.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,24 +29,34 @@ from pathlib import Path
 
 import torch
 
+from . import isolated
 from .measure import PeakMemory, machine
 from .shapes import DTYPES, SHAPES, Point, make_inputs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: path name -> the loss options that select it (on top of the benchmark's shared settings).
 PATHS = {"three-matmul": {}, "two-pass": {"importance_sampling": "sequence"}}
+FLOOR = "gemm-floor"
+#: what one process measures: a path or the floor.
+PARTS = (*PATHS, FLOOR)
 
 
-def parse_args(argv) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_stages", description=__doc__.splitlines()[0])
+def parse_args(argv, prog: str = "python -m benchmarks.profile_stages", doc: str = __doc__, parts=PARTS):
+    """The point (device, shape, N, dtype, masked fraction), the parts to run and where to write;
+    shared with `benchmarks.parity` (its own `prog`, `doc` and `parts`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--shape", default=None, help=f"one of {sorted(SHAPES)}; default qwen2.5-7b (cuda), tiny (cpu)")
     parser.add_argument("--n", type=int, default=None, help="tokens N; default 16384 (cuda), 64 (cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (cuda), fp32 (cpu)")
     parser.add_argument("--mask", type=float, default=0.0, help="masked fraction (default 0)")
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, from {list(PATHS)}")
+    parser.add_argument("--paths", default=",".join(parts), help=f"comma-separated, from {list(parts)}")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per path after one warm-up (default 3)")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="output directory")
+    parser.add_argument(
+        "--part-timeout-s", type=float, default=None, help="seconds each part may take (default: no limit)"
+    )
+    parser.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child measuring one part
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,8 +68,10 @@ def parse_args(argv) -> argparse.Namespace:
     args.dtype = args.dtype or ("bf16" if cuda else "fp32")
     args.paths = [p for p in args.paths.split(",") if p]
     for name in args.paths:
-        if name not in PATHS:
-            parser.error(f"--paths: unknown path {name!r}; expected some of {list(PATHS)}")
+        if name not in parts:
+            parser.error(f"--paths: unknown path {name!r}; expected some of {list(parts)}")
+    if args.part and len(args.paths) != 1:
+        parser.error("--part measures one of --paths")
     return args
 
 
@@ -145,36 +160,76 @@ def _with(inputs, hidden, weight):
     return Inputs(hidden, weight, inputs.token_ids, inputs.mask, inputs.advantages, inputs.old_logp, inputs.ref_logp)
 
 
-def markdown(point: Point, results: list[dict], floor_ms: float, command: str, info: dict) -> str:
+def markdown(point: Point, rows: list[dict], command: str) -> str:
+    """The stage table and the memory table of the rows so far (a part that failed says so)."""
     flop = 6 * point.n * point.d * point.v
+    floor = next((r for r in rows if r["path"] == FLOOR and r["status"] == "ok"), None)
+    floor_ms = floor["ms_total"] if floor else None
+    info = next((r for r in rows if "torch" in r), {})
+    on = info.get("gpu") or info.get("cpu", "?")
     lines = [
         f"Stage profile: {point.shape} (D {point.d}, V {point.v}), N {point.n}, {point.dtype}, "
-        f"{point.mask_fraction:.0%} masked, fwd+bwd, on {info.get('gpu') or info['cpu']}; torch {info['torch']}, "
-        f"triton {info['triton']}; commit {info['commit']}.",
+        f"{point.mask_fraction:.0%} masked, fwd+bwd, on {on}; torch {info.get('torch', '?')}, "
+        f"triton {info.get('triton', '?')}; commit {info.get('commit', '?')}.",
         "",
         f"Command: `{command}`",
         "",
-        f"GEMM floor (three bare products): {floor_ms:.1f} ms, {flop / floor_ms / 1e9:.3g} TFLOP/s (6NDV).",
+        (
+            f"GEMM floor (three bare products): {floor_ms:.1f} ms, {flop / floor_ms / 1e9:.3g} TFLOP/s (6NDV)."
+            if floor_ms
+            else "GEMM floor (three bare products): not measured."
+        ),
         "",
         "| path | stage | ms | share | × floor |",
         "|---|---|---|---|---|",
     ]
-    for r in results:
+    paths = [r for r in rows if r["path"] != FLOOR]
+    for r in paths:
+        if r["status"] != "ok":
+            lines.append(f"| {r['path']} | {r['status']} | — | — | — |")
+            continue
         for stage_name, ms in r["stages_ms"].items():
             lines.append(f"| {r['path']} | {stage_name} | {ms:.2f} | {ms / r['ms_total']:.0%} | — |")
-        lines.append(f"| {r['path']} | **whole call** | {r['ms_total']:.2f} | 100% | {r['ms_total'] / floor_ms:.2f} |")
+        ratio = f"{r['ms_total'] / floor_ms:.2f}" if floor_ms else "—"
+        lines.append(f"| {r['path']} | **whole call** | {r['ms_total']:.2f} | 100% | {ratio} |")
     lines += [
         "",
         "| path | ran as | peak MiB | extra MiB (without the gradients) | TFLOP/s (6NDV) |",
         "|---|---|---|---|---|",
     ]
-    for r in results:
+    for r in paths:
+        if r["status"] != "ok":
+            continue
         peak = "—" if r["peak_mem_mib"] is None else f"{r['peak_mem_mib']:.0f}"
         extra = "—" if r["extra_mem_mib"] is None else f"{r['extra_mem_mib']:.0f}"
         lines.append(
             f"| {r['path']} | {', '.join(r['path_taken'])} | {peak} | {extra} | {flop / r['ms_total'] / 1e9:.3g} |"
         )
+    if floor is None:
+        failed = [r["status"] for r in rows if r["path"] == FLOOR]
+        lines += ["", f"GEMM floor: {failed[0] if failed else 'not run'}."]
     return "\n".join(lines) + "\n"
+
+
+def measure_part(args, point: Point) -> dict:
+    """The row of the one part `args.paths` names, measured in this process."""
+    inputs = make_inputs(point)
+    name = args.paths[0]
+    if name == FLOOR:
+        result = {"path": FLOOR, "ms_total": profile_floor(inputs, point, args.repeats)}
+    else:
+        result = profile_path(name, inputs, point, args.repeats)
+    return {
+        **result,
+        "status": "ok",
+        "shape": point.shape,
+        "n": point.n,
+        "d": point.d,
+        "v": point.v,
+        "dtype": point.dtype,
+        "mask_fraction": point.mask_fraction,
+        **machine(args.device),
+    }
 
 
 def main(argv=None) -> int:
@@ -185,31 +240,22 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    rows_path = out / "stages.jsonl"
     point = Point(args.shape, args.n, args.dtype, args.mask, args.device)
-    inputs = make_inputs(point)
-    info = machine(args.device)
-    results = [profile_path(name, inputs, point, args.repeats) for name in args.paths]
-    floor_ms = profile_floor(inputs, point, args.repeats)
-    command = "python -m benchmarks.profile_stages " + " ".join(argv)
-    rows = [
-        {
-            **r,
-            "shape": point.shape,
-            "n": point.n,
-            "d": point.d,
-            "v": point.v,
-            "dtype": point.dtype,
-            "mask_fraction": point.mask_fraction,
-            "floor_ms": floor_ms,
-            **info,
-        }
-        for r in results
-    ]
-    (out / "stages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = markdown(point, results, floor_ms, command.strip(), info)
-    (out / "stages.md").write_text(text)
-    print(text)
-    return 0
+    if args.part:
+        isolated.append_row(rows_path, measure_part(args, point))
+        return 0
+    command = ("python -m benchmarks.profile_stages " + " ".join(argv)).strip()
+    rows = isolated.run_parts(
+        f"{__package__}.profile_stages",
+        argv,
+        args.paths,
+        rows_path,
+        args.part_timeout_s,
+        lambda rows: (out / "stages.md").write_text(markdown(point, rows, command)),
+    )
+    print((out / "stages.md").read_text())
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 mode) to ROWS_JSONL as soon as it is measured, so a crash loses only the rows not yet
 written. On CPU the parent starts one worker per point: a clean heap for the memory
 measurement, and a provider that crashes cannot take the other points with it. On CUDA
-one worker runs all points, so torch.compile compiles each peer once.
+it starts one worker per provider, at every point: a CUDA fault (which poisons the process)
+costs only that provider's rows, and torch.compile compiles each peer once.
 
 Errors are measured on a slice of about ERROR_TOKENS tokens (every k-th position of the
 first two completions, so the masked fraction is kept) with the full D and V, in the

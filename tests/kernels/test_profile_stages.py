@@ -11,7 +11,7 @@ def test_profile_stages_reports_every_stage_of_both_paths(tmp_path):
     )
     assert code == 0
     rows = {r["path"]: r for r in map(json.loads, (tmp_path / "stages.jsonl").read_text().splitlines())}
-    assert set(rows) == {"three-matmul", "two-pass"}
+    assert set(rows) == {"three-matmul", "two-pass", "gemm-floor"}  # each measured in a process of its own
     assert rows["three-matmul"]["path_taken"] == ["three-matmul"] and rows["two-pass"]["path_taken"] == ["two-pass"]
     assert {"logits GEMM", "row stats", "token stage", "d(logits)", "grad_hidden GEMM", "grad_weight GEMM"} <= set(
         rows["three-matmul"]["stages_ms"]
@@ -20,9 +20,24 @@ def test_profile_stages_reports_every_stage_of_both_paths(tmp_path):
         rows["two-pass"]["stages_ms"]
     )
     for row in rows.values():
-        assert row["ms_total"] > 0 and row["floor_ms"] > 0
+        assert row["status"] == "ok" and row["ms_total"] > 0
+        assert (row["shape"], row["n"], row["dtype"], row["mask_fraction"]) == ("tiny", 64, "fp32", 0.25)
+    for name in ("three-matmul", "two-pass"):
+        row = rows[name]
         assert all(ms >= 0 for ms in row["stages_ms"].values())
         assert sum(row["stages_ms"].values()) <= row["ms_total"] * 1.01
-        assert (row["shape"], row["n"], row["dtype"], row["mask_fraction"]) == ("tiny", 64, "fp32", 0.25)
     text = (tmp_path / "stages.md").read_text()
-    assert "| three-matmul | logits GEMM |" in text and "GEMM floor" in text and "peak MiB" in text
+    assert "| three-matmul | logits GEMM |" in text and "GEMM floor (three" in text and "peak MiB" in text
+
+
+def test_a_part_cut_short_is_reported_and_the_others_still_run(tmp_path):
+    argv = ["--device", "cpu", "--shape", "tiny", "--n", "64", "--repeats", "1", "--out", str(tmp_path)]
+    code = profile_stages.main([*argv, "--paths", "two-pass,gemm-floor", "--part-timeout-s", "0.5"])
+    assert code == 1
+    rows = [json.loads(line) for line in (tmp_path / "stages.jsonl").read_text().splitlines()]
+    assert [(r["path"], r["status"]) for r in rows] == [
+        ("two-pass", "failed: timed out"),
+        ("gemm-floor", "failed: timed out"),
+    ]
+    text = (tmp_path / "stages.md").read_text()
+    assert "| two-pass | failed: timed out |" in text and "GEMM floor: failed: timed out." in text
