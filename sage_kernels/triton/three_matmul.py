@@ -28,7 +28,12 @@ and PyTorch's own chunked losses) and rounded once per chunk (cuBLAS computes ea
 in fp32); the chunk is as tall as the workspace allows, so there are few of them (N/T,
 about 26 at N = 16k on a 152k vocabulary). From N = 16 D on (about 57k tokens at D = 3584),
 where the chunks grow many and the accumulator is below N V / 16 elements, it is fp32,
-summed inside the GEMM (`gemm.addmm_f32_`) and rounded once at the end.
+summed inside the GEMM (`gemm.addmm_f32_`) and rounded once at the end. The price of the
+rounding per chunk grows like the square root of the chunk count: a CPU simulation with random
+inputs (bf16, 16k tokens, rounded after each of 26 chunks) gave a max relative error in dW of
+about 1.3% against 0.23% for a single rounding (the bf16 tolerance is 3%); no bound on the chunk
+count below that fits the workspace budget (it would take a taller fp32 [T, V] chunk), so the
+whole-point check of `benchmarks/parity.py` measures it at the real point instead.
 
 In-place d(logits): a token's dz (2 bytes per entry for bf16) is written over the
 first half of its own fp32 row, so row r of dz starts where row r of z does and the
