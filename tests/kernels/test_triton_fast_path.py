@@ -329,3 +329,14 @@ def test_the_fp32_output_probe_is_a_constant_to_torch_compile():
     for _ in range(2):
         assert torch.equal(compiled(torch.ones(2)), torch.full((2,), float(expected)))
     assert gemm._probe.cache_info().misses == 1
+
+
+@pytest.mark.parametrize("n", [4096, 16384, 21_000, 32_768, 57_000, 200_000])
+def test_token_chunks_are_few_and_the_workspace_below_the_logits_bound(n):
+    # a 16-bit weight gradient is rounded once per chunk: at most MAX_CHUNKS of them, at any N
+    rows = three_matmul.chunk_rows(n, n, 152_064)
+    assert -(-n // rows) <= three_matmul.MAX_CHUNKS
+    assert rows * 152_064 < n * 152_064 // 16
+    # the workspace grows past its budget only as far as the chunk count needs (rows in multiples of 64)
+    rows_by_count = -(-n // three_matmul.MAX_CHUNKS) + three_matmul.ROW_MULTIPLE
+    assert rows * 152_064 * 4 <= max(three_matmul.WORKSPACE_BYTES, rows_by_count * 152_064 * 4)
