@@ -24,17 +24,6 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-def launched_on_hidden_device(fn):
-    """`fn(hidden, ...)` with every launch inside it on `hidden`'s GPU (`on_device`)."""
-
-    @functools.wraps(fn)
-    def wrapper(hidden, *args, **kwargs):
-        with on_device(hidden):
-            return fn(hidden, *args, **kwargs)
-
-    return wrapper
-
-
 @functools.lru_cache(maxsize=None)
 def _probe(device: torch.device, dtype: torch.dtype, accumulate: bool) -> bool:
     """Whether ``mm`` (or, with `accumulate`, ``addmm`` into its own fp32 output) with
