@@ -6,8 +6,8 @@
 #
 #   1. environment       the device, driver, torch, triton; liger-kernel from $WHEELS if carried     20 s
 #   2. kernel tests      the Triton tests compiled for the GPU (TRITON_INTERPRET unset), the fast-path
-#                        file first: pytest -v --tb=short, at most 60 s a test (pytest-timeout), four
-#                        processes where pytest-xdist is installed                                  130 s
+#                        file first: pytest -v --tb=short, at most 60 s a test where pytest-timeout
+#                        is installed, four processes where pytest-xdist is                         130 s
 #   3. stage profile     benchmarks.profile_stages: each path and the GEMM floor in a process of its
 #                        own, at most 25 s each                                                      80 s
 #   4. float64 parity    benchmarks.parity: each path fwd+bwd on the whole point against a chunked
@@ -91,10 +91,10 @@ environment() {
 
 kernel_tests() {
     local extra=()
+    if "$PY" -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout="$TEST_TIMEOUT_S"); fi
     if "$PY" -c "import xdist" 2>/dev/null; then extra+=(-n 4); fi
     # shellcheck disable=SC2086  # TESTS is a list of paths
-    "$PY" -m pytest -v --tb=short -p no:cacheprovider -o addopts="" -ra --timeout="$TEST_TIMEOUT_S" \
-        "${extra[@]}" $TESTS
+    "$PY" -m pytest -v --tb=short -p no:cacheprovider -o addopts="" -ra "${extra[@]}" $TESTS
 }
 
 if compgen -G "$WHEELS/*.whl" >/dev/null; then export PYTHONPATH="$PYTHONPATH:/tmp/sage-bench-site"; fi
