@@ -16,6 +16,7 @@ from sage_kernels.guides import RandomGuide, TokenGuide
 
 from .config import ConfigError, TrainConfig
 from .lora import AdapterDisabled, apply_lora, base_lm, is_lora, merged_named_weights
+from .packaged_models import model_directory
 from .policy import PolicyHead
 from .rollout import make_engine
 
@@ -94,7 +95,7 @@ def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: 
     if cfg.rollout_engine != "vllm":
         return cfg.model
     if cfg.model != "tiny" and (not cfg.warm_start or is_lora(model)):  # an adapter: the base loads
-        return cfg.model
+        return model_directory(cfg.model, cfg.gguf_file)  # a named model or GGUF file: its cached conversion
     path = run_dir / "rollout_init"
     if rank == 0:
         if is_lora(model):  # the warm start's adapter, merged out of place

@@ -70,8 +70,10 @@ class RunOptions:
     resume: bool = False  # continue the run in output_dir/name from its newest complete checkpoint
     overwrite: bool = False  # a fresh run may delete the checkpoints and final model of a run of the same name
 
-    # model: "tiny" builds a Qwen2-style model from the tiny_* keys; otherwise a hub name or local path
+    # model: "tiny" builds a Qwen2-style model from the tiny_* keys; a named model shipped by a package
+    # (packaged_models.NAMED_MODELS: smollm2-135m-instruct), a local .gguf file, a hub name or a local path
     model: str = "tiny"
+    gguf_file: str = ""  # a GGUF file inside the `model` directory (or an absolute path), converted once
     tiny_hidden_size: int = 64
     tiny_layers: int = 2
     tiny_heads: int = 4

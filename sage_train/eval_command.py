@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 from . import evaluate
 from .evaluate import check_ks, evaluate_engine, markdown_table, write_outputs
+from .packaged_models import gguf_source, model_directory
 from .eval_records import COMPLETIONS_FILE, RECORDS_FILE, RecordWriter, check_sampling, read_records
 from .rollout.base import RolloutEngine, SamplingParams
 
@@ -76,6 +77,8 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
             raise ValueError(
                 f"--model {given!r} is a run directory without a final model ({path / 'final'}); did the run finish?"
             )
+        elif gguf_source(given) is not None:  # a named model or a GGUF file: its cached HF conversion
+            resolved.append((Path(given).stem if given.endswith(".gguf") else given, model_directory(given), None))
         elif path.exists() and not path.is_dir():
             raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory or a hub name")
         else:

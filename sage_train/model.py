@@ -1,5 +1,6 @@
 """Models and tokenizers: a tiny Qwen2-style model with a character-level tokenizer the
-package builds itself (nothing downloaded), or a real model from a hub name or local path.
+package builds itself (nothing downloaded), or a real model: a named model shipped by a package,
+a GGUF file (both through `sage_train.packaged_models`), a hub name or a local path.
 
 The tiny tokenizer maps each printable ASCII character and the newline to one token, plus
 ``<pad>``, ``<eos>`` and ``<unk>``. It is a `PreTrainedTokenizerFast`, so it saves with
@@ -20,6 +21,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from .packaged_models import model_directory
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARACTERS = "\n" + "".join(c for c in string.printable if c.isprintable())
@@ -112,12 +115,15 @@ def load_model_and_tokenizer(cfg):
             seed=cfg.seed,
         )
         return model, tokenizer
-    return load_pretrained(cfg.model)
+    return load_pretrained(cfg.model, cfg.gguf_file)
 
 
-def load_pretrained(path: str):
-    """A causal LM and its tokenizer from a hub name or an HF-format directory (float32 weights;
-    DeepSpeed casts them to bf16 on GPU). Left padding, and a pad token, for batched generation."""
+def load_pretrained(path: str, gguf_file: str = ""):
+    """A causal LM and its tokenizer from a hub name, an HF-format directory, or a named model or
+    GGUF file (`sage_train.packaged_models`: converted once to a cached HF directory, loaded from
+    there). Float32 weights (DeepSpeed casts them to bf16 on GPU); left padding, and a pad token,
+    for batched generation."""
+    path = model_directory(path, gguf_file)
     if not os.path.isdir(path) and os.path.sep in path and not os.path.exists(path):
         raise FileNotFoundError(f"model: no directory {path!r} (expected 'tiny', a hub name or a local path)")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -23,6 +23,7 @@ import yaml
 from . import checkpoint
 from .build import check_batch_shape, deepspeed_config
 from .config import ConfigError, TrainConfig, save_yaml
+from .packaged_models import gguf_source
 from .tasks import TASK_NAMES, get_task
 
 #: what a fresh run removes when ``overwrite`` is set (what it would otherwise refuse to lose is `KEPT`)
@@ -89,6 +90,8 @@ def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
     for logger in cfg.report_to:  # each logger is its own package, not a dependency of sage-train
         if importlib.util.find_spec(logger) is None:
             raise ConfigError(f"config key 'report_to': {logger!r} needs its package (pip install {logger})")
+    if gguf_source(cfg.model, cfg.gguf_file) is not None:  # a named model or GGUF file: found, converted at load
+        return Inputs(task, train_problems, sft_task, sft_problems)
     if cfg.model.startswith(("/", ".", "~")) and not Path(cfg.model).expanduser().is_dir():
         raise ConfigError(f"config key 'model': no directory {cfg.model!r} (expected 'tiny', a hub id or a directory)")
     if cfg.model != "tiny":

