@@ -1,9 +1,20 @@
-"""Where the answer sits in a completion, for the synthetic tasks.
+"""Where the answer sits in a completion, for the synthetic tasks: two rules, chosen per task by
+its ``grading`` option (`GRADINGS`), shared by every synthetic verifier so that a model learns
+one habit.
 
-One rule, shared by every synthetic verifier so that a model learns one habit:
+"free" (the default): the answer as instruct models write it ("The answer is 116.",
+"23 + 48 = 71", "**71**", "\\boxed{71}"). `free_span` finds where the answer is *said*:
 
-1. If the completion contains `\\boxed{...}`, the answer span is the content of the last one
-   (braces balanced; an unclosed box gives an empty span).
+1. the content of the last `\\boxed{...}` (braces balanced; an unclosed box gives an empty span);
+2. else the text after the last "answer is", "answer:" or "answer =" (any case);
+3. else nothing is said explicitly, and the whole completion is the span.
+
+In cases 1 and 2 a task reads the *first* answer in the span, in case 3 the *last* one (a
+conclusion comes last); each task's docstring says what an answer is there.
+
+"strict": the format a small model is trained to (`answer_span`):
+
+1. If the completion contains `\\boxed{...}`, the answer span is the content of the last one.
 2. Otherwise, if it contains "Answer:" (any case), the span is the text after the last one,
    up to the end of that line.
 3. Otherwise the span is the first line of the completion, leading whitespace removed.
@@ -16,13 +27,23 @@ not change the grade ("579<|endoftext|>" reads as 579; "5790" does not).
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
+GRADINGS = ("free", "strict")
 _BOXED = "\\boxed{"
 _ANSWER_MARK = re.compile(r"answer\s*:", re.IGNORECASE | re.ASCII)
+_FREE_MARK = re.compile(r"answer\s*(?:is\b|:|=)", re.IGNORECASE | re.ASCII)
+_NUMBER = re.compile(r"(?<![\w.,])(-\s*)?(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?!\w|[.,]\d)", re.ASCII)
+_OPERATORS = "+-*/x×÷"
+
+
+def check_grading(grading: str) -> None:
+    if grading not in GRADINGS:
+        raise ValueError(f"grading must be one of {GRADINGS}, got {grading!r}")
 
 
 def answer_span(completion: str) -> str:
-    """The part of `completion` that holds the answer, by the rule in the module docstring."""
+    """The part of `completion` that holds the answer, by the strict rule (module docstring)."""
     start = completion.rfind(_BOXED)
     if start >= 0:
         return _brace_content(completion, start + len(_BOXED))
@@ -30,6 +51,51 @@ def answer_span(completion: str) -> str:
     if marks:
         return completion[marks[-1].end() :].split("\n", 1)[0].strip()
     return completion.lstrip().split("\n", 1)[0]
+
+
+def free_span(completion: str) -> tuple[str, bool]:
+    """(the span, whether the answer was said explicitly) by the free rule (module docstring):
+    an explicit span's first answer counts, otherwise the completion's last one."""
+    start = completion.rfind(_BOXED)
+    if start >= 0:
+        return _brace_content(completion, start + len(_BOXED)), True
+    marks = list(_FREE_MARK.finditer(completion))
+    if marks:
+        return completion[marks[-1].end() :], True
+    return completion, False
+
+
+def free_number(completion: str) -> Decimal | None:
+    """The number `completion` answers by the free rule: the first number of an explicit span, else
+    the completion's last, counting only numbers that are no operand of an expression (an operator,
+    spaces allowed, right before or after: "23 + 48 = 71" says 71, a restated question nothing);
+    thousands commas allowed, a decimal part kept ("71.0"). None if there is none."""
+    span, explicit = free_span(completion)
+    answers = list(_answers(span))
+    if not answers:
+        return None
+    return answers[0] if explicit else answers[-1]
+
+
+def _answers(text: str):
+    """The values of the numbers in `text` that are no operand of an expression."""
+    for match in _NUMBER.finditer(text):
+        before, after = text[: match.start()].rstrip(), text[match.end() :].lstrip()
+        sign, digits, decimals = match.groups()
+        if sign and _ends_a_term(before):  # "7 - 5": the minus is binary, 5 an operand
+            continue
+        if not sign and before[-1:] in _OPERATORS and _ends_a_term(before[:-1]):
+            continue
+        if after[:1] in _OPERATORS and after[1:].lstrip()[:1] in tuple("0123456789("):
+            continue
+        value = Decimal(digits.replace(",", "") + (decimals or ""))
+        yield -value if sign else value
+
+
+def _ends_a_term(text: str) -> bool:
+    """Whether `text` ends (spaces aside) with a number or a closing parenthesis."""
+    last = text.rstrip()[-1:]
+    return last.isdigit() or last == ")"
 
 
 def _brace_content(text: str, start: int) -> str:

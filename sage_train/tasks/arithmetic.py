@@ -5,14 +5,20 @@ Options:
     ops:      the operators to draw from, any of "+", "-", "*". Default "+".
     operands: how many numbers per problem (>= 2). Default 2.
     template: "plain" (default, "12+34="), "instruct" (a sentence asking for `\\boxed{}`),
-              or a custom string containing "{question}".
+              "question" ("What is 12+34?"), or a custom string containing "{question}".
+    grading:  "free" (default) or "strict", the rules of `answer.py`.
 
 The defaults (2-digit addition) are the easy setting a tiny character-level model learns by
 supervised fine-tuning and then improves on with RL in minutes on a CPU.
 
 Questions use the usual precedence ("2+3*4" is 14); the answer may be negative.
-Grading: the answer span of `answer.answer_span` must start with the gold integer (thousands
-commas allowed: "1,234"), not followed by further digits or a decimal part.
+Grading, "free": the answer is a number (thousands commas allowed: "1,234"; a decimal part
+compares by value: "71.0" is 71, "71.5" is not) that is not an operand of an arithmetic
+expression, i.e. has no operator (+ - * / x × ÷, spaces allowed) right before or after it:
+"23 + 48 = 71" says 71, never 23 or 48, so a restated question is no answer. The first such
+number of the span of `answer.free_span` counts (`answer.free_number`) when the answer is said explicitly (\\boxed{},
+"the answer is"), else the last one of the completion. "strict": the span of `answer.answer_span`
+must start with the gold integer, not followed by further digits or a decimal part.
 """
 
 from __future__ import annotations
@@ -22,16 +28,18 @@ import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
-from .answer import answer_span
+from .answer import answer_span, check_grading, free_number
 from .base import Problem
 from .synthetic import problem_id, render, resolve_template, sample_problems
 
 TEMPLATES = {
     "plain": "{question}=",
     "instruct": "Compute {question}. Put the final answer in \\boxed{}.",
+    "question": "What is {question}?",
 }
 OPERATORS = "+-*"
 _LEADING_INTEGER = re.compile(r"\s*(-?(?:\d{1,3}(?:,\d{3})+|\d+))(?!\d|[,.]\d)", re.ASCII)
+
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class ArithmeticTask:
     ops: str = "+"
     operands: int = 2
     template: str = "plain"
+    grading: str = "free"
     name: ClassVar[str] = "arithmetic"
 
     def __post_init__(self):
@@ -52,6 +61,7 @@ class ArithmeticTask:
         if not isinstance(self.operands, int) or self.operands < 2:
             raise ValueError(f"operands must be an integer >= 2, got {self.operands!r}")
         resolve_template(self.template, TEMPLATES)
+        check_grading(self.grading)
 
     @property
     def max_answer_chars(self) -> int:
@@ -69,7 +79,9 @@ class ArithmeticTask:
         return render(resolve_template(self.template, TEMPLATES), problem.question)
 
     def score(self, completion: str, problem: Problem) -> float:
-        """1.0 if the completion's answer is the gold integer, else 0.0."""
+        """1.0 if the completion's answer is the gold integer, else 0.0 (the rule of ``grading``)."""
+        if self.grading == "free":
+            return float(free_number(completion) == int(problem.answer))
         match = _LEADING_INTEGER.match(answer_span(completion))
         if match is None:
             return 0.0
@@ -100,3 +112,4 @@ def evaluate(numbers: list[int], ops: list[str]) -> int:
             total += sign * product
             sign, product = (1 if op == "+" else -1), x
     return total + sign * product
+

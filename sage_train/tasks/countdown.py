@@ -14,14 +14,18 @@ Options:
     use_all:    every number exactly once instead of at most once. Default False.
     template:   "plain" (default, "Make 56 with 3 5 7" and a newline), "instruct" (states the
                 rules, asks for `\\boxed{}`), or a custom string containing "{question}".
+    grading:    "free" (default) or "strict", the rules of `answer.py`.
 
 Every problem is solvable: the generator enumerates all values reachable under the rules
 and keeps a shortest expression for the chosen target (`meta["solution"]`). Train and test
 never share a multiset of numbers. Cost: about 0.2 s per problem with 6 numbers, under 10 ms
 with 5 or fewer.
-Grading: the longest prefix of the answer span (see `answer.py`) made of digits, operators,
-parentheses and spaces must parse, obey the rules and evaluate to the target
-("(3+5)*7=56" reads as "(3+5)*7").
+Grading: the expression must parse, obey the rules and evaluate to the target. "free": the
+expression is a run of digits, operators (× and ÷ read as * and /), parentheses and spaces
+holding an operator; the first of the span of `answer.free_span` when the answer is said
+explicitly (\\boxed{}, "the answer is"), else the last of the completion ("(3 + 5) * 7 = 56"
+reads as "(3 + 5) * 7"). "strict": the longest prefix of the span of `answer.answer_span` made of
+digits, operators, parentheses and spaces ("(3+5)*7=56" reads as "(3+5)*7").
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional
 
-from .answer import answer_span
+from .answer import answer_span, check_grading, free_span
 from .base import Problem
 from .synthetic import problem_id, render, resolve_template, sample_problems
 
 _EXPRESSION_PREFIX = re.compile(r"[0-9+\-*/() ]*")
+_EXPRESSION_RUN = re.compile(r"[0-9+\-*/()×÷ ]*[+\-*/×÷][0-9+\-*/()×÷ ]*")
 _TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
 _MAX_EXPRESSION_CHARS = 256  # bounds the work per completion
 _MAX_DEPTH = 32  # parenthesis nesting, well below Python's recursion limit
@@ -53,6 +58,7 @@ class CountdownTask:
     max_target: int = 100
     use_all: bool = False
     template: str = "plain"
+    grading: str = "free"
     name: ClassVar[str] = "countdown"
 
     def __post_init__(self):
@@ -65,6 +71,7 @@ class CountdownTask:
         if not isinstance(self.use_all, bool):
             raise ValueError(f"use_all must be a bool, got {self.use_all!r}")
         resolve_template(self.template, self._templates())
+        check_grading(self.grading)
 
     @property
     def max_answer_chars(self) -> int:
@@ -81,7 +88,10 @@ class CountdownTask:
 
     def score(self, completion: str, problem: Problem) -> float:
         """1.0 if the completion's expression obeys the rules and reaches the target, else 0.0."""
-        expression = _EXPRESSION_PREFIX.match(answer_span(completion)).group(0)
+        if self.grading == "free":
+            expression = free_expression(completion)
+        else:
+            expression = _EXPRESSION_PREFIX.match(answer_span(completion)).group(0)
         value = evaluate_expression(expression, problem.meta["numbers"], self.use_all)
         return float(value is not None and value == problem.meta["target"])
 
@@ -145,6 +155,17 @@ def solve(numbers: list[int], use_all: bool = False) -> dict[int, str]:
         for value, expression in tables[mask].items():
             _keep_shorter(reachable, value, expression)
     return {value: text for value, (text, _) in reachable.items()}
+
+
+def free_expression(completion: str) -> str:
+    """The expression `completion` answers with by the free rule (module docstring), or ""."""
+    span, explicit = free_span(completion)
+    span = span.replace("**", " ")  # markdown bold ("**(3+5)*7**"); countdown has no power operator
+    runs = [run for run in _EXPRESSION_RUN.findall(span) if any(c.isdigit() for c in run)]
+    if not runs:
+        return ""
+    run = runs[0] if explicit else runs[-1]
+    return run.replace("×", "*").replace("÷", "/").strip()
 
 
 def evaluate_expression(text: str, numbers: list[int], use_all: bool = False) -> Optional[int]:

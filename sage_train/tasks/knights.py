@@ -15,11 +15,15 @@ Options:
     people:   how many people, 2 to 8. Default 3.
     template: "plain" (default: the question and a newline), "instruct" (states the rules,
               asks for the answer format), or a custom string containing "{question}".
+    grading:  "free" (default) or "strict", the rules of `answer.py`.
 
 Answer, canonical form: "A=knight,B=knave,C=knight". Grading reads every "<name> <sep> <role>"
-pair in the answer span (see `answer.py`), where <sep> is "=", ":", "-" or "is"/"is a"/"is an",
+pair in the answer span, where <sep> is "=", ":", "-" or "is"/"is a"/"is an",
 in any order, case and punctuation between pairs; it scores 1.0 when the pairs give every
 person one role (repeating a pair is harmless), name nobody else, and match the solution.
+The span, "free": that of `answer.free_span` when the answer is said explicitly (\\boxed{},
+"the answer is"), else the completion's last line holding a pair (reasoning before the
+conclusion may try other roles). "strict": that of `answer.answer_span`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Optional
 
-from .answer import answer_span
+from .answer import answer_span, check_grading, free_span
 from .base import Problem
 from .synthetic import problem_id, render, resolve_template, sample_problems
 
@@ -54,12 +58,14 @@ class KnightsTask:
 
     people: int = 3
     template: str = "plain"
+    grading: str = "free"
     name: ClassVar[str] = "knights"
 
     def __post_init__(self):
         if not isinstance(self.people, int) or not 2 <= self.people <= len(NAMES):
             raise ValueError(f"people must be an integer in [2, {len(NAMES)}], got {self.people!r}")
         resolve_template(self.template, TEMPLATES)
+        check_grading(self.grading)
 
     @property
     def max_answer_chars(self) -> int:
@@ -76,8 +82,10 @@ class KnightsTask:
 
     def score(self, completion: str, problem: Problem) -> float:
         """1.0 if the completion assigns every person their role in the solution, else 0.0."""
-        claimed = parse_assignment(completion, problem.meta["people"])
-        return float(claimed is not None and claimed == parse_assignment(problem.answer, problem.meta["people"]))
+        span = free_knights_span(completion) if self.grading == "free" else answer_span(completion)
+        claimed = parse_assignment(span, problem.meta["people"])
+        solution = parse_assignment(problem.answer, problem.meta["people"])
+        return float(claimed is not None and claimed == solution)
 
     def _draw(self, rng: random.Random) -> tuple[str, Callable[[], Problem]]:
         while True:
@@ -163,11 +171,20 @@ def format_assignment(knights: tuple[bool, ...]) -> str:
     return ",".join(f"{NAMES[i]}={'knight' if k else 'knave'}" for i, k in enumerate(knights))
 
 
+def free_knights_span(completion: str) -> str:
+    """Where the free rule (module docstring) reads the roles."""
+    span, explicit = free_span(completion)
+    if explicit:
+        return span
+    lines = [line for line in completion.splitlines() if _PAIR.search(line)]
+    return lines[-1] if lines else ""
+
+
 def parse_assignment(text: str, people: int) -> Optional[tuple[bool, ...]]:
-    """The roles a completion assigns to the `people` persons, or None if it does not assign
-    each exactly one role, or names someone else."""
+    """The roles `text` (an answer span) assigns to the `people` persons, or None if it does not
+    assign each exactly one role, or names someone else."""
     roles: dict[int, bool] = {}
-    for name, role in _PAIR.findall(answer_span(text)):
+    for name, role in _PAIR.findall(text):
         index = NAMES.find(name.upper())
         knight = role.lower() == "knight"
         if not 0 <= index < people or roles.setdefault(index, knight) != knight:

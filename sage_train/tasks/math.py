@@ -24,7 +24,9 @@ Prompts. ``template`` builds the user message; with the trainer's ``chat_templat
 message goes through the tokenizer's chat template (`sage_train.tasks.chat.ChatPromptTask`),
 after the system prompt ``system_prompt``. Grading (`MathTask.score`) takes the last \\boxed{} of the
 completion and, if there is none, the content of its last ``<answer>...</answer>`` tags, so
-either convention the prompt may ask for is accepted. A source is one fixed list: `problems(split, n, seed)`
+either convention the prompt may ask for is accepted; without either, the answer as instruct
+models state it ("The answer is 116.", "94 + 22 = 116": `answer_for_grading`), never a number of
+a restated question. A source is one fixed list: `problems(split, n, seed)`
 returns its first `n` rows in file order whatever the split and seed, so a smaller `n` is a
 prefix of a larger one and an evaluation subset is the same on every run.
 
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..rewards import math_rewards
+from .answer import free_number, free_span
 from .base import Problem
 
 TEMPLATES = {
@@ -177,13 +180,20 @@ def load_source(source: str) -> tuple[str, list[Problem]]:
 
 def answer_for_grading(completion: str) -> str:
     """The completion as graded: unchanged when it has a \\boxed{}; else, when it has
-    ``<answer>...</answer>`` tags, their last content boxed; else unchanged."""
+    ``<answer>...</answer>`` tags, their last content boxed; else the line after the last "answer
+    is" / "answer:" (`answer.free_span`); else the completion's last number that is no operand of an
+    expression, boxed (`answer.free_number`); else "" (no answer: math-verify would otherwise pick a
+    number of a restated question, "Let me compute 94+22.")."""
     if "\\boxed" in completion:
         return completion
     matches = re.findall(r"<answer>(.*?)</answer>", completion, flags=re.DOTALL)
     if matches and matches[-1].strip():
         return "\\boxed{" + matches[-1].strip() + "}"
-    return completion
+    span, explicit = free_span(completion)
+    if explicit:
+        return span.strip().split("\n", 1)[0]
+    number = free_number(completion)
+    return "" if number is None else "\\boxed{" + str(number) + "}"
 
 
 @dataclass

@@ -2,10 +2,13 @@
 
 import itertools
 import re
+from decimal import Decimal
 
 import pytest
 
+from sage_train.tasks.answer import free_number
 from sage_train.tasks.arithmetic import ArithmeticTask, evaluate
+from sage_train.tasks.base import Problem
 
 
 @pytest.mark.parametrize("digits, ops, operands", [(1, "+-*", 2), (2, "+", 2), (3, "+-*", 4), (5, "-*", 3)])
@@ -37,8 +40,9 @@ def test_max_answer_chars_bounds_every_answer():
     assert longest <= task.max_answer_chars
 
 
-def test_verifier_against_every_nearby_integer():
-    task = ArithmeticTask(digits=3, ops="*", operands=2)
+@pytest.mark.parametrize("grading", ["free", "strict"])
+def test_verifier_against_every_nearby_integer(grading):
+    task = ArithmeticTask(digits=3, ops="*", operands=2, grading=grading)
     problem = task.problems("test", 1, seed=0)[0]
     gold = int(problem.answer)
     for guess in range(gold - 300, gold + 301):
@@ -59,15 +63,16 @@ def test_prompt_is_the_bare_expression():
 
 
 @pytest.mark.parametrize("suffix", ["", "<|endoftext|>", "\n12", " apples", ", done", "."])
-def test_trailing_text_after_the_answer_is_ignored(suffix):
-    task = ArithmeticTask()
+def test_trailing_text_after_the_answer_is_ignored_by_the_strict_rule(suffix):
+    task = ArithmeticTask(grading="strict")
     problem = task.problems("train", 1, seed=0)[0]
     assert task.score(problem.answer + suffix, problem) == 1.0
     assert task.score(f"Answer: {problem.answer}{suffix}", problem) == 1.0
 
 
-def test_wrong_or_malformed_answers_score_zero():
-    task = ArithmeticTask()
+@pytest.mark.parametrize("grading", ["free", "strict"])
+def test_wrong_or_malformed_answers_score_zero(grading):
+    task = ArithmeticTask(grading=grading)
     problem = next(p for p in task.problems("train", 50, seed=0) if int(p.answer) >= 100)
     gold = problem.answer
     for completion in [
@@ -78,7 +83,7 @@ def test_wrong_or_malformed_answers_score_zero():
         f"{gold[:-1]},{gold[-1]}",
         "",
         "\n",
-        "=" + gold,
+        *(["=" + gold] if grading == "strict" else []),
         "x" + gold,
         "- " + gold,
         f"\\boxed{{{gold}",
@@ -96,8 +101,40 @@ def test_wrong_or_malformed_answers_score_zero():
         ({"ops": ""}, "ops"),
         ({"operands": 1}, "operands"),
         ({"template": "no placeholder"}, "template"),
+        ({"grading": "loose"}, "grading"),
     ],
 )
 def test_bad_options_name_the_argument(options, argument):
     with pytest.raises(ValueError, match=argument):
         ArithmeticTask(**options)
+
+
+FREE_FORMS = [  # (completion, the number it answers), as instruct models write them
+    ("The answer is 116.", 116),
+    ("23 + 48 = 71", 71),
+    ("**71**", 71),
+    ("\\boxed{71}", 71),
+    ("To add 23 and 48: 20 + 40 = 60, 3 + 8 = 11, 60 + 11 = 71. So 23 + 48 = 71.", 71),
+    ("The answer is: 23 + 48 = 71. Check: 71 - 48 = 23", 71),  # the first after the marker
+    ("The sum of 23 and 48 is $71$. Hope this helps!", 71),
+    ("The result is 71.0", 71),
+    ("1,234 is the total", 1234),
+    ("x = 9 - 14 = -5", -5),
+    ("2 x 3 = 6", 6),
+    ("94 + 22 = 116\n", 116),
+]
+
+
+@pytest.mark.parametrize("completion, answer", FREE_FORMS)
+def test_the_free_rule_reads_answers_as_instruct_models_write_them(completion, answer):
+    assert free_number(completion) == answer
+    problem = Problem(id="p", question="?", answer=str(answer))
+    assert ArithmeticTask().score(completion, problem) == 1.0
+    assert ArithmeticTask().score(completion, Problem(id="p", question="?", answer=str(answer + 1))) == 0.0
+
+
+@pytest.mark.parametrize("completion", ["Let me compute 94+22.", "94 + 22", "7 - 5", "(2+3)*4", "71.5", "no number"])
+def test_a_restated_question_or_no_answer_is_no_answer(completion):
+    assert free_number(completion) in (None, Decimal("71.5"))
+    for gold in ("22", "94", "2", "5", "4", "71"):
+        assert ArithmeticTask().score(completion, Problem(id="p", question="?", answer=gold)) == 0.0

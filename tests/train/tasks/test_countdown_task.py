@@ -121,25 +121,30 @@ def test_deep_or_long_expressions_are_rejected_without_error():
 
 
 @pytest.mark.parametrize(
-    "completion, score",
+    "completion, strict, free",
     [
-        ("{s}", 1.0),
-        ("{s}=56", 1.0),
-        ("{s}<|endoftext|>", 1.0),
-        ("{s}\nanything", 1.0),
-        ("\\boxed{{{s}}}", 1.0),
-        ("So the answer: {s}", 1.0),
-        ("{s}+0", 0.0),
-        ("{s}*1", 0.0),
-        ("56", 0.0),
-        ("= {s}", 0.0),
-        ("\\boxed{{{s}", 0.0),
+        ("{s}", 1.0, 1.0),
+        ("{s}=56", 1.0, 1.0),
+        ("{s}<|endoftext|>", 1.0, 1.0),
+        ("{s}\nanything", 1.0, 1.0),
+        ("\\boxed{{{s}}}", 1.0, 1.0),
+        ("So the answer: {s}", 1.0, 1.0),
+        ("{s}+0", 0.0, 0.0),
+        ("{s}*1", 0.0, 0.0),
+        ("56", 0.0, 0.0),
+        ("= {s}", 0.0, 1.0),
+        ("\\boxed{{{s}", 0.0, 0.0),
+        ("I would try 1+2 first. Then: {s} works", 0.0, 1.0),  # free: the last expression
+        ("The answer is **{s}**. Not 1+2.", 0.0, 1.0),  # free: the first after the marker
+        ("{s}\nor maybe 1+2", 1.0, 0.0),
     ],
 )
-def test_reading_the_expression_from_a_completion(completion, score):
-    task = CountdownTask()
-    problem = task.problems("train", 1, seed=0)[0]
-    assert task.score(completion.format(s=problem.answer), problem) == score
+def test_reading_the_expression_from_a_completion(completion, strict, free):
+    problem = CountdownTask().problems("train", 1, seed=0)[0]
+    text = completion.format(s=problem.answer)
+    assert CountdownTask(grading="strict").score(text, problem) == strict
+    assert CountdownTask().score(text, problem) == free
+    assert CountdownTask().score(completion.format(s=problem.answer.replace("*", " × ")), problem) == free
 
 
 @pytest.mark.parametrize(

@@ -66,27 +66,29 @@ def test_verifier_against_every_assignment():
 
 
 @pytest.mark.parametrize(
-    "completion",
+    "completion, gradings",
     [
-        "{canonical}",
-        "{canonical}<|endoftext|>",
-        "{canonical}\nC=knight",
-        "\\boxed{{{canonical}}}",
-        "{sentences}",
-        "{lower}",
-        "{shuffled}",
-        "Answer: {sentences} That is all.",
+        ("{canonical}", ("free", "strict")),
+        ("{canonical}<|endoftext|>", ("free", "strict")),
+        ("{canonical}\nC=knight", ("strict",)),  # strict: the first line
+        ("If A is a knave, B lies...\nSo {sentences}", ("free",)),  # free: the last line with a pair
+        ("\\boxed{{{canonical}}}", ("free", "strict")),
+        ("{sentences}", ("free", "strict")),
+        ("{lower}", ("free", "strict")),
+        ("{shuffled}", ("free", "strict")),
+        ("Answer: {sentences} That is all.", ("free", "strict")),
     ],
 )
-def test_tolerant_forms_of_the_solution_score_one(completion):
-    task = KnightsTask(people=3)
-    problem = task.problems("train", 1, seed=0)[0]
-    pairs = problem.answer.split(",")
-    sentences = " ".join(re.sub(r"(\w)=(\w+)", r"\1 is a \2.", p) for p in pairs)
-    text = completion.format(
-        canonical=problem.answer, sentences=sentences, lower=problem.answer.lower(), shuffled="; ".join(pairs[::-1])
-    )
-    assert task.score(text, problem) == 1.0
+def test_tolerant_forms_of_the_solution_score_one(completion, gradings):
+    for grading in gradings:
+        task = KnightsTask(people=3, grading=grading)
+        problem = task.problems("train", 1, seed=0)[0]
+        pairs = problem.answer.split(",")
+        sentences = " ".join(re.sub(r"(\w)=(\w+)", r"\1 is a \2.", p) for p in pairs)
+        text = completion.format(
+            canonical=problem.answer, sentences=sentences, lower=problem.answer.lower(), shuffled="; ".join(pairs[::-1])
+        )
+        assert task.score(text, problem) == 1.0
 
 
 def test_wrong_or_incomplete_assignments_score_zero():

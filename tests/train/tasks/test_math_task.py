@@ -64,3 +64,24 @@ def test_bad_sources_and_options_are_named(tmp_path):
         MathTask(str(bad))
     with pytest.raises(TypeError, match="unknown option"):
         get_task("math500", digits=3)
+
+
+@pytest.mark.parametrize(
+    "completion, score",
+    [
+        ("Let me compute 94+22.", 0.0),  # a restated question is no answer (math-verify read 22 from it)
+        ("The answer to 94 + 22 is 24.", 0.0),
+        ("94 + 22 = 116", 1.0),
+        ("The answer is 116.", 1.0),
+        ("So the answer is: **116**, since 94 + 22 = 116.", 1.0),
+        ("We add: 90 + 20 = 110 and 4 + 2 = 6, total 116.", 1.0),
+        ("<answer>116</answer>", 1.0),
+        ("\\boxed{116}", 1.0),
+        ("No number here.", 0.0),
+    ],
+)
+def test_without_a_box_the_answer_is_read_as_instruct_models_state_it(tmp_path, completion, score):
+    path = tmp_path / "sum.jsonl"
+    path.write_text(json.dumps({"problem": "What is 94 + 22?", "answer": "116"}) + "\n")
+    task = MathTask(str(path))
+    assert task.score(completion, task.problems()[0]) == score

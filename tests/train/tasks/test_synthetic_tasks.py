@@ -1,6 +1,8 @@
 """What every synthetic task promises: seeded, split-disjoint problems whose gold completion
 scores 1 and whose verifier never raises."""
 
+import dataclasses
+
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -65,9 +67,9 @@ def test_gold_completion_scores_one_and_prompts_are_plain_ascii(task):
 
 @pytest.mark.parametrize("name", ids)
 @given(junk=st.text(max_size=40))
-def test_gold_then_a_new_line_of_anything_scores_one(name, junk):
+def test_gold_then_a_new_line_of_anything_scores_one_under_the_strict_rule(name, junk):
     assume("boxed{" not in junk and "answer" not in junk.lower())
-    task = TASKS[name]
+    task = dataclasses.replace(TASKS[name], grading="strict")
     problem = task.problems("train", 1, seed=0)[0]
     assert task.score(problem.meta["sft_completion"] + "\n" + junk, problem) == 1.0
 
