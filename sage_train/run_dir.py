@@ -38,6 +38,7 @@ FRESH_RUN_CLEARS = (
     "eval_after.json",
     "summary.json",
     "metrics.png",
+    "completions.jsonl",  # log_completions
 )
 #: a previous run's outputs that cost training to make: a fresh run needs ``overwrite`` to delete them
 KEPT = ("checkpoints", "final", "sft")
@@ -52,6 +53,7 @@ RESUME_MAY_CHANGE = (
     "log_every",
     "save_every",
     "keep_checkpoints",
+    "log_completions",
     "max_nonfinite_steps",
 )
 LOCK_FILE = "run.lock"
@@ -64,6 +66,22 @@ class Inputs(NamedTuple):
     train_problems: list
     sft_task: object
     sft_problems: list
+
+
+def held_out_problems(cfg: TrainConfig, task, train_problems: list) -> list:
+    """The ``eval_problems`` problems of `task`'s "test" split that are not RL prompts. The
+    synthetic tasks' splits are disjoint; a fixed list (a jsonl file, a math set) is the same list
+    for every split, so its held-out problems are the rows after the RL pool (``train_problems``)."""
+    rl = {p.id for p in train_problems}
+    problems = list(task.problems("test", cfg.eval_problems, cfg.seed))
+    if any(p.id in rl for p in problems):
+        problems = [p for p in task.problems("test", None, cfg.seed) if p.id not in rl][: cfg.eval_problems]
+    if not problems:
+        raise ConfigError(
+            f"config key 'eval_splits': 'test' has no held-out problem, every problem of "
+            f"{cfg.eval_task or cfg.task!r} is an RL prompt; set 'train_problems' below its size, or 'eval_task'"
+        )
+    return problems
 
 
 def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
@@ -85,8 +103,8 @@ def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
     if cfg.sft_task and cfg.warm_start:  # warm-start on another dataset's solutions
         sft_task = _task("sft_task", cfg.sft_task, {})
         sft_problems = list(sft_task.problems("train", None, cfg.seed))
-    if cfg.eval_task:
-        _task("eval_task", cfg.eval_task, {})
+    if "test" in cfg.eval_splits and cfg.eval_problems:
+        held_out_problems(cfg, _task("eval_task", cfg.eval_task, {}) if cfg.eval_task else task, train_problems)
     for logger in cfg.report_to:  # each logger is its own package, not a dependency of sage-train
         if importlib.util.find_spec(logger) is None:
             raise ConfigError(f"config key 'report_to': {logger!r} needs its package (pip install {logger})")

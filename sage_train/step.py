@@ -35,6 +35,7 @@ from .distributed import all_ranks
 from .importance import truncated_is_weights
 from .policy import Batch, make_batch, score
 from .presets import loss_config
+from .report import COMPLETIONS_FILE, write_completions
 from .rewards import grade
 from .rollout import SamplingParams
 
@@ -350,6 +351,8 @@ def collect_groups(ctx: Context, step: int):
             if all_ranks(done, ctx.device):
                 break
     groups = (informative + uninformative)[:needed]
+    if cfg.log_completions and ctx.rank == 0:
+        write_completions(cfg.run_dir / COMPLETIONS_FILE, step, groups[: cfg.log_completions], ctx.task.prompt)
     rewards = torch.tensor([g["rewards"] for g in groups], dtype=torch.float32)
     return groups, rewards, rounds
 

@@ -3,6 +3,7 @@ change the adapter only, the reference (adapter disabled) is the base model, the
 no gradient; the whole loop runs with LoRA and with the truncated-IS correction."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -204,3 +205,17 @@ def test_lora_two_processes(tmp_path, tiny_run, stage):
     assert (run / "final" / "adapter" / "adapter_config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     assert model.lm_head.weight.shape[1] == tiny_run["tiny_hidden_size"]
+
+
+def test_lora_checkpoints_hold_the_adapter_not_the_base_and_resume(tiny_config, distributed):
+    options = dict(name="lora-ckpt", lora_rank=4, save_every=1, keep_checkpoints=0, log_completions=2)
+    train(tiny_config(steps=2, **options))
+    (states,) = (tiny_config(**options).run_dir / "checkpoints").glob("*1/*model_states.pt")
+    module = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    assert module and all("lora_" in name for name in module)
+    summary = train(tiny_config(steps=3, resume=True, **options))
+    assert summary["steps_done"] == 3
+    lines = (tiny_config(**options).run_dir / "completions.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3]
+    assert all(len(r["completions"]) == len(r["rewards"]) == 8 and r["prompt"].endswith("=") for r in rows)

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+from sage_train.config import ConfigError
 from sage_train.model import build_char_tokenizer
+from sage_train.run_dir import check_inputs, held_out_problems
 from sage_train.tasks import get_task
 from sage_train.tasks import math as math_tasks
 from sage_train.tasks.chat import SYSTEM_PROMPTS, ChatPromptTask
@@ -168,3 +170,13 @@ def test_warm_start_on_another_dataset(tiny_config, distributed, tmp_path):
                 micro_batch_size=4,
             )
         )
+
+
+def test_a_jsonl_tasks_held_out_split_is_not_its_rl_prompts(tmp_path, tiny_config):
+    path = write_jsonl(tmp_path / "ten.jsonl", [{"problem": f"{i}+1?", "answer": str(i + 1)} for i in range(10)])
+    cfg = tiny_config(task=str(path), train_problems=6, prompts_per_step=2, eval_problems=8, eval_splits=["test"])
+    inputs = check_inputs(cfg, world=1)
+    held_out = held_out_problems(cfg, inputs.task, inputs.train_problems)
+    assert [p.id for p in held_out] == [f"ten/{i}" for i in range(6, 10)]  # the rows after the RL pool
+    with pytest.raises(ConfigError, match="'test' has no held-out problem"):
+        check_inputs(tiny_config(task=str(path), prompts_per_step=2, eval_splits=["test"]), world=1)
