@@ -6,7 +6,7 @@ import importlib
 import sys
 
 #: command -> module with a `main(argv) -> int`
-COMMANDS = {"loss": f"{__package__}.loss", "profile": f"{__package__}.profile_stages"}
+COMMANDS = {"loss": f"{__package__}.loss", "profile": f"{__package__}.profile_stages", "train": f"{__package__}.train"}
 
 
 def main(argv=None) -> int:

@@ -78,7 +78,7 @@ def study_main(argv=None) -> int:
 
 
 def bench_main(argv=None) -> int:
-    """`sage-bench loss ...`."""
+    """`sage-bench loss|profile|train ...` (`sage_bench.cli`)."""
     from sage_bench.cli import main
 
     return main(sys.argv[1:] if argv is None else argv)

@@ -7,10 +7,13 @@ one habit.
 
 1. the content of the last `\\boxed{...}` (braces balanced; an unclosed box gives an empty span);
 2. else the text after the last "answer is", "answer:" or "answer =" (any case);
-3. else nothing is said explicitly, and the whole completion is the span.
+3. else the whole completion.
 
-In cases 1 and 2 a task reads the *first* answer in the span, in case 3 the *last* one (a
-conclusion comes last); each task's docstring says what an answer is there.
+A task then reads the *first* answer in the span (each task's docstring says what an answer is
+there): a small instruct model states its result first and rambles after it. On 112 completions
+of SmolLM2-135M-Instruct (tests/train/tasks/data/smollm2_arithmetic.jsonl) reading the first
+number of the completion agrees with the hand labels on 112, the last number on 109 (it misses
+every correct one: "69 + 59 = 128. ... holds 10! bits").
 
 "strict": the format a small model is trained to (`answer_span`):
 
@@ -54,8 +57,8 @@ def answer_span(completion: str) -> str:
 
 
 def free_span(completion: str) -> tuple[str, bool]:
-    """(the span, whether the answer was said explicitly) by the free rule (module docstring):
-    an explicit span's first answer counts, otherwise the completion's last one."""
+    """(the span, whether the answer was said explicitly: a box or a marker) by the free rule
+    (module docstring); its first answer counts."""
     start = completion.rfind(_BOXED)
     if start >= 0:
         return _brace_content(completion, start + len(_BOXED)), True
@@ -66,15 +69,11 @@ def free_span(completion: str) -> tuple[str, bool]:
 
 
 def free_number(completion: str) -> Decimal | None:
-    """The number `completion` answers by the free rule: the first number of an explicit span, else
-    the completion's last, counting only numbers that are no operand of an expression (an operator,
-    spaces allowed, right before or after: "23 + 48 = 71" says 71, a restated question nothing);
-    thousands commas allowed, a decimal part kept ("71.0"). None if there is none."""
-    span, explicit = free_span(completion)
-    answers = list(_answers(span))
-    if not answers:
-        return None
-    return answers[0] if explicit else answers[-1]
+    """The number `completion` answers by the free rule: the first number of its span that is no
+    operand of an expression (an operator, spaces allowed, right before or after: "23 + 48 = 71"
+    says 71, a restated question nothing); thousands commas allowed, a decimal part kept ("71.0").
+    None if there is none."""
+    return next(_answers(free_span(completion)[0]), None)
 
 
 def _answers(text: str):

@@ -16,8 +16,8 @@ Grading, "free": the answer is a number (thousands commas allowed: "1,234"; a de
 compares by value: "71.0" is 71, "71.5" is not) that is not an operand of an arithmetic
 expression, i.e. has no operator (+ - * / x × ÷, spaces allowed) right before or after it:
 "23 + 48 = 71" says 71, never 23 or 48, so a restated question is no answer. The first such
-number of the span of `answer.free_span` counts (`answer.free_number`) when the answer is said explicitly (\\boxed{},
-"the answer is"), else the last one of the completion. "strict": the span of `answer.answer_span`
+number of the span of `answer.free_span` counts (the box, the text after "the answer is", else
+the whole completion). "strict": the span of `answer.answer_span`
 must start with the gold integer, not followed by further digits or a decimal part.
 """
 

@@ -22,9 +22,8 @@ never share a multiset of numbers. Cost: about 0.2 s per problem with 6 numbers,
 with 5 or fewer.
 Grading: the expression must parse, obey the rules and evaluate to the target. "free": the
 expression is a run of digits, operators (× and ÷ read as * and /), parentheses and spaces
-holding an operator; the first of the span of `answer.free_span` when the answer is said
-explicitly (\\boxed{}, "the answer is"), else the last of the completion ("(3 + 5) * 7 = 56"
-reads as "(3 + 5) * 7"). "strict": the longest prefix of the span of `answer.answer_span` made of
+holding an operator, the first of the span of `answer.free_span` (the box, the text after "the
+answer is", else the whole completion): "(3 + 5) * 7 = 56" reads as "(3 + 5) * 7". "strict": the longest prefix of the span of `answer.answer_span` made of
 digits, operators, parentheses and spaces ("(3+5)*7=56" reads as "(3+5)*7").
 """
 
@@ -159,13 +158,11 @@ def solve(numbers: list[int], use_all: bool = False) -> dict[int, str]:
 
 def free_expression(completion: str) -> str:
     """The expression `completion` answers with by the free rule (module docstring), or ""."""
-    span, explicit = free_span(completion)
-    span = span.replace("**", " ")  # markdown bold ("**(3+5)*7**"); countdown has no power operator
+    span = free_span(completion)[0].replace("**", " ")  # markdown bold ("**(3+5)*7**"); countdown has no power operator
     runs = [run for run in _EXPRESSION_RUN.findall(span) if any(c.isdigit() for c in run)]
     if not runs:
         return ""
-    run = runs[0] if explicit else runs[-1]
-    return run.replace("×", "*").replace("÷", "/").strip()
+    return runs[0].replace("×", "*").replace("÷", "/").strip()
 
 
 def evaluate_expression(text: str, numbers: list[int], use_all: bool = False) -> Optional[int]:

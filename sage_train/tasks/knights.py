@@ -22,8 +22,8 @@ pair in the answer span, where <sep> is "=", ":", "-" or "is"/"is a"/"is an",
 in any order, case and punctuation between pairs; it scores 1.0 when the pairs give every
 person one role (repeating a pair is harmless), name nobody else, and match the solution.
 The span, "free": that of `answer.free_span` when the answer is said explicitly (\\boxed{},
-"the answer is"), else the completion's last line holding a pair (reasoning before the
-conclusion may try other roles). "strict": that of `answer.answer_span`.
+"the answer is"), else the completion's first line holding a pair (the answer first, as the
+free rule reads every task). "strict": that of `answer.answer_span`.
 """
 
 from __future__ import annotations
@@ -176,8 +176,7 @@ def free_knights_span(completion: str) -> str:
     span, explicit = free_span(completion)
     if explicit:
         return span
-    lines = [line for line in completion.splitlines() if _PAIR.search(line)]
-    return lines[-1] if lines else ""
+    return next((line for line in completion.splitlines() if _PAIR.search(line)), "")
 
 
 def parse_assignment(text: str, people: int) -> Optional[tuple[bool, ...]]:

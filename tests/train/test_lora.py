@@ -6,10 +6,11 @@ import copy
 import json
 
 import pytest
+import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
-from sage_train import report
+from sage_train import checkpoint, report
 from sage_train.lora import AdapterDisabled, is_lora
 from sage_train.model import load_model_and_tokenizer
 from sage_train.rollout import SamplingParams, make_engine
@@ -207,15 +208,20 @@ def test_lora_two_processes(tmp_path, tiny_run, stage):
     assert model.lm_head.weight.shape[1] == tiny_run["tiny_hidden_size"]
 
 
-def test_lora_checkpoints_hold_the_adapter_not_the_base_and_resume(tiny_config, distributed):
-    options = dict(name="lora-ckpt", lora_rank=4, save_every=1, keep_checkpoints=0, log_completions=2)
-    train(tiny_config(steps=2, **options))
-    (states,) = (tiny_config(**options).run_dir / "checkpoints").glob("*1/*model_states.pt")
+def test_lora_checkpoints_hold_the_adapter_not_the_base_and_load_back(tiny_config, distributed):
+    options = dict(name="lora-ckpt", save_every=1, keep_checkpoints=0, log_completions=2, steps=2)
+    cfg = tiny_config(lora_rank=4, **options)
+    train(cfg)
+    (states,) = (cfg.run_dir / "checkpoints").glob("*2/*model_states.pt")
     module = torch.load(states, map_location="cpu", weights_only=False)["module"]
     assert module and all("lora_" in name for name in module)
-    summary = train(tiny_config(steps=3, resume=True, **options))
-    assert summary["steps_done"] == 3
-    lines = (tiny_config(**options).run_dir / "completions.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3]
-    assert all(len(r["completions"]) == len(r["rewards"]) == 8 and r["prompt"].endswith("=") for r in rows)
+    ctx, _ = lora_setup(tiny_config, distributed, **options)  # a fresh adapter on the same base
+    assert checkpoint.load(ctx.engine, [states.parent], [], None) == 2
+    trained = safetensors.torch.load_file(cfg.run_dir / "final" / "adapter" / "adapter_model.safetensors")
+    loaded = {n: p for n, p in ctx.engine.module.lm.named_parameters() if "lora_" in n}
+    assert len(trained) == len(loaded)
+    for name, value in trained.items():
+        torch.testing.assert_close(loaded[name.replace(".weight", ".default.weight")], value, rtol=0, atol=0)
+    rows = [json.loads(line) for line in (cfg.run_dir / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2]
+    assert all(len(r["completions"]) == len(r["rewards"]) == cfg.group_size for r in rows)

@@ -96,7 +96,9 @@ def test_hub_without_datasets_says_how_to_fix(monkeypatch):
 def test_grading_conventions():
     assert answer_for_grading("x \\boxed{1} <answer>2</answer>") == "x \\boxed{1} <answer>2</answer>"
     assert answer_for_grading("<answer>1</answer> then <answer> 2 </answer>") == "\\boxed{2}"
-    assert answer_for_grading("no answer") == "no answer"
+    assert answer_for_grading("no answer") == ""  # no number for math-verify to pick from the text
+    assert answer_for_grading("So the answer is $x=2$.\nDone: 3") == "$x=2$."
+    assert answer_for_grading("2 + 3 = 5, I think") == "\\boxed{5}"
 
 
 def test_chat_prompt_with_system_prompt(tmp_path):
@@ -174,9 +176,10 @@ def test_warm_start_on_another_dataset(tiny_config, distributed, tmp_path):
 
 def test_a_jsonl_tasks_held_out_split_is_not_its_rl_prompts(tmp_path, tiny_config):
     path = write_jsonl(tmp_path / "ten.jsonl", [{"problem": f"{i}+1?", "answer": str(i + 1)} for i in range(10)])
-    cfg = tiny_config(task=str(path), train_problems=6, prompts_per_step=2, eval_problems=8, eval_splits=["test"])
+    options = dict(task=str(path), task_options={}, prompts_per_step=2, eval_splits=["test"], eval_problems=8)
+    cfg = tiny_config(train_problems=6, **options)
     inputs = check_inputs(cfg, world=1)
     held_out = held_out_problems(cfg, inputs.task, inputs.train_problems)
     assert [p.id for p in held_out] == [f"ten/{i}" for i in range(6, 10)]  # the rows after the RL pool
     with pytest.raises(ConfigError, match="'test' has no held-out problem"):
-        check_inputs(tiny_config(task=str(path), prompts_per_step=2, eval_splits=["test"]), world=1)
+        check_inputs(tiny_config(**options), world=1)

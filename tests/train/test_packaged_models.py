@@ -5,6 +5,7 @@ through an installed distribution's metadata; a missing package named in one lin
 LM head's gradient through the fused loss (both uses of the shared matrix) against full-logits
 autograd in float64."""
 
+import json
 import sys
 
 import pytest
@@ -111,3 +112,15 @@ def test_the_tied_head_gets_the_gradient_of_both_uses_through_the_fused_loss(ggu
     hook.remove()
     input_share = oracle - head_only
     assert input_share.abs().max() > 10 * (fused.double() - oracle).abs().max()
+
+
+def test_sage_bench_train_compares_generation_with_trls_on_a_named_model(gguf_path, cache, tmp_path):
+    from sage_bench.cli import main as bench_main
+
+    out = tmp_path / "bench"
+    argv = ["train", f"--model={gguf_path}", "--prompts=2", "--group=3", "--new-tokens=4", "--repeats=1", "--threads=1"]
+    assert bench_main([*argv, f"--out={out}"]) == 0
+    info, *rows = [json.loads(line) for line in (out / "generation.jsonl").read_text().splitlines()]
+    assert info["args"]["group"] == 3 and [r["provider"] for r in rows] == ["sage hf engine", "TRL generate"]
+    assert all(6 <= r["tokens"] <= 24 and r["tokens_per_s"] > 0 for r in rows)  # 6 rows, 1 to 4 tokens each
+    assert "| TRL generate |" in (out / "generation.md").read_text()

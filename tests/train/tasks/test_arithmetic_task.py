@@ -114,9 +114,10 @@ FREE_FORMS = [  # (completion, the number it answers), as instruct models write 
     ("23 + 48 = 71", 71),
     ("**71**", 71),
     ("\\boxed{71}", 71),
-    ("To add 23 and 48: 20 + 40 = 60, 3 + 8 = 11, 60 + 11 = 71. So 23 + 48 = 71.", 71),
+    ("23 + 48 = 71. So the number 71 is even, 3 + 3 = 6", 71),  # the first result: answer, then ramble
+    ("69 + 59 = 128. The sum holds 10! bits", 128),  # a real SmolLM2 completion, shortened
     ("The answer is: 23 + 48 = 71. Check: 71 - 48 = 23", 71),  # the first after the marker
-    ("The sum of 23 and 48 is $71$. Hope this helps!", 71),
+    ("The sum is $71$. Hope this helps!", 71),
     ("The result is 71.0", 71),
     ("1,234 is the total", 1234),
     ("x = 9 - 14 = -5", -5),
@@ -138,3 +139,7 @@ def test_a_restated_question_or_no_answer_is_no_answer(completion):
     assert free_number(completion) in (None, Decimal("71.5"))
     for gold in ("22", "94", "2", "5", "4", "71"):
         assert ArithmeticTask().score(completion, Problem(id="p", question="?", answer=gold)) == 0.0
+
+
+def test_the_free_rules_limit_operands_restated_in_words_are_read():
+    assert free_number("The sum of 23 and 48 is 71.") == 23  # the first number that is no operand

@@ -134,9 +134,10 @@ def test_deep_or_long_expressions_are_rejected_without_error():
         ("56", 0.0, 0.0),
         ("= {s}", 0.0, 1.0),
         ("\\boxed{{{s}", 0.0, 0.0),
-        ("I would try 1+2 first. Then: {s} works", 0.0, 1.0),  # free: the last expression
+        ("I would try 1+2 first. Then: {s} works", 0.0, 0.0),  # free: the first expression
         ("The answer is **{s}**. Not 1+2.", 0.0, 1.0),  # free: the first after the marker
-        ("{s}\nor maybe 1+2", 1.0, 0.0),
+        ("Let me see: {s} = 56. Or 1+2.", 0.0, 1.0),
+        ("{s}\nor maybe 1+2", 1.0, 1.0),
     ],
 )
 def test_reading_the_expression_from_a_completion(completion, strict, free):

@@ -71,7 +71,7 @@ def test_verifier_against_every_assignment():
         ("{canonical}", ("free", "strict")),
         ("{canonical}<|endoftext|>", ("free", "strict")),
         ("{canonical}\nC=knight", ("strict",)),  # strict: the first line
-        ("If A is a knave, B lies...\nSo {sentences}", ("free",)),  # free: the last line with a pair
+        ("Let me think.\n{sentences}\nSo that is it.", ("free",)),  # free: the first line with a pair
         ("\\boxed{{{canonical}}}", ("free", "strict")),
         ("{sentences}", ("free", "strict")),
         ("{lower}", ("free", "strict")),

