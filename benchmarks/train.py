@@ -90,11 +90,14 @@ def trl_generate(model, tokenizer, prompts, args) -> int:
     encoded = tokenizer(repeated, padding=True, return_tensors="pt", add_special_tokens=False)  # left: load_pretrained
     with torch.no_grad():
         out = model.generate(**encoded, generation_config=config, disable_compile=True)
-    completions = out[:, encoded["input_ids"].shape[1] :]
-    # tokens up to and including the first EOS, as the engine counts them
-    is_eos = completions == tokenizer.eos_token_id
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full_like(is_eos[:, 0], completions.shape[1]))
-    return int(first.sum())
+    return completion_tokens(out[:, encoded["input_ids"].shape[1] :], tokenizer.eos_token_id)
+
+
+def completion_tokens(completions: torch.Tensor, eos: int) -> int:
+    """Tokens of the rows of `completions` up to and including the first EOS (all of a row without
+    one), as the engine counts them: ``generate`` pads finished rows, with EOS when it is the pad."""
+    is_eos = completions == eos
+    return int(torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completions.shape[1]).sum())
 
 
 PROVIDERS = {"sage hf engine": sage_engine, "TRL generate": trl_generate}

@@ -69,6 +69,24 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextmanager
+def frozen_weights_left_out(module):
+    """`module.state_dict()` without its frozen parameters while inside, under every name they have
+    (DeepSpeed's own ``exclude_frozen_parameters`` misses the second name of a tied weight: SmolLM2's
+    frozen 113 MB head, ``lm_head.weight`` beside ``embed_tokens.weight``)."""
+    frozen = [name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad]
+
+    def drop(_module, state, prefix, _metadata):
+        for name in frozen:
+            state.pop(prefix + name, None)
+
+    handle = module._register_state_dict_hook(drop)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
     """Write checkpoint `step` from every rank (a collective call), then drop all but the newest
     `keep` up to `step` (0 keeps all). Raises `RunError` (on every rank) when it cannot be
@@ -81,10 +99,8 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
     dist.barrier()
     error = None
     try:
-        # frozen weights (a LoRA run's base model) are not stored: the run rebuilds them from `model`
-        engine.save_checkpoint(
-            str(staging), tag=tag, client_state={"step": step}, save_latest=False, exclude_frozen_parameters=True
-        )
+        with frozen_weights_left_out(engine.module):  # a LoRA run's base: the run rebuilds it from `model`
+            engine.save_checkpoint(str(staging), tag=tag, client_state={"step": step}, save_latest=False)
         state = {"rng": rng_state(), "guide": guide.state_dict() if guide is not None else None}
         torch.save(state, staging / tag / f"rank{rank}.pt")
         if rank == 0:

@@ -124,3 +124,26 @@ def test_sage_bench_train_compares_generation_with_trls_on_a_named_model(gguf_pa
     assert info["args"]["group"] == 3 and [r["provider"] for r in rows] == ["sage hf engine", "TRL generate"]
     assert all(6 <= r["tokens"] <= 24 and r["tokens_per_s"] > 0 for r in rows)  # 6 rows, 1 to 4 tokens each
     assert "| TRL generate |" in (out / "generation.md").read_text()
+    from sage_bench.train import completion_tokens
+
+    assert completion_tokens(torch.tensor([[5, 2, 2], [5, 5, 5], [2, 2, 2], [5, 5, 2]]), eos=2) == 2 + 3 + 1 + 3
+
+
+def test_a_real_model_without_a_config_starts_from_the_real_model_recipe_not_tiny_cpus():
+    tiny, real = parse_args([]), parse_args(["--model=/some/model"])
+    assert (tiny.sft_steps, tiny.max_new_tokens, tiny.chat_template) == (3000, 8, "")
+    assert (real.model, real.sft_steps, real.chat_template, real.lora_rank) == ("/some/model", 0, "tokenizer", 16)
+    assert parse_args(["--config", "tiny-cpu", "--model=/some/model"]).sft_steps == 3000  # asked for explicitly
+
+
+def test_a_lora_checkpoint_of_a_tied_model_leaves_out_both_names_of_the_frozen_head(gguf_path, cache):
+    from sage_train.checkpoint import frozen_weights_left_out
+    from sage_train.lora import apply_lora
+
+    model, _ = load_pretrained(str(gguf_path))
+    policy = PolicyHead(apply_lora(model, rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    assert any(name.endswith("lm_head.weight") for name in policy.state_dict())  # tied: a second name
+    with frozen_weights_left_out(policy):
+        kept = policy.state_dict()
+    assert kept and all("lora_" in name for name in kept)
+    assert any(name.endswith("lm_head.weight") for name in policy.state_dict())  # only while inside
