@@ -136,9 +136,7 @@ def main(argv=None) -> int:
 
 def generation_table(rows: list[dict]) -> str:
     """Median seconds and tokens/s per provider, and each one's throughput over TRL's."""
-    median = {
-        name: statistics.median(r["tokens_per_s"] for r in rows if r["provider"] == name) for name in PROVIDERS
-    }
+    median = {name: statistics.median(r["tokens_per_s"] for r in rows if r["provider"] == name) for name in PROVIDERS}
     lines = ["| provider | median s | median tokens/s | x TRL | load (1-min) |", "|---|---|---|---|---|"]
     for name in PROVIDERS:
         mine = [r for r in rows if r["provider"] == name]

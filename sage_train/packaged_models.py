@@ -56,7 +56,9 @@ class NamedModel:
             raise ConfigError(f"model {name!r} needs the {self.package!r} package: {self.install}") from None
         path = Path(dist.locate_file(self.file))
         if not path.is_file():
-            raise ConfigError(f"model {name!r}: {path} is missing from package {self.package!r}; reinstall: {self.install}")
+            raise ConfigError(
+                f"model {name!r}: {path} is missing from package {self.package!r}; reinstall: {self.install}"
+            )
         return path, dist.version
 
 

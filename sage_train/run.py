@@ -160,8 +160,9 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
     "train" samples the first ``eval_problems`` RL prompts, "test" as many held-out problems (of
     ``eval_task`` when set; never RL prompts: `held_out_problems`). Each rank evaluates an equal
     share of the problems in one generate call per split (ZeRO-3 needs the same number of generate
-    calls everywhere), each problem with its own seed; the (n, c) counts are gathered over ranks. The rollout engine stays awake for
-    the whole evaluation: an engine holding its own weights loads them at most once."""
+    calls everywhere), each problem with its own seed; the (n, c) counts are gathered over ranks.
+    The rollout engine stays awake for the whole evaluation: an engine holding its own weights
+    loads them at most once."""
     cfg = ctx.cfg
     if cfg.eval_problems == 0 or not cfg.eval_splits:
         return None

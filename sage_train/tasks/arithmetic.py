@@ -41,7 +41,6 @@ OPERATORS = "+-*"
 _LEADING_INTEGER = re.compile(r"\s*(-?(?:\d{1,3}(?:,\d{3})+|\d+))(?!\d|[,.]\d)", re.ASCII)
 
 
-
 @dataclass(frozen=True)
 class ArithmeticTask:
     """Seeded multi-digit arithmetic problems with an exact integer verifier."""
@@ -112,4 +111,3 @@ def evaluate(numbers: list[int], ops: list[str]) -> int:
             total += sign * product
             sign, product = (1 if op == "+" else -1), x
     return total + sign * product
-

@@ -23,8 +23,9 @@ with 5 or fewer.
 Grading: the expression must parse, obey the rules and evaluate to the target. "free": the
 expression is a run of digits, operators (× and ÷ read as * and /), parentheses and spaces
 holding an operator, the first of the span of `answer.free_span` (the box, the text after "the
-answer is", else the whole completion): "(3 + 5) * 7 = 56" reads as "(3 + 5) * 7". "strict": the longest prefix of the span of `answer.answer_span` made of
-digits, operators, parentheses and spaces ("(3+5)*7=56" reads as "(3+5)*7").
+answer is", else the whole completion): "(3 + 5) * 7 = 56" reads as "(3 + 5) * 7". "strict": the
+longest prefix of the span of `answer.answer_span` made of digits, operators, parentheses and
+spaces ("(3+5)*7=56" reads as "(3+5)*7").
 """
 
 from __future__ import annotations

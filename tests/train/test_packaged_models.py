@@ -52,7 +52,9 @@ def test_a_gguf_file_converts_once_and_loads_like_any_model(gguf_path, cache, ca
     torch.testing.assert_close(model(ids).logits, direct(ids).logits, rtol=0, atol=0)
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.padding_side) == ("<|im_end|>", "<|im_end|>", "left")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+1"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == "<|im_start|>user\n1+1<|im_end|>\n<|im_start|>assistant\n"
     # the transformers convention: a directory and the file inside it name the same conversion
     assert model_directory(str(gguf_path.parent), gguf_path.name) == folder
