@@ -129,8 +129,14 @@ class HFEngine:
         self.model.train(was_training)
         new_tokens = out.sequences[:, input_ids.shape[1] :]
         if new_tokens.shape[1] > 0 and params.logprobs:
-            logp = (torch.stack(out.logits, dim=1).float() / params.temperature).log_softmax(-1)
-            token_logprobs = logp.gather(-1, new_tokens[..., None]).squeeze(-1).cpu()
+            # step by step: stacking the [rows, V] logits of every step first would copy them all, twice
+            token_logprobs = torch.stack(
+                [
+                    (logits.float() / params.temperature).log_softmax(-1).gather(-1, new_tokens[:, t, None])[:, 0]
+                    for t, logits in enumerate(out.logits)
+                ],
+                dim=1,
+            ).cpu()
         else:
             token_logprobs = torch.zeros(new_tokens.shape)
         new_tokens = new_tokens.cpu()
