@@ -19,10 +19,7 @@ from sage_train.packaged_models import NamedModel, model_directory
 from sage_train.policy import PolicyHead, make_batch
 from sage_train.rollout.base import Completion
 from sage_train.run_dir import check_inputs
-
-pytest.importorskip("gguf")
-
-from tiny_gguf import write_tiny_gguf  # noqa: E402
+from tiny_gguf import write_tiny_gguf  # the gguf package is in the [dev] extra
 
 
 @pytest.fixture
