@@ -10,7 +10,7 @@ from sage_train.config import parse_args, read_yaml
 def test_pilot_premise_is_study_arithmetic_with_the_default_pool_and_grpo():
     pilot = parse_args(["--config", "pilot-premise"])
     assert pilot.algorithm == "grpo" and pilot.guide == "none" and pilot.beta == 0.05 and pilot.kl == "k3"
-    assert pilot.task == "arithmetic" and pilot.task_options == {"digits": 2, "ops": "+"}
+    assert pilot.task == "arithmetic" and pilot.task_options == {"digits": 2, "ops": "+", "grading": "strict"}
     assert pilot.train_problems == 1000 and pilot.steps == 600 and pilot.eval_samples == 256
 
     study = read_yaml("study-arithmetic")
