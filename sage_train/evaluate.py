@@ -52,6 +52,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prob_all_wrong
 
 
+def pass_at_k_table(n: int, ks: Sequence[int]):
+    """A numpy array [len(ks), n + 1]: row i, column c is `pass_at_k(n, c, ks[i])`, the same
+    products in the same order (so the same bits), for looking up a whole matrix of counts at once."""
+    import numpy as np
+
+    if not ks or not all(1 <= k <= n for k in ks):
+        raise ValueError(f"every k must be in [1, n={n}] (pass@k needs at least k samples per problem); got {ks}")
+    ks = np.asarray(ks, dtype=np.float64)
+    table = np.ones((ks.size, n + 1))
+    for c in range(n + 1):
+        prob_all_wrong = np.ones(ks.size)
+        for i in range(n - c + 1, n + 1):
+            prob_all_wrong *= 1.0 - ks / i
+        table[:, c] = np.where(n - c < ks, 1.0, 1.0 - prob_all_wrong)
+    return table
+
+
 def mean_pass_at_k(counts: Sequence[tuple[int, int]], k: int) -> float:
     """pass@k averaged over problems given as (n, c) pairs."""
     if not counts:

@@ -7,6 +7,7 @@ phase never does.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -23,6 +24,8 @@ from .model import load_model_and_tokenizer, load_pretrained
 
 #: steps over which the warm start's loss is averaged for ``sft_target_loss``
 SFT_WINDOW = 50
+#: written into ``sft/``: the number of SFT steps the warm start took (a study records it per seed)
+WARM_START_FILE = "warm_start.json"
 
 
 def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, rank: int, *, resumed: bool):
@@ -57,6 +60,7 @@ def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, 
             with folder_written_atomically(sft_dir) as staged:  # a resume loads it when config.json is there
                 model.save_pretrained(staged)
                 tokenizer.save_pretrained(staged)
+                (staged / WARM_START_FILE).write_text(json.dumps({"sft_steps": steps}) + "\n")  # what made it
     return model, tokenizer
 
 

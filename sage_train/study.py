@@ -14,15 +14,17 @@ What lands in --out:
                            differ only in RL: the pairing of the paired differences
     runs/{arm}-s{seed}/    one algorithm ("arm": an algorithm preset plus overrides, e.g. a tau) and seed
     runs/*/study_eval/     sage-eval's records of that run's model (the start's: its sft/)
+    runs/*/study_env.json  the environment (library versions, commit, machine) that trained and
+                           evaluated the run (`sage_train.environment`)
     logs/                  each subprocess's output
     study.json, study.md, pass_at_k.png, training_curves.png
 
 Resumable: a run whose summary.json says it finished is reused; an unfinished one continues from
 its newest checkpoint (every run is launched with --resume); sage-eval resumes from its records.
-Killing the study (Ctrl-C, SIGTERM) stops the runs in flight (at a checkpoint when in the RL loop);
-the same command then finishes the grid. With --jobs N, N worker processes run at once, one torch
-thread each; each run is `sage_train.run.train` of its sage-train command line, in a worker (so
-torch and DeepSpeed are imported once per worker, not once per run).
+Killing the study (Ctrl-C, SIGTERM) starts nothing more and stops the runs in flight (at a
+checkpoint when in the RL loop); the same command then finishes the grid. With --jobs N, N worker
+processes run at once, one torch thread each; each run is `sage_train.run.train` of its sage-train
+command line, in a worker (so torch and DeepSpeed are imported once per worker, not once per run).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
@@ -42,7 +45,7 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, parse_args, read_yaml
-from .study_report import START, write_report
+from .study_report import ENV_FILE, START, write_report
 
 STUDY_KEYS = ("algorithms", "seeds", "baseline", "eval_n", "eval_problems", "train_config", "train")
 
@@ -207,9 +210,15 @@ def _ints(text: str, what: str) -> list:
 # ----------------------------------------------------------------------------- running the grid
 
 
+NOT_STARTED = "not started: the study was stopped"
+
+
 def run_task(study: Study, arm: Arm | None, seed: int) -> str:
     """Train (arm, seed) unless finished, then evaluate its model; runs in a worker process, its
-    output going to logs/{run}.log. arm None is the seed's starting point (its sft/ is evaluated)."""
+    output going to logs/{run}.log. arm None is the seed's starting point (its sft/ is evaluated).
+    Once the study is stopping, nothing new starts: a task the pool hands out afterwards returns."""
+    if _stop.is_set():
+        return NOT_STARTED
     run_dir = study.run_dir(arm.name if arm else START, seed)
     log_path = study.out / "logs" / f"{run_dir.name}.log"
     with open(log_path, "a") as log, _output_to(log):
@@ -219,7 +228,21 @@ def run_task(study: Study, arm: Arm | None, seed: int) -> str:
             summary = train(parse_args(study.train_args(arm, seed)))
             if not finished(run_dir):
                 return f"sage-train {'stopped' if summary and summary.get('interrupted') else 'failed'} ({log_path})"
+            record_environment(run_dir, "train")
+        if _stop.is_set():
+            return "trained, not evaluated: the study was stopped"
         return evaluate(study, run_dir, run_dir / ("sft" if arm is None else "final"), seed)
+
+
+def record_environment(run_dir: Path, stage: str) -> None:
+    """Adds {stage: environment} to run_dir/study_env.json: what trained (or evaluated) this run."""
+    from .checkpoint import write_atomically
+    from .environment import environment
+
+    path = run_dir / ENV_FILE
+    recorded = json.loads(path.read_text()) if path.is_file() else {}
+    recorded[stage] = environment()
+    write_atomically(path, json.dumps(recorded, indent=1) + "\n")
 
 
 def evaluate(study: Study, run_dir: Path, model: Path, seed: int) -> str:
@@ -238,7 +261,10 @@ def evaluate(study: Study, run_dir: Path, model: Path, seed: int) -> str:
     from .eval_command import main as eval_main
 
     code = eval_main(argv)
-    return "ok" if code == 0 and eval_done(out, study) else f"sage-eval exited {code}"
+    if code == 0 and eval_done(out, study):
+        record_environment(run_dir, "eval")
+        return "ok"
+    return f"sage-eval exited {code}"
 
 
 def _cpu_only() -> bool:
@@ -266,9 +292,15 @@ def _output_to(log):
         os.close(saved[1])
 
 
-def _worker_init() -> None:
-    """Workers leave Ctrl-C to the study, which stops them with SIGTERM (`stop_workers`). Each is a
-    world of one on a port of its own: a launcher's (or the caller's) rank variables are dropped."""
+_stop = threading.Event()  # in a worker: the study's stop event (`_worker_init`), set once it is stopping
+
+
+def _worker_init(stop) -> None:
+    """Workers leave Ctrl-C to the study, which sets `stop` and signals them with SIGTERM
+    (`stop_workers`). Each is a world of one on a port of its own: a launcher's (or the caller's)
+    rank variables are dropped."""
+    global _stop
+    _stop = stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
@@ -278,8 +310,11 @@ def _worker_init() -> None:
 
 
 def stop_workers(state: dict) -> None:
-    """SIGTERM to the workers: a run in its RL loop saves a checkpoint and returns."""
+    """Nothing new starts (the workers' stop event), and SIGTERM to the workers: a run in its RL
+    loop saves a checkpoint and returns; one in its warm start or evaluation ends (both resume)."""
     state["stopping"] = True
+    if "stop" in state:
+        state["stop"].set()
     for child in multiprocessing.active_children():
         os.kill(child.pid, signal.SIGTERM)
 
@@ -303,15 +338,22 @@ def run_grid(study: Study, state: dict, log=print) -> dict:
     statuses, total, started = {}, len(study.seeds) * (len(study.arms) + 1), time.time()
     (study.out / "logs").mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(study.jobs, mp_context=context, initializer=_worker_init) as pool:
+    state["stop"] = context.Event()
+    if state["stopping"]:  # a signal before the event existed
+        state["stop"].set()
+    workers = dict(mp_context=context, initializer=_worker_init, initargs=(state["stop"],))
+    with ProcessPoolExecutor(study.jobs, **workers) as pool:
         pending = {pool.submit(run_task, study, None, seed): (None, seed) for seed in study.seeds}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            if state["stopping"]:  # the queue is dropped; what a worker already holds returns at once
+                for future in pending:
+                    future.cancel()
             for future in done:
                 arm, seed = pending.pop(future)
                 name = f"{arm.name if arm else START}-s{seed}"
                 try:
-                    statuses[name] = future.result()
+                    statuses[name] = NOT_STARTED if future.cancelled() else future.result()
                 except Exception as error:  # a worker killed by the stop signal, or a crash
                     statuses[name] = f"{'stopped' if state['stopping'] else 'failed'}: {type(error).__name__}"
                 log(f"sage-study: [{len(statuses)}/{total}] {name}: {statuses[name]} ({time.time() - started:.0f} s)")

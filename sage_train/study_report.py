@@ -1,139 +1,141 @@
 """The numbers of a `sage-study`: pass@k with confidence intervals, paired differences, training
 curves, and the files study.json, study.md, pass_at_k.png and training_curves.png.
 
-Intervals (95%). pass@k of an arm is the mean over seeds and held-out problems of the unbiased
-per-problem estimate (`evaluate.pass_at_k`). Two sources of uncertainty are measured:
-- seeds: Student's t-interval over the per-seed means (`t_interval`), the run-to-run variation;
-- problems: a percentile bootstrap over the held-out problems (`bootstrap_interval`), resampling
-  the same problems for every seed, the variation from which problems were drawn.
-The interval reported (``ci_low``, ``ci_high``) is the wider of the two (``ci_source`` names it),
-the other is kept beside it. A difference from the baseline is paired: per seed (the arms of one
-seed start from the same model) and per problem (every model sees the same problems), and gets
-the same two intervals. With one seed only the bootstrap is available.
+study.json keeps what every number is computed from: the correct counts of every arm, seed and
+held-out problem, ``counts[arm][str(seed)] = {"n": n, "correct": [c per problem]}``, the problems
+in one order (their ids in ``problems``) for every arm and seed. pass@k of a cell (seed, problem)
+is the unbiased estimate from its counts (`evaluate.pass_at_k`); an arm's pass@k is the mean over
+the seeds x problems matrix of these, with the crossed seeds x problems 95% interval
+(`sage_train.intervals`: both are random factors). A difference from the baseline is paired, per
+cell: the arms of one seed start from the same model and every model sees the same problems; its
+interval is the crossed interval of the matrix of differences. `recompute(study.json)` rebuilds
+every interval from the stored counts. With one seed there is no interval (the seed-to-seed
+variance cannot be estimated from one seed); the entry's ``note`` says so.
+
+study.json also records the environment each run was trained and evaluated in (library versions,
+commit, machine; `sage_train.environment`), and per seed the warm start's SFT steps and pass@k.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import math
-import platform
 import statistics
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from .evaluate import pass_at_k
+from .environment import LIBRARIES, package_commit
+from .evaluate import pass_at_k_table
+from .intervals import crossed_interval, t_interval
 from .report import read_metrics
 
 START = "start"  # the arm name of the starting point (the warm-started model, no RL)
 
 CURVE_METRICS = ("reward", "entropy", "kl", "sage/q_mean", "sage/frac_q_gt_1")
-BOOTSTRAP_SAMPLES = 2000
 SMOOTH_STEPS = 5  # the curves' plots average this many steps (the JSON keeps every step)
+ENV_FILE = "study_env.json"  # in each run directory (written by `sage_train.study`)
 
 
-@functools.lru_cache(maxsize=None)
-def t_quantile(p: float, df: int) -> float:
-    """The p-quantile of Student's t with `df` degrees of freedom (bisection on its CDF, the
-    CDF by Simpson's rule on the density; no scipy)."""
-
-    def cdf(x: float) -> float:
-        log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-        steps = 2000
-        h = x / steps
-        total = 0.0
-        for i in range(steps + 1):
-            weight = 1 if i in (0, steps) else (4 if i % 2 else 2)
-            total += weight * math.exp(log_c - (df + 1) / 2 * math.log1p((i * h) ** 2 / df))
-        return 0.5 + total * h / 3
-
-    low, high = 0.0, 1000.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if cdf(mid) < p else (low, mid)
-    return (low + high) / 2
+# ----------------------------------------------------------------------------- counts and intervals
 
 
-def t_interval(values) -> tuple:
-    """(low, high): the 95% t-interval of the mean of `values` (None with fewer than 2)."""
-    if len(values) < 2:
-        return None
-    half = t_quantile(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    mean = statistics.fmean(values)
-    return (mean - half, mean + half)
-
-
-def bootstrap_interval(matrix: np.ndarray, seed: int = 0) -> tuple:
-    """(low, high): the 95% percentile bootstrap interval of matrix.mean(), resampling its
-    columns (problems) with replacement, the same columns for every row (seed)."""
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, matrix.shape[1], size=(BOOTSTRAP_SAMPLES, matrix.shape[1]))
-    means = matrix[:, picks].mean(axis=(0, 2))
-    return (float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975)))
-
-
-def interval(matrix: np.ndarray) -> dict:
-    """{mean, ci_low, ci_high, ci_source, ci_seeds, ci_problems, per_seed} of a seeds x problems matrix."""
-    per_seed = [float(row.mean()) for row in matrix]
-    seeds, problems = t_interval(per_seed), bootstrap_interval(matrix)
-    widest = "seeds" if seeds is not None and seeds[1] - seeds[0] >= problems[1] - problems[0] else "problems"
-    low, high = seeds if widest == "seeds" else problems
-    return {
-        "mean": float(matrix.mean()),
-        "ci_low": low,
-        "ci_high": high,
-        "ci_source": widest,
-        "ci_seeds": seeds,
-        "ci_problems": problems,
-        "per_seed": per_seed,
-    }
-
-
-def per_problem(counts: dict, seeds: list, k: int) -> np.ndarray:
-    """seeds x problems matrix of pass@k; counts[seed] is [(problem id, n, c)] in one fixed order."""
-    return np.array([[pass_at_k(n, c, k) for _, n, c in counts[seed]] for seed in seeds])
-
-
-def load_counts(study, arm: str) -> dict:
-    """{seed: [(problem id, n, c)]} of the seeds whose evaluation of `arm` finished."""
-    counts = {}
-    for seed in study.seeds:
-        results = study.run_dir(arm, seed) / "study_eval" / "results.json"
-        if results.is_file():
-            task = next(iter(next(iter(json.loads(results.read_text())["models"].values()))["tasks"].values()))
-            counts[seed] = [(r["problem_id"], r["n"], r["c"]) for r in task["problems"]]
-    return counts
-
-
-def aggregate(study, arm_names: list) -> dict:
-    """pass@k per arm and paired differences from the baseline, k = 1 ... eval_n."""
-    ks = range(1, study.eval_n + 1)
-    counts = {arm: load_counts(study, arm) for arm in arm_names}
-    arms = {}
+def collect_counts(study, arm_names: list) -> tuple:
+    """(problems, counts) from the runs' sage-eval records: the problem ids in their evaluation
+    order, and {arm: {str(seed): {"n", "correct"}}} for the (arm, seed) evaluations that finished.
+    Raises ValueError when two evaluations saw other problems or another order."""
+    problems, counts = None, {}
     for arm in arm_names:
-        seeds = sorted(counts[arm])
+        counts[arm] = {}
+        for seed in study.seeds:
+            results = study.run_dir(arm, seed) / "study_eval" / "results.json"
+            if not results.is_file():
+                continue
+            model = next(iter(json.loads(results.read_text())["models"].values()))
+            records = next(iter(model["tasks"].values()))["problems"]
+            ids = [r["problem_id"] for r in records]
+            if problems is None:
+                problems = ids
+            elif ids != problems:
+                raise ValueError(f"{arm} seed {seed} was evaluated on other problems than the first evaluation")
+            n = {r["n"] for r in records}
+            if len(n) != 1:
+                raise ValueError(f"{arm} seed {seed}: problems were sampled with different n {sorted(n)}")
+            counts[arm][str(seed)] = {"n": n.pop(), "correct": [r["c"] for r in records]}
+    return problems or [], counts
+
+
+def pass_at_k_matrices(entry: dict, seeds: list, ks: list) -> dict:
+    """{k: seeds x problems matrix of pass@k} of one arm's counts (`counts[arm]`)."""
+    n = {entry[str(seed)]["n"] for seed in seeds}
+    if len(n) != 1:
+        raise ValueError(f"seeds {seeds} were sampled with different n {sorted(n)}")
+    table = pass_at_k_table(n.pop(), ks)
+    correct = np.array([entry[str(seed)]["correct"] for seed in seeds])
+    return {k: table[i][correct] for i, k in enumerate(ks)}
+
+
+def aggregate(counts: dict, baseline: str, ks: list) -> dict:
+    """{arm: {"seeds", "problems", "pass_at_k": {k: interval}, and for arms paired with the
+    baseline "paired_seeds", "diff_vs_baseline": {k: interval}}} from stored counts; an interval
+    is `intervals.crossed_interval`'s dict."""
+    arms = {}
+    for arm, entry in counts.items():
+        seeds = sorted(int(seed) for seed in entry)
         if not seeds:
             arms[arm] = {"seeds": [], "pass_at_k": {}}
             continue
-        matrices = {k: per_problem(counts[arm], seeds, k) for k in ks}
+        matrices = pass_at_k_matrices(entry, seeds, ks)
         arms[arm] = {
             "seeds": seeds,
-            "problems": len(counts[arm][seeds[0]]),
-            "pass_at_k": {k: interval(matrices[k]) for k in ks},
+            "problems": len(entry[str(seeds[0])]["correct"]),
+            "pass_at_k": {k: crossed_interval(matrices[k]) for k in ks},
         }
-        paired = sorted(set(seeds) & set(counts[study.baseline]))
-        if arm != study.baseline and paired:
-            for seed in paired:  # the pairing by problem needs the same problems in the same order
-                if [p for p, _, _ in counts[arm][seed]] != [p for p, _, _ in counts[study.baseline][seed]]:
-                    raise ValueError(f"{arm} and {study.baseline} (seed {seed}) were evaluated on different problems")
+        paired = sorted(set(seeds) & {int(seed) for seed in counts.get(baseline, {})})
+        if arm != baseline and paired:
+            own, base = pass_at_k_matrices(entry, paired, ks), pass_at_k_matrices(counts[baseline], paired, ks)
             arms[arm]["paired_seeds"] = paired
-            arms[arm]["diff_vs_baseline"] = {
-                k: interval(per_problem(counts[arm], paired, k) - per_problem(counts[study.baseline], paired, k))
-                for k in ks
-            }
+            arms[arm]["diff_vs_baseline"] = {k: crossed_interval(own[k] - base[k]) for k in ks}
     return arms
+
+
+def recompute(path) -> dict:
+    """Every interval of a study.json from its stored counts: {arm: {"pass_at_k", "diff_vs_baseline"}}
+    with integer k, as `aggregate` computes them (a reader's check of a committed study)."""
+    report = json.loads(Path(path).read_text())
+    ks = list(range(1, report["study"]["eval_n"] + 1))
+    return aggregate(report["counts"], report["study"]["baseline"], ks)
+
+
+def warm_starts(study, counts: dict) -> dict:
+    """{str(seed): {"sft_steps", "pass_at_1", "pass_at_n"}}: each seed's warm start, as its sft/
+    records it (`sft.WARM_START_FILE`; None if absent) and as the study evaluated it."""
+    from .sft import WARM_START_FILE
+
+    result = {}
+    for seed in study.seeds:
+        path = study.run_dir(START, seed) / "sft" / WARM_START_FILE
+        entry = {"sft_steps": json.loads(path.read_text())["sft_steps"] if path.is_file() else None}
+        if str(seed) in counts.get(START, {}):
+            matrices = pass_at_k_matrices(counts[START], [seed], [1, study.eval_n])
+            entry.update(pass_at_1=float(matrices[1].mean()), pass_at_n=float(matrices[study.eval_n].mean()))
+        result[str(seed)] = entry
+    return result
+
+
+def environments(study, arm_names: list) -> list:
+    """The distinct environments the runs were trained and evaluated in, each with the runs (and
+    stage: train or eval) it produced; a run finished before environments were recorded is absent."""
+    found = []
+    for arm in arm_names:
+        for seed in study.seeds:
+            path = study.run_dir(arm, seed) / ENV_FILE
+            for stage, env in (json.loads(path.read_text()) if path.is_file() else {}).items():
+                match = next((e for e in found if e["environment"] == env), None)
+                if match is None:
+                    match = {"environment": env, "runs": []}
+                    found.append(match)
+                match["runs"].append(f"{arm}-s{seed}:{stage}")
+    return found
 
 
 def curves(study) -> dict:
@@ -174,11 +176,11 @@ def write_report(study, argv: list, wall_time_s) -> dict:
     """study.json, study.md, pass_at_k.png and training_curves.png in study.out; returns the
     report with a "summary" (the console's table). wall_time_s: None for --report-only."""
     arm_names = [START, *(arm.name for arm in study.arms)]
+    problems, counts = collect_counts(study, arm_names)
     report = {
         "command": "sage-study " + " ".join(argv),
-        "commit": _commit(),
-        "machine": f"{platform.node()}: {platform.platform()}, {platform.processor() or platform.machine()}, "
-        f"{_cpus()} CPU cores",
+        "report_commit": package_commit(),  # the code that computed the numbers below from the counts
+        "environments": environments(study, arm_names),
         "wall_time_s": wall_time_s,
         "run_time_s": _run_times(study),
         "study": {
@@ -190,35 +192,19 @@ def write_report(study, argv: list, wall_time_s) -> dict:
             "train_config": study.train_config,
             "train": study.train,
         },
-        "arms": aggregate(study, arm_names),
+        "warm_starts": warm_starts(study, counts),
+        "arms": aggregate(counts, study.baseline, list(range(1, study.eval_n + 1))),
         "curves": curves(study),
+        "problems": problems,
+        "counts": counts,
     }
     (study.out / "study.json").write_text(json.dumps(report, indent=1) + "\n")
+    report = json.loads((study.out / "study.json").read_text())  # string keys, as a reader sees them
     plot_pass_at_k(report, study.out / "pass_at_k.png")
     plot_curves(report["curves"], study.out / "training_curves.png")
     report["summary"] = summary_table(report, study)
     (study.out / "study.md").write_text(markdown(report, study) + "\n")
     return report
-
-
-def _commit() -> str:
-    try:
-        found = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=10,
-        )
-        return found.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _run_times(study) -> float:
@@ -237,67 +223,96 @@ def _ks_shown(n: int) -> list:
     return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
 
 
-def _cell(entry: dict, percent: bool = True, sign: bool = False) -> str:
-    scale = 100 if percent else 1
+def _cell(entry: dict, sign: bool = False) -> str:
+    """A mean and its interval in percent ("-" for the interval when there is none: one seed)."""
     fmt = "+.1f" if sign else ".1f"
-    return f"{scale * entry['mean']:{fmt}} [{scale * entry['ci_low']:{fmt}}, {scale * entry['ci_high']:{fmt}}]"
+    if entry["ci_low"] is None:
+        return f"{100 * entry['mean']:{fmt}} [-]"
+    return f"{100 * entry['mean']:{fmt}} [{100 * entry['ci_low']:{fmt}}, {100 * entry['ci_high']:{fmt}}]"
+
+
+def _directions(entry: dict) -> str:
+    """How many seeds' paired differences are above / below zero ("3/2")."""
+    per_seed = entry["per_seed"]
+    return f"{sum(d > 0 for d in per_seed)}/{sum(d < 0 for d in per_seed)}"
 
 
 def summary_table(report: dict, study) -> str:
     """The console summary: pass@1 and pass@n per arm, and the paired differences."""
-    n, lines = (
-        study.eval_n,
-        [f"sage-study: held-out pass@k (%), mean [95% CI], {study.eval_problems} problems x {study.eval_n} samples"],
-    )
+    n = str(study.eval_n)
+    lines = [f"sage-study: held-out pass@k (%), mean [95% CI], {study.eval_problems} problems x {n} samples"]
     for arm, result in report["arms"].items():
         if not result["pass_at_k"]:
             lines.append(f"  {arm:24s} (no finished evaluation)")
             continue
-        line = f"  {arm:24s} pass@1 {_cell(result['pass_at_k'][1])}  pass@{n} {_cell(result['pass_at_k'][n])}"
+        line = f"  {arm:24s} pass@1 {_cell(result['pass_at_k']['1'])}  pass@{n} {_cell(result['pass_at_k'][n])}"
         if "diff_vs_baseline" in result:
             diff = result["diff_vs_baseline"]
-            line += f"  vs {study.baseline}: {_cell(diff[1], sign=True)} / {_cell(diff[n], sign=True)}"
+            line += f"  vs {study.baseline}: {_cell(diff['1'], sign=True)} / {_cell(diff[n], sign=True)}"
         lines.append(line + f"  ({len(result['seeds'])} seeds)")
+    if any(len(result["seeds"]) == 1 for result in report["arms"].values()):
+        lines.append("  [-]: one seed, so no interval (how much another seed would differ is unmeasured)")
     lines.append(f"  wrote {study.out / 'study.md'}, study.json, pass_at_k.png, training_curves.png")
     return "\n".join(lines)
 
 
+def _k_table(title: str, rows: list, ks: list) -> list:
+    """A markdown table: one row (name, seeds, a cell per k) per entry of `rows`."""
+    header = "| algorithm | seeds | " + " | ".join(f"pass@{k}" for k in ks) + " |"
+    return ["", title, "", header, "|---|---:|" + "---:|" * len(ks), *(f"| {' | '.join(row)} |" for row in rows)]
+
+
 def markdown(report: dict, study) -> str:
-    ks, arms = _ks_shown(study.eval_n), report["arms"]
+    ks, arms = [str(k) for k in _ks_shown(study.eval_n)], report["arms"]
     lines = [
         "# sage-study",
         "",
-        f"- command: `{report['command']}`",
-        f"- commit: {report['commit']}; machine: {report['machine']}",
+        f"- command: `{report['command']}`; report computed at commit {report['report_commit']}",
         f"- wall time: {_wall(report['wall_time_s'])}; the sage-train runs took "
         f"{report['run_time_s'] / 60:.1f} min in all (the evaluations not counted)",
         f"- held-out: {study.eval_problems} problems x {study.eval_n} samples per model; seeds {study.seeds}; "
         f"training config `{study.train_config}` with {json.dumps(study.train)}",
         f"- arms: `{START}` is the warm-started model every algorithm of a seed starts from (no RL); "
         + "; ".join(f"`{name}`: {json.dumps(spec)}" for name, spec in report["study"]["arms"].items()),
-        "",
-        "95% intervals: the wider of a t-interval over seeds and a bootstrap over problems "
-        "(sage_train/study_report.py says how). Differences are paired by seed and problem.",
-        "",
-        "## Held-out pass@k (%)",
-        "",
-        "| algorithm | seeds | " + " | ".join(f"pass@{k}" for k in ks) + " |",
-        "|---|---:|" + "---:|" * len(ks),
     ]
-    for arm, result in arms.items():
-        cells = [_cell(result["pass_at_k"][k]) if result["pass_at_k"] else "-" for k in ks]
-        lines.append(f"| {arm} | {len(result['seeds'])} | " + " | ".join(cells) + " |")
+    for found in report["environments"]:
+        env = found["environment"]
+        versions = ", ".join(f"{key} {env[key]}" for key in ("python", *LIBRARIES))
+        lines.append(
+            f"- environment of {len(found['runs'])} run stage(s): commit {env['commit']}; {versions}; "
+            f"{env['machine']['cpu']}, {env['machine']['cores']} cores, {env['machine']['threads']} torch thread(s)"
+        )
     lines += [
         "",
-        f"## Difference from {study.baseline} (percentage points, paired)",
+        "95% intervals: crossed seeds x problems (two-way random-effects ANOVA, Satterthwaite degrees of "
+        "freedom; `sage_train/intervals.py`), recomputable from the counts in study.json "
+        "(`sage_train.study_report.recompute`). Differences are paired by seed and problem.",
         "",
-        "| algorithm | seeds | " + " | ".join(f"pass@{k}" for k in ks) + " |",
-        "|---|---:|" + "---:|" * len(ks),
+        "## Warm starts",
+        "",
+        f"| seed | SFT steps | held-out pass@1 | held-out pass@{study.eval_n} |",
+        "|---:|---:|---:|---:|",
     ]
-    for arm, result in arms.items():
-        if "diff_vs_baseline" in result:
-            cells = [_cell(result["diff_vs_baseline"][k], sign=True) for k in ks]
-            lines.append(f"| {arm} | {len(result['paired_seeds'])} | " + " | ".join(cells) + " |")
+    for seed, start in report["warm_starts"].items():
+        cells = [str(start["sft_steps"]) if start["sft_steps"] is not None else "-"]
+        cells += [f"{100 * start[key]:.1f}" if key in start else "-" for key in ("pass_at_1", "pass_at_n")]
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    rows = [
+        [arm, str(len(r["seeds"])), *(_cell(r["pass_at_k"][k]) if r["pass_at_k"] else "-" for k in ks)]
+        for arm, r in arms.items()
+    ]
+    lines += _k_table("## Held-out pass@k (%)", rows, ks)
+    paired = {arm: r for arm, r in arms.items() if "diff_vs_baseline" in r}
+    rows = [
+        [arm, str(len(r["paired_seeds"])), *(_cell(r["diff_vs_baseline"][k], True) for k in ks)]
+        for arm, r in paired.items()
+    ]
+    lines += _k_table(f"## Difference from {study.baseline} (percentage points, paired)", rows, ks)
+    rows = [
+        [arm, str(len(r["paired_seeds"])), *(_directions(r["diff_vs_baseline"][k]) for k in ks)]
+        for arm, r in paired.items()
+    ]
+    lines += _k_table(f"## Seeds above / below {study.baseline} (paired difference > 0 / < 0)", rows, ks)
     lines += [
         "",
         "## Training (mean over seeds; first and last 10% of steps)",
@@ -334,9 +349,9 @@ def plot_pass_at_k(report: dict, path: Path) -> None:
             entries = [result[key][k] for k in ks]
             x = [int(k) for k in ks]
             ax.plot(x, [e["mean"] for e in entries], marker="o", markersize=3, label=arm, color=colors[arm])
-            ax.fill_between(
-                x, [e["ci_low"] for e in entries], [e["ci_high"] for e in entries], color=colors[arm], alpha=0.12
-            )
+            if all(e["ci_low"] is not None for e in entries):  # one seed: no band
+                low, high = [e["ci_low"] for e in entries], [e["ci_high"] for e in entries]
+                ax.fill_between(x, low, high, color=colors[arm], alpha=0.12)
     left.set_title("held-out pass@k (95% CI)")
     right.set_title(f"difference from {baseline}, paired (95% CI)")
     right.axhline(0.0, color="black", linewidth=0.8)

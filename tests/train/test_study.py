@@ -1,10 +1,10 @@
-"""sage-study: the interval math against direct computations, a real tiny grid end to end (its
-aggregated numbers recomputed from the evaluation records), resume reusing finished runs, bad
-arguments, and the guide's share of tokens (`sage/frac_q_gt_1`) from the real loss."""
+"""sage-study: a real tiny grid end to end (its stored counts read back from the evaluation
+records, every interval recomputed from them, the environment and warm starts recorded), resume
+reusing finished runs, a rerun of a seed reproducing its counts, bad arguments, and the guide's
+share of tokens (`sage/frac_q_gt_1`) from the real loss. The interval math: test_intervals.py."""
 
 import json
-import math
-import statistics
+import shutil
 
 import numpy as np
 import pytest
@@ -13,32 +13,9 @@ import torch
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_train.cli import study_main
 from sage_train.evaluate import pass_at_k
+from sage_train.intervals import crossed_interval
 from sage_train.step import LossTotals
-from sage_train.study_report import bootstrap_interval, interval, t_quantile
-
-
-def test_t_quantile_matches_closed_forms():
-    # df 1 is the Cauchy distribution, df 2 has t_p = (2p - 1) / sqrt(2 p (1 - p))
-    assert t_quantile(0.975, 1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-4)
-    assert t_quantile(0.975, 2) == pytest.approx(0.95 / math.sqrt(2 * 0.975 * 0.025), rel=1e-4)
-    assert t_quantile(0.975, 200) == pytest.approx(1.9719, abs=1e-3)  # near the normal's 1.96
-
-
-def test_interval_is_the_wider_of_seeds_and_problems():
-    rng = np.random.default_rng(1)
-    matrix = rng.random((3, 40))
-    result = interval(matrix)
-    per_seed = matrix.mean(axis=1)
-    half = t_quantile(0.975, 2) * statistics.stdev(per_seed) / math.sqrt(3)
-    assert result["mean"] == pytest.approx(matrix.mean())
-    assert result["ci_seeds"] == pytest.approx((per_seed.mean() - half, per_seed.mean() + half))
-    assert result["ci_problems"] == pytest.approx(bootstrap_interval(matrix))
-    widths = {name: result[f"ci_{name}"][1] - result[f"ci_{name}"][0] for name in ("seeds", "problems")}
-    assert result["ci_source"] == max(widths, key=widths.get)
-    assert result["ci_high"] - result["ci_low"] == pytest.approx(max(widths.values()))
-    # identical seeds: no seed variation, so the problems decide
-    same = interval(np.tile(matrix[:1], (3, 1)))
-    assert same["ci_source"] == "problems" and same["ci_seeds"] == pytest.approx((same["mean"], same["mean"]))
+from sage_train.study_report import recompute
 
 
 def test_loss_totals_count_the_tokens_the_guide_raises():
@@ -69,6 +46,11 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys):
     assert study_main(["--seeds", "0"]) == 2 and "--out" in capsys.readouterr().err
 
 
+def as_json(value):
+    """`value` as study.json stores it (string keys; floats round-trip exactly)."""
+    return json.loads(json.dumps(value))
+
+
 def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
     out = tmp_path / "study"
     argv = [
@@ -97,31 +79,35 @@ def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
     report = json.loads((out / "study.json").read_text())
     assert {"study.md", "pass_at_k.png", "training_curves.png"} <= {p.name for p in out.iterdir()}
 
-    def per_seed(arm, k):  # pass@k of each seed straight from sage-eval's records
-        values = []
-        for seed in (0, 1):
-            records = [
-                json.loads(line)
-                for line in (out / "runs" / f"{arm}-s{seed}" / "study_eval" / "records.jsonl").read_text().splitlines()
-            ]
-            assert len(records) == 5 and all(r["n"] == 4 for r in records)
-            values.append(statistics.fmean(pass_at_k(4, r["c"], k) for r in records))
-        return values
+    def records(arm, seed):  # sage-eval's own records of (arm, seed)
+        path = out / "runs" / f"{arm}-s{seed}" / "study_eval" / "records.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
 
-    t = t_quantile(0.975, 1)
+    assert len(report["problems"]) == 5
     for arm in ("start", "grpo", "sage-branch"):
+        for seed in (0, 1):  # the stored counts are the records', in the stored problem order
+            by_id = {r["problem_id"]: r for r in records(arm, seed)}
+            stored = report["counts"][arm][str(seed)]
+            assert stored == {"n": 4, "correct": [by_id[p]["c"] for p in report["problems"]]}
         result = report["arms"][arm]
         assert result["seeds"] == [0, 1] and sorted(result["pass_at_k"], key=int) == ["1", "2", "3", "4"]
         for k in (1, 4):
-            values = per_seed(arm, k)
-            entry = result["pass_at_k"][str(k)]
-            assert entry["mean"] == pytest.approx(statistics.fmean(values))
-            mean, half = statistics.fmean(values), t * statistics.stdev(values) / math.sqrt(2)
-            assert entry["ci_seeds"] == pytest.approx([mean - half, mean + half])
-            assert entry["ci_low"] <= entry["mean"] <= entry["ci_high"]
-        if arm != "grpo":  # paired by seed with the baseline (grpo)
-            diffs = [a - b for a, b in zip(per_seed(arm, 1), per_seed("grpo", 1))]
-            assert report["arms"][arm]["diff_vs_baseline"]["1"]["per_seed"] == pytest.approx(diffs)
+            matrix = np.array([[pass_at_k(4, c, k) for c in report["counts"][arm][s]["correct"]] for s in ("0", "1")])
+            assert result["pass_at_k"][str(k)] == as_json(crossed_interval(matrix))
+        if arm != "grpo":  # paired by seed and problem with the baseline (grpo)
+            base = np.array([[pass_at_k(4, c, 1) for c in report["counts"]["grpo"][s]["correct"]] for s in ("0", "1")])
+            own = np.array([[pass_at_k(4, c, 1) for c in report["counts"][arm][s]["correct"]] for s in ("0", "1")])
+            assert result["diff_vs_baseline"]["1"] == as_json(crossed_interval(own - base))
+    # a reader's recomputation from study.json alone gives every interval
+    assert as_json(recompute(out / "study.json")) == report["arms"]
+    # the environment: one, that trained and evaluated all 6 runs; the warm starts' SFT steps
+    (env,) = report["environments"]
+    assert len(env["runs"]) == 12 and env["environment"]["torch"] == torch.__version__
+    assert env["environment"]["machine"]["threads"] == 1 and env["environment"]["commit"]
+    for seed in ("0", "1"):
+        start = report["warm_starts"][seed]
+        assert start["sft_steps"] == 150
+        assert start["pass_at_1"] == pytest.approx(np.mean(report["counts"]["start"][seed]["correct"]) / 4)
     curves = report["curves"]
     assert curves["grpo"]["sage/frac_q_gt_1"]["mean"] == [0.0, 0.0]  # no guide: q = 1 everywhere
     assert curves["sage-branch"]["reward"]["step"] == [1, 2] and curves["sage-branch"]["reward"]["seeds"] == 2
@@ -134,3 +120,10 @@ def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
     assert printed.count("ok (reused)") == 6
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/summary.json")} == stamps
     assert json.loads((out / "study.json").read_text())["arms"] == report["arms"]
+
+    # seed 1 rerun from nothing (its warm start, both algorithms, their evaluations): the same counts
+    for arm in ("start", "grpo", "sage-branch"):
+        shutil.rmtree(out / "runs" / f"{arm}-s1")
+    assert study_main(argv) == 0
+    assert capsys.readouterr().out.count("ok (reused)") == 3
+    assert json.loads((out / "study.json").read_text())["counts"] == report["counts"]
