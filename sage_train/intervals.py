@@ -55,7 +55,9 @@ def crossed_anova(matrix) -> dict:
     residual = y - seed_means[:, None] - problem_means[None, :] + mean
     ms_residual = float((residual**2).sum()) / df_residual
     # var(mean) * S * P = sum of coefficient x mean square; a truncated component drops its term
-    seed_in, problem_in = ms_seed > ms_residual, ms_problem > ms_residual
+    # (a component within rounding of zero, e.g. identical seeds, counts as zero)
+    rounding = 1e-12 * max(ms_seed, ms_problem, ms_residual)
+    seed_in, problem_in = ms_seed - ms_residual > rounding, ms_problem - ms_residual > rounding
     terms = [
         (float(seed_in), ms_seed, df_seed),
         (float(problem_in), ms_problem, df_problem),
@@ -70,8 +72,8 @@ def crossed_anova(matrix) -> dict:
         "ms_seed": ms_seed,
         "ms_problem": ms_problem,
         "ms_residual": ms_residual,
-        "var_seed": max(0.0, (ms_seed - ms_residual) / problems),
-        "var_problem": max(0.0, (ms_problem - ms_residual) / seeds),
+        "var_seed": (ms_seed - ms_residual) / problems if seed_in else 0.0,
+        "var_problem": (ms_problem - ms_residual) / seeds if problem_in else 0.0,
         "var_residual": ms_residual,
         "var_mean": max(0.0, total) / (seeds * problems),
         "df": total**2 / spread if total > 0 and spread > 0 else None,

@@ -217,8 +217,13 @@ def run_task(study: Study, arm: Arm | None, seed: int) -> str:
     """Train (arm, seed) unless finished, then evaluate its model; runs in a worker process, its
     output going to logs/{run}.log. arm None is the seed's starting point (its sft/ is evaluated).
     Once the study is stopping, nothing new starts: a task the pool hands out afterwards returns."""
-    if _stop.is_set():
-        return NOT_STARTED
+    with _stoppable():
+        if _stop.is_set():  # checked after SIGTERM unwinds the task: the event is set before the signal
+            return NOT_STARTED
+        return _run(study, arm, seed)
+
+
+def _run(study: Study, arm: Arm | None, seed: int) -> str:
     run_dir = study.run_dir(arm.name if arm else START, seed)
     log_path = study.out / "logs" / f"{run_dir.name}.log"
     with open(log_path, "a") as log, _output_to(log):
@@ -297,11 +302,12 @@ _stop = threading.Event()  # in a worker: the study's stop event (`_worker_init`
 
 def _worker_init(stop) -> None:
     """Workers leave Ctrl-C to the study, which sets `stop` and signals them with SIGTERM
-    (`stop_workers`). Each is a world of one on a port of its own: a launcher's (or the caller's)
-    rank variables are dropped."""
+    (`stop_workers`); an idle worker ignores it. Each is a world of one on a port of its own: a
+    launcher's (or the caller's) rank variables are dropped."""
     global _stop
     _stop = stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     import torch
@@ -309,9 +315,27 @@ def _worker_init(stop) -> None:
     torch.set_num_threads(1)  # tiny models: one thread per worker is fastest, and --jobs shares the cores
 
 
+@contextlib.contextmanager
+def _stoppable():
+    """SIGTERM during a task raises KeyboardInterrupt in it rather than killing the worker: the RL
+    loop installs its own handler (a checkpoint, then it returns); anywhere else (warm start,
+    evaluation, a compiler lock held while an extension builds) the task unwinds and releases
+    what it holds, and the worker lives on."""
+
+    def interrupt(*_):
+        raise KeyboardInterrupt("stopped by sage-study")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def stop_workers(state: dict) -> None:
     """Nothing new starts (the workers' stop event), and SIGTERM to the workers: a run in its RL
-    loop saves a checkpoint and returns; one in its warm start or evaluation ends (both resume)."""
+    loop saves a checkpoint and returns; one in its warm start or evaluation unwinds (`_stoppable`;
+    both resume)."""
     state["stopping"] = True
     if "stop" in state:
         state["stop"].set()
@@ -354,7 +378,7 @@ def run_grid(study: Study, state: dict, log=print) -> dict:
                 name = f"{arm.name if arm else START}-s{seed}"
                 try:
                     statuses[name] = NOT_STARTED if future.cancelled() else future.result()
-                except Exception as error:  # a worker killed by the stop signal, or a crash
+                except (Exception, KeyboardInterrupt) as error:  # a task unwound by the stop signal, or a crash
                     statuses[name] = f"{'stopped' if state['stopping'] else 'failed'}: {type(error).__name__}"
                 log(f"sage-study: [{len(statuses)}/{total}] {name}: {statuses[name]} ({time.time() - started:.0f} s)")
                 if arm is None and statuses[name].startswith("ok") and not state["stopping"]:
