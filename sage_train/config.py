@@ -185,6 +185,12 @@ class RunOptions:
     guide_decay_rate: Optional[float] = None
     guide_normalization: Optional[str] = None  # the token guide's: "minmax", "rank" or "zscore"
 
+    # SAGE's objective through the reward (reward_kl.py; presets *-exact, grpo-kl-in-reward): at
+    # generation, beta times each completion's KL to q * pi_ref (k1: sum of log pi_old - log pi_ref
+    # - log q) comes off its reward before the group advantages, and the loss's beta is 0
+    kl_in_reward: Optional[bool] = None
+    kl_in_reward_length_normalized: bool = False  # that KL averaged over the completion's tokens, not summed
+
     # DAPO's batch shaping
     dynamic_sampling: Optional[bool] = None
     dynamic_sampling_max_rounds: int = 3

@@ -4,20 +4,32 @@ A preset fills every config key left as None (`TrainConfig` loss options, the gu
 its schedule, DAPO's batch shaping, reward scaling); keys set in the YAML or on the
 command line win. The resolved values are saved with the run.
 
-| preset           | what it is                                                                      |
-| ---------------- | ------------------------------------------------------------------------------- |
-| grpo             | GRPO, KL to the reference with beta 0.05 and TRL's k3 estimator                 |
-| grpo-no-kl       | GRPO without the KL term (beta 0)                                               |
-| grpo-forward-kl  | GRPO with a forward-KL estimator (below)                                        |
-| sage-branch      | SAGE with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max); default|
-| sage-token       | SAGE with the token (surprisal) guide, (alpha, sigma) on the official schedule  |
-| sage-random      | SAGE with the random guide (eps of the tokens get q = 1 + sigma xi), the control |
-| bnpo             | the paper's "BNPO (no KL)": loss_type bnpo, beta 0, nothing else changed         |
-| dapo             | the paper's "DAPO (no KL)": loss_type dapo, beta 0, nothing else changed         |
-| sage-branch-bnpo | the paper's "BNPO + Branch": loss_type bnpo, beta 0.05, the branch guide         |
-| sage-branch-dapo | the paper's "DAPO + Branch": loss_type dapo, beta 0.05, the branch guide         |
-| dapo-full        | DAPO with its extras: eps_high 0.28, no KL, dynamic sampling, overlong filtering |
-| dr_grpo          | Dr. GRPO: constant normaliser (B x max_new_tokens) and unscaled advantages r - mean |
+| preset            | what it is                                                                          |
+| ----------------- | ----------------------------------------------------------------------------------- |
+| grpo              | GRPO, KL to the reference with beta 0.05 and TRL's k3 estimator                     |
+| grpo-no-kl        | GRPO without the KL term (beta 0)                                                   |
+| grpo-forward-kl   | GRPO with a forward-KL estimator (below)                                            |
+| grpo-beta1.4x     | GRPO with beta 0.05 x q_max = 0.07: the branch loss's largest KL weight (below)     |
+| grpo-kl-in-reward | GRPO with its KL(pi || pi_ref) in the reward, not the loss (verl's way)             |
+| sage-branch       | SAGE with the branch guide q = clamp(1 + gamma (H - tau)+, q_min, q_max); default   |
+| sage-token        | SAGE with the token (surprisal) guide, (alpha, sigma) on the official schedule      |
+| sage-random       | SAGE with the random guide (eps of the tokens get q = 1 + sigma xi), the control    |
+| sage-branch-exact | SAGE's objective: KL(pi || q pi_ref) in the reward, the branch guide's q            |
+| sage-token-exact  | SAGE's objective with the token guide                                               |
+| sage-random-exact | SAGE's objective with the random guide                                              |
+| bnpo              | the paper's "BNPO (no KL)": loss_type bnpo, beta 0, nothing else changed            |
+| dapo              | the paper's "DAPO (no KL)": loss_type dapo, beta 0, nothing else changed            |
+| sage-branch-bnpo  | the paper's "BNPO + Branch": loss_type bnpo, beta 0.05, the branch guide            |
+| sage-branch-dapo  | the paper's "DAPO + Branch": loss_type dapo, beta 0.05, the branch guide            |
+| dapo-full         | DAPO with its extras: eps_high 0.28, no KL, dynamic sampling, overlong filtering    |
+| dr_grpo           | Dr. GRPO: constant normaliser (B x max_new_tokens) and unscaled advantages r - mean |
+
+The ``*-exact`` presets and grpo-kl-in-reward set ``kl_in_reward`` (`sage_train.reward_kl`): the
+KL goes into the reward at generation, with beta, and the loss's beta is 0. grpo-beta1.4x is the
+control docs/convergence.md derives for the branch loss: in expectation its k3 term pulls each
+position toward pi_ref with weight beta * q_s, q_s in [1, q_max], so the branch loss lies between
+grpo (q_s = 1, the guide off) and grpo-beta1.4x (q_s = q_max = 1.4 everywhere); there is no
+single factor, and no reason for one above q_max.
 
 The token and random guides' schedule keys (``guide_alpha_*``, ``guide_sigma_*``, ``guide_eps_*``,
 ``guide_num_cycles``, ``guide_decay_rate``, ``guide_normalization``) default to the official
@@ -65,6 +77,7 @@ BASE = {
     "dynamic_sampling": False,
     "overlong_filter": False,
     "scale_rewards": True,
+    "kl_in_reward": False,
 }
 
 PRESETS = {
@@ -86,6 +99,11 @@ PRESETS = {
         "overlong_filter": True,
     },
     "dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": False},
+    "grpo-beta1.4x": {"beta": round(LossConfig().beta * LossConfig().q_max, 12)},
+    "grpo-kl-in-reward": {"kl_in_reward": True},
+    "sage-branch-exact": {"guide": "branch", "kl_in_reward": True},
+    "sage-token-exact": {"guide": "token", "kl_in_reward": True},
+    "sage-random-exact": {"guide": "random", "kl_in_reward": True},
 }
 
 #: trainer-level guides: "branch" is computed inside the loss, "token" and "random" outside it.
@@ -112,6 +130,7 @@ def apply_preset(cfg):
     if cfg.guide not in GUIDES:
         raise PresetError(f"config key 'guide' must be one of {list(GUIDES)}, got {cfg.guide!r}")
     check_guide_schedule(cfg)
+    check_kl_in_reward(cfg)
     try:
         loss_config(cfg)
     except (ValueError, TypeError) as error:
@@ -135,8 +154,19 @@ def check_guide_schedule(cfg) -> None:
     require(cfg.guide_eps_max <= 1, "guide_eps_max", "a probability (<= 1)")
 
 
+def check_kl_in_reward(cfg) -> None:
+    """``kl_in_reward`` needs a KL weight, and its length option needs it on (else it would do nothing)."""
+    if cfg.kl_in_reward and cfg.beta == 0:
+        raise PresetError("config key 'beta' must be > 0 with kl_in_reward (it weighs the reward's KL), got 0")
+    if cfg.kl_in_reward_length_normalized and not cfg.kl_in_reward:
+        raise PresetError("config key 'kl_in_reward_length_normalized' needs kl_in_reward: true")
+
+
 def loss_config(cfg) -> LossConfig:
-    """The `LossConfig` of a resolved TrainConfig (the normaliser is set per step by the trainer)."""
+    """The `LossConfig` of a resolved TrainConfig (the normaliser is set per step by the trainer).
+    With ``kl_in_reward`` the KL and the guide are in the reward: the loss gets beta 0, no guide."""
     options = {name: getattr(cfg, name) for name in LOSS_KEYS}
     options["guide"] = "branch" if cfg.guide == "branch" else "none"  # token / random: log_q from outside
+    if cfg.kl_in_reward:
+        options["beta"], options["guide"] = 0.0, "none"
     return LossConfig(**options, temperature=cfg.temperature, max_completion_length=cfg.max_new_tokens)

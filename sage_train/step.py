@@ -1,5 +1,6 @@
-"""One RL step, top to bottom: rollouts -> rewards -> group advantages -> behaviour and reference
-log-probs -> the fused SAGE loss -> the optimizer step.
+"""One RL step, top to bottom: rollouts -> rewards -> behaviour and reference log-probs -> group
+advantages (with ``kl_in_reward``, of the reward minus beta times the KL to q pi_ref:
+`sage_train.reward_kl`) -> the fused SAGE loss -> the optimizer step.
 
 Normalisers. The loss of one optimizer step is that of the whole batch, over all micro-batches
 and ranks: grpo and dr_grpo weight each micro-batch by its share of the step's rows; bnpo and
@@ -36,6 +37,7 @@ from .importance import truncated_is_weights
 from .policy import Batch, make_batch, score
 from .presets import loss_config
 from .report import COMPLETIONS_FILE, write_completions
+from .reward_kl import shaped_rewards
 from .rewards import grade
 from .rollout import SamplingParams
 
@@ -94,9 +96,10 @@ def rl_step(ctx: Context, step: int) -> dict:
     )
 
     # 5. the external guide, if any: the token guide is given the current policy's log-probs inside
-    # the loss forward (`PolicyHead`); the random guide is drawn here, once per step
-    log_q = ctx.guide
-    if isinstance(ctx.guide, RandomGuide):
+    # the loss forward (`PolicyHead`); the random guide is drawn here, once per step. With
+    # kl_in_reward the guide and the KL were in the reward at generation: the loss has neither.
+    log_q = None if cfg.kl_in_reward else ctx.guide
+    if isinstance(log_q, RandomGuide):
         log_q = ctx.guide(batch.completion_mask)
 
     # 6. the loss on hidden states + LM head, micro-batch by micro-batch, then the optimizer step
@@ -105,7 +108,7 @@ def rl_step(ctx: Context, step: int) -> dict:
         batch,
         gen.advantages[rows],
         gen.old_logp[rows],
-        None if gen.ref_logp is None else gen.ref_logp[rows],
+        None if gen.ref_logp is None or cfg.kl_in_reward else gen.ref_logp[rows],
         log_q,
         None if gen.is_weights is None else gen.is_weights[rows],
     )
@@ -140,20 +143,25 @@ def generate(ctx: Context, first_step: int) -> Generation:
     groups, rewards, rounds = collect_groups(ctx, first_step)
     completions = [c for group in groups for c in group["completions"]]
 
-    # 2. group advantages: (r - mean) / (std + 1e-4) within each prompt's group
-    advantages = group_advantages(rewards, scale=cfg.scale_rewards).flatten().to(ctx.device)
-
-    # 3. the batch; DAPO's overlong filtering drops completions cut by max_new_tokens from the loss
+    # 2. the batch; DAPO's overlong filtering drops completions cut by max_new_tokens from the loss
     batch = make_batch(completions, ctx.device, ctx.tokenizer.pad_token_id)
     truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=ctx.device)
     if cfg.overlong_filter:
         batch.completion_mask &= ~truncated[:, None]
 
-    # 4. behaviour and reference log-probs (no gradient), fixed for the whole generation
+    # 3. behaviour and reference log-probs (no gradient), fixed for the whole generation
     mb = cfg.micro_batch_size
-    old_logp, _ = score(ctx.engine, batch, mb, cfg.temperature)
+    old_logp, entropy = score(ctx.engine, batch, mb, cfg.temperature)
     is_weights, tis_metrics = rollout_correction(cfg, completions, old_logp, batch)
     ref_logp = score(ctx.reference, batch, mb, cfg.temperature)[0] if ctx.reference is not None else None
+
+    # 4. group advantages: (r - mean) / (std + 1e-4) within each prompt's group, of the verifier's
+    # reward or, with kl_in_reward, of that reward minus beta times the completion's KL to q pi_ref
+    shaped, kl_metrics = rewards, {}
+    if cfg.kl_in_reward:
+        args = (rewards, old_logp, entropy, ref_logp, batch.completion_mask)
+        shaped, kl_metrics = shaped_rewards(cfg, ctx.guide, *args)
+    advantages = group_advantages(shaped, scale=cfg.scale_rewards).flatten().to(ctx.device)
 
     lengths = batch.completion_mask.new_tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
     metrics = {
@@ -165,6 +173,7 @@ def generate(ctx: Context, first_step: int) -> Generation:
         "completions/max_length": lengths.max(),
         "completions/clipped_ratio": truncated.float().mean(),
         **tis_metrics,
+        **kl_metrics,
     }
     if getattr(ctx.rollout, "last_sync_s", None) is not None:  # engines holding their own weights
         metrics["rollout/sync_time"] = ctx.rollout.last_sync_s
