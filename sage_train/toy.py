@@ -3,14 +3,17 @@
 The policy is a table of logits: a batch row's `hidden` is the one-hot feature of its prefix
 node and `weight` is the table, so every gradient comes out of `fused_linear_sage_loss`
 (float64 reference backend). Per algorithm (grpo: no guide; sage-branch: the branch guide;
-sage-token: a fixed token-dependent guide passed as log_q), three ways to train:
+sage-token: a deterministic token-dependent guide passed as log_q), five ways to train:
 (a) exact: the gradient of J = E_pi[r] - beta KL(pi || Q), Q = pi_ref prod_t q held fixed;
 (b) expected: the trainer's loss (beta k3, guide recomputed each step, normalised advantages)
     with every sequence weighted by its probability;
-(c) sampled: G completions per prompt, `group_advantages`, one on-policy step per batch.
+(c) sampled: G completions per prompt, `group_advantages`, one on-policy step per batch;
+(d), (e): the trainer's ``kl_in_reward`` (`sage_train.reward_kl`) in expectation and sampled,
+    q recomputed from the current policy: toward the self-consistent optimum pi = pi*(q(pi)).
 
 `python -m sage_train.toy --out DIR` writes DIR/toy.json, DIR/curves.json (TV to the target along
-training) and plots (docs/results/toy.md).
+training) and plots, then runs the coverage toy (`sage_train.toy_coverage`, one policy table shared
+by 32 prompts) into DIR/coverage.json (docs/results/toy.md).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ import torch.nn.functional as F
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_train.advantages import group_advantages
+from sage_train.reward_kl import sequence_kl
 from sage_train.tasks import enumerable as E
+from sage_train.toy_report import compare, plot, sampled_report
 
 ALGORITHMS = ("grpo", "sage-branch", "sage-token")
 BACKEND = "reference"  # float64 and materialised logits: exact, and the tables are tiny
-KS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
@@ -56,27 +61,67 @@ class Options:
     group_size: int = 8
     seeds: int = 5
     eval_every: int = 25
+    hard: int = 1  # the last `hard` prompts have only rare correct answers
+    # one logit table shared by the prompts, added to each prompt's pi_ref (the coverage toy,
+    # sage_train/toy_coverage.py); the prompts' pi_ref share a base table, each spread around it
+    shared: bool = False
+    spread: float = 0.5
+    coverage: int = 32  # the prompts of the coverage toy run after this one (toy_coverage.py); 0: none
 
 
 class Toy:
-    """The task, its guides, fixed anchors and the rows every way feeds to the loss."""
+    """The task, its guides, fixed anchors and the rows every way feeds to the loss.
+
+    The policy's parameters theta [V, D] are the loss's `weight`. Tabular (the default): one
+    column per (prompt, node), D = P N, theta starts at pi_ref's logits. Shared (`opts.shared`):
+    one column per node for every prompt, added to the prompt's pi_ref logits, D = N, theta starts
+    at 0; a row's `hidden` is then the node's one-hot feature followed by pi_ref's logits at the
+    row's (prompt, node), which face an identity block of the weight."""
 
     def __init__(self, opts: Options) -> None:
         self.opts = opts
-        self.task = task = E.make_task(opts.prompts, opts.vocab, opts.length, seed=opts.task_seed)
+        spread = opts.spread if opts.shared else None
+        task = E.make_task(opts.prompts, opts.vocab, opts.length, seed=opts.task_seed, hard=opts.hard, spread=spread)
+        self.task = task
         P, S = task.prompts, task.sequences
-        self.dim = P * task.num_nodes
+        self.dim = task.num_nodes if opts.shared else P * task.num_nodes
         self.ref_table = torch.log_softmax(task.ref_logits, dim=-1)
-        clamp = {"q_min": opts.q_min, "q_max": opts.q_max}
-        self.token_log_q = E.token_log_q(task.ref_logits, gamma=opts.token_gamma, tau=opts.token_tau, **clamp)
-        # The anchors held fixed for J: the branch guide as the first step computes it (at pi_ref).
-        branch = E.branch_log_q(task.ref_logits, gamma=opts.gamma, tau=opts.tau, **clamp)
-        self.fixed_log_q = {"grpo": None, "sage-branch": branch, "sage-token": self.token_log_q}
+        self.token_log_q = self.guide_log_q("sage-token", task.ref_logits)
+        # The anchors held fixed for J: each guide as the first step computes it (at pi_ref).
+        self.fixed_log_q = {a: self.guide_log_q(a, task.ref_logits) for a in ALGORITHMS}
         self.optimum = {a: E.optimum(task, self.fixed_log_q[a], opts.beta) for a in ALGORITHMS}
         self.anchor = {a: E.task_logprobs(task, task.ref_logits, self.fixed_log_q[a]) for a in ALGORITHMS}
         self.ref_seq = self.anchor["grpo"]
+        # pi = pi*(q(pi)): the guide computed from the optimum itself, as SAGE computes it from the policy
+        consistent = {a: E.self_consistent_optimum(task, partial(self.guide_log_q, a), opts.beta) for a in ALGORITHMS}
+        self.consistent = {a: c[0] for a, c in consistent.items()}
+        self.iterations = {a: c[1:] for a, c in consistent.items()}
         self.full_prompts = torch.arange(P).repeat_interleave(S)
         self.full_seqs = torch.arange(S).repeat(P)
+
+    def guide_log_q(self, algorithm: str, logits: torch.Tensor):
+        """log q [P, N, V] of `algorithm`'s guide for the node table `logits`, or None (no guide):
+        the branch guide from its entropies, the toy's token guide from its surprisals."""
+        o, clamp = self.opts, {"q_min": self.opts.q_min, "q_max": self.opts.q_max}
+        if algorithm.startswith("sage-branch"):
+            return E.branch_log_q(logits, gamma=o.gamma, tau=o.tau, **clamp)
+        if algorithm.startswith("sage-token"):
+            return E.token_log_q(logits, gamma=o.token_gamma, tau=o.token_tau, **clamp)
+        return None
+
+    def start(self) -> torch.Tensor:
+        """theta at pi_ref."""
+        return (
+            torch.zeros(self.task.vocab, self.dim, dtype=E.DTYPE)
+            if self.opts.shared
+            else table_of(self.task.ref_logits)
+        )
+
+    def weight(self, theta: torch.Tensor, extra: int = 0) -> torch.Tensor:
+        """The loss's weight for `theta`, with an identity block facing pi_ref's logits (shared) and
+        `extra` identity columns facing zero features (way (b): the rows' logit gradients)."""
+        eye = torch.eye(self.task.vocab, dtype=E.DTYPE)
+        return torch.cat([theta] + [eye] * (int(self.opts.shared) + (1 if extra else 0)), dim=1)
 
     def loss(self, algorithm: str, beta: float, hidden, weight, tokens, advantages, token_q=None, **inputs):
         """`fused_linear_sage_loss` in float64 with `algorithm`'s options (TRL's k3 and `grpo` loss type,
@@ -91,66 +136,104 @@ class Toy:
         )
 
     def rows(self, prompt_ids: torch.Tensor, seq_ids: torch.Tensor, extra: int = 0):
-        """One-hot prefix features [B, L, P*N + extra], tokens, table columns, pi_ref and token-guide log-probs."""
-        task = self.task
+        """Features [B, L, D (+ V shared) + extra] (`Toy`), tokens, theta's columns, pi_ref and
+        token-guide log-probs of the rows (prompt, sequence)."""
+        task, prompt = self.task, prompt_ids[:, None]
         nodes, tokens = task.nodes[seq_ids], task.tokens[seq_ids]
-        cols = prompt_ids[:, None] * task.num_nodes + nodes
-        hidden = F.one_hot(cols, self.dim + extra).to(E.DTYPE)
-        ref_logp = self.ref_table[prompt_ids[:, None], nodes, tokens]
-        token_q = self.token_log_q[prompt_ids[:, None], nodes, tokens]
+        cols = nodes if self.opts.shared else prompt * task.num_nodes + nodes
+        hidden = F.one_hot(cols, self.dim).to(E.DTYPE)
+        if self.opts.shared:
+            hidden = torch.cat([hidden, task.ref_logits[prompt, nodes]], dim=-1)
+        hidden = F.pad(hidden, (0, extra))
+        ref_logp = self.ref_table[prompt, nodes, tokens]
+        token_q = self.token_log_q[prompt, nodes, tokens]
         return hidden, tokens, cols, ref_logp, token_q
 
     def logits(self, theta: torch.Tensor) -> torch.Tensor:
+        """The policy's node table [P, N, V]."""
+        if self.opts.shared:
+            return self.task.ref_logits + theta.detach().t()[None]
         return theta.detach().t().reshape(self.task.ref_logits.shape)
 
     def seq_logp(self, theta: torch.Tensor) -> torch.Tensor:
         return E.task_logprobs(self.task, self.logits(theta))
 
     def report(self, seq: torch.Tensor, algorithm: str) -> dict:
+        """`E.policy_report` against this algorithm's pi* (q at pi_ref), and the TV to its
+        self-consistent optimum (q at the optimum itself)."""
         targets = {"optimum": self.optimum[algorithm], "grpo_optimum": self.optimum["grpo"]}
-        return E.policy_report(self.task, seq, **targets, log_q=self.fixed_log_q[algorithm], beta=self.opts.beta, ks=KS)
+        o = self.opts
+        report = E.policy_report(self.task, seq, **targets, log_q=self.fixed_log_q[algorithm], beta=o.beta, ks=KS)
+        report["tv_to_consistent"] = float(E.tv(seq, self.consistent[algorithm]).mean())
+        return report
 
 
 # ----------------------------------------------------------------------------- the three ways
 
 
-def exact_step(toy: Toy, theta: torch.Tensor, algorithm: str, full) -> None:
-    """(a): theta.grad = -grad J (averaged over prompts), through the loss with beta 0."""
+def exact_step(toy: Toy, theta: torch.Tensor, algorithm: str, full, *, reward_kl: str = "") -> None:
+    """(a): theta.grad = -grad J (averaged over prompts), through the loss with beta 0: the sequence
+    advantage f - E_pi f, f = r - beta log(pi / Q), Q = pi_ref prod q with q at pi_ref. With
+    `reward_kl`, way (d): the trainer's ``kl_in_reward`` in expectation, the advantage
+    (f - E_pi f) / (std_pi f + 1e-4) as the trainer's groups grow, and q "frozen" at pi_ref or
+    "recomputed" from the current policy (held fixed within the step, as at generation)."""
     hidden, tokens, _, _, _ = full
-    seq = toy.seq_logp(theta)
-    value = toy.task.reward - toy.opts.beta * (seq - toy.anchor[algorithm])
-    advantage = (value - (seq.exp() * value).sum(-1, keepdim=True)).reshape(-1)
+    task, seq = toy.task, toy.seq_logp(theta)
+    anchor = toy.anchor[algorithm]
+    if reward_kl == "recomputed":
+        anchor = E.task_logprobs(task, task.ref_logits, toy.guide_log_q(algorithm, toy.logits(theta)))
+    value = task.reward - toy.opts.beta * (seq - anchor)
+    if reward_kl:
+        advantage = E.population_advantages(task, seq, value)
+    else:
+        advantage = value - (seq.exp() * value).sum(-1, keepdim=True)
     # The loss averages rows and positions (1 / (P S L)); weights S L pi(x) make it E_pi per prompt.
-    weights = (toy.task.sequences * toy.task.length * seq.exp()).reshape(-1, 1).expand_as(tokens)
-    toy.loss("grpo", 0.0, hidden, theta, tokens, advantage, is_weights=weights).loss.backward()
+    weights = (task.sequences * task.length * seq.exp()).reshape(-1, 1).expand_as(tokens)
+    weight = toy.weight(theta)
+    toy.loss("grpo", 0.0, hidden, weight, tokens, advantage.reshape(-1), is_weights=weights).loss.backward()
 
 
-def expected_step(toy: Toy, theta: torch.Tensor, algorithm: str, full, zero_advantages: bool = False) -> float:
-    """(b): theta.grad = E_pi[gradient of the trainer's loss], every sequence weighted by pi(x).
-    Returns the fraction of positions where q != 1, weighted by pi."""
+def expected_step(toy: Toy, theta, algorithm: str, full, zero_advantages: bool = False, beta=None) -> float:
+    """(b): theta.grad = E_pi[gradient of the trainer's loss] (KL weight `beta`, default the
+    options'), every sequence weighted by pi(x). Returns the fraction of positions where q != 1,
+    weighted by pi."""
     hidden, tokens, cols, ref_logp, token_q = full
     task, V = toy.task, toy.task.vocab
     seq = toy.seq_logp(theta)
     advantage = torch.zeros_like(seq) if zero_advantages else E.population_advantages(task, seq)
     hidden = hidden.clone().requires_grad_(True)
-    weight = torch.cat([theta.detach(), torch.eye(V, dtype=E.DTYPE)], dim=1)
-    out = toy.loss(algorithm, toy.opts.beta, hidden, weight, tokens, advantage.reshape(-1), token_q, ref_logp=ref_logp)
+    weight = toy.weight(theta.detach(), extra=V)
+    beta = toy.opts.beta if beta is None else beta
+    out = toy.loss(algorithm, beta, hidden, weight, tokens, advantage.reshape(-1), token_q, ref_logp=ref_logp)
     (grad_hidden,) = torch.autograd.grad(out.loss, hidden)
     # Each row's logit gradient carries 1 / (P S L); S pi(x) turns the row mean into E_pi per prompt.
     row_weight = (task.sequences * seq.exp()).reshape(-1, 1, 1)
-    per_row = (grad_hidden[..., toy.dim :] * row_weight).reshape(-1, V)
+    per_row = (grad_hidden[..., -V:] * row_weight).reshape(-1, V)
     theta.grad = torch.zeros(toy.dim, V, dtype=E.DTYPE).index_add_(0, cols.reshape(-1), per_row).t()
     prob = seq.exp().reshape(-1, 1)
     return float((prob * (out.q != 1.0)).sum() / (prob.sum() * task.length))
 
 
-def sampled_step(toy: Toy, theta: torch.Tensor, algorithm: str, generator: torch.Generator) -> None:
-    """(c): G samples per prompt, group-normalised advantages, one on-policy step."""
+def sampled_step(
+    toy: Toy, theta: torch.Tensor, algorithm: str, generator: torch.Generator, reward_kl: str = ""
+) -> None:
+    """(c): G samples per prompt, group-normalised advantages, one on-policy step. With `reward_kl`
+    ("frozen": q at pi_ref; "recomputed": q from the current policy, as the trainer does), the
+    trainer's ``kl_in_reward``: the reward minus beta times each sample's `sequence_kl`, beta 0 in
+    the loss (way (e))."""
     task, G = toy.task, toy.opts.group_size
     draws = torch.multinomial(toy.seq_logp(theta).exp(), G, replacement=True, generator=generator)
-    advantage = group_advantages(task.reward.gather(1, draws)).reshape(-1)
-    hidden, tokens, _, ref_logp, token_q = toy.rows(torch.arange(task.prompts).repeat_interleave(G), draws.reshape(-1))
-    out = toy.loss(algorithm, toy.opts.beta, hidden, theta, tokens, advantage, token_q, ref_logp=ref_logp)
+    prompts = torch.arange(task.prompts).repeat_interleave(G)
+    hidden, tokens, _, ref_logp, token_q = toy.rows(prompts, draws.reshape(-1))
+    reward, beta = task.reward.gather(1, draws), toy.opts.beta
+    if reward_kl:
+        logits, at = toy.logits(theta), (prompts[:, None], task.nodes[draws.reshape(-1)], tokens)
+        table = toy.guide_log_q(algorithm, logits) if reward_kl == "recomputed" else toy.fixed_log_q[algorithm]
+        old_logp = torch.log_softmax(logits, dim=-1)[at]
+        kl = sequence_kl(old_logp, ref_logp, None if table is None else table[at], torch.ones_like(tokens).bool())
+        reward, beta, algorithm = reward - toy.opts.beta * kl.view(reward.shape), 0.0, "grpo"
+    advantage = group_advantages(reward).reshape(-1)
+    out = toy.loss(algorithm, beta, hidden, toy.weight(theta), tokens, advantage, token_q, ref_logp=ref_logp)
     out.loss.backward()
 
 
@@ -189,7 +272,7 @@ def table_of(logits: torch.Tensor) -> torch.Tensor:
 
 def run(opts: Options, log=print) -> dict:
     start, toy = time.perf_counter(), Toy(opts)
-    task, ref_theta = toy.task, table_of(toy.task.ref_logits)
+    task, ref_theta = toy.task, toy.start()
     full = toy.rows(toy.full_prompts, toy.full_seqs)
     full_aug = toy.rows(toy.full_prompts, toy.full_seqs, extra=task.vocab)
     activity = {a: E.guide_activity(task, toy.fixed_log_q[a], task.ref_logits) for a in ("sage-branch", "sage-token")}
@@ -201,16 +284,20 @@ def run(opts: Options, log=print) -> dict:
     }
     result["reference"] = toy.report(toy.ref_seq, "grpo")
     result["optimum"] = {a: toy.report(toy.optimum[a], a) for a in ALGORITHMS}
+    result["self_consistent"] = {a: toy.report(toy.consistent[a], a) for a in ALGORITHMS}
+    for a in ALGORITHMS:
+        result["self_consistent"][a]["iterations"], result["self_consistent"][a]["last_move"] = toy.iterations[a]
 
     def done(way: str, a: str, text: str) -> None:
         log(f"({way}) {a:12s} {text}  [{time.perf_counter() - start:.0f}s]")
 
     curves, ends = {}, {}
-    for a in ALGORITHMS:
-        step = partial(exact_step, toy, algorithm=a, full=full)
-        theta, curves["exact", a], _ = train(toy, step, ref_theta, toy.optimum[a])
-        result.setdefault("exact", {})[a] = toy.report(toy.seq_logp(theta), a)
-        done("exact", a, f"tv to pi* {result['exact'][a]['tv_to_optimum']:.2e}")
+    for way, mode, target in (("exact", "", toy.optimum), ("reward_expected", "recomputed", toy.consistent)):
+        for a in ALGORITHMS:  # (a) and (d)
+            step = partial(exact_step, toy, algorithm=a, full=full, reward_kl=mode)
+            theta, curves[way, a], _ = train(toy, step, ref_theta, target[a])
+            result.setdefault(way, {})[a] = report = toy.report(toy.seq_logp(theta), a)
+            done(way, a, "tv to pi* {tv_to_optimum:.2e}, to self-consistent {tv_to_consistent:.2e}".format(**report))
     for a in ALGORITHMS:
         active = []  # the probability-weighted fraction of positions with q != 1, per step
 
@@ -234,100 +321,27 @@ def run(opts: Options, log=print) -> dict:
         result.setdefault("kl_only", {})[a] = {"tv_to_fixed_point": tv_fixed, "fixed_point_tv_to_reference": tv_ref}
         done("kl only", a, f"tv to q pi_ref / Z_t {tv_fixed:.2e}")
 
-    sampled_end = {a: [] for a in ALGORITHMS}
-    for a in ALGORITHMS:
-        for seed in range(opts.seeds):
-            generator = torch.Generator().manual_seed(1000 + seed)  # the same seeds for every algorithm
-            step = partial(sampled_step, toy, algorithm=a, generator=generator)
-            theta, curves["sampled", a, seed], settled = train(toy, step, ref_theta, toy.optimum[a], sampled=True)
-            sampled_end[a].append((toy.seq_logp(theta), settled))
-        result.setdefault("sampled", {})[a] = sampled_report(toy, a, sampled_end[a], ends[a])
-        text = "tv to pi* {tv_to_optimum:.4f}, to (b) {tv_to_expected:.4f}, 2nd half {settled_tv_to_expected:.4f}"
-        done("sampled", a, text.format(**result["sampled"][a]))
+    sampled_end = {}
+    for way, mode, target in (("sampled", "", toy.optimum), ("reward_sampled", "recomputed", toy.consistent)):
+        for a in ALGORITHMS:  # (c) and (e)
+            sampled_end[way, a] = []
+            for seed in range(opts.seeds):
+                generator = torch.Generator().manual_seed(1000 + seed)  # the same seeds for every algorithm
+                step = partial(sampled_step, toy, algorithm=a, generator=generator, reward_kl=mode)
+                theta, curves[way, a, seed], settled = train(toy, step, ref_theta, target[a], sampled=True)
+                sampled_end[way, a].append((toy.seq_logp(theta), settled))
+            expected_end = ends[a] if way == "sampled" else toy.consistent[a]
+            result.setdefault(way, {})[a] = sampled_report(toy, a, sampled_end[way, a], expected_end)
+            text = "tv to pi* {tv_to_optimum:.4f}, to (b) or self-consistent {tv_to_expected:.4f}, 2nd half "
+            done(way, a, (text + "{settled_tv_to_expected:.4f}").format(**result[way][a]))
 
     result["tv_exact_objective"] = max(result["exact"][a]["tv_to_optimum"] for a in ALGORITHMS)
+    result["tv_reward_expected"] = max(result["reward_expected"][a]["tv_to_consistent"] for a in ALGORITHMS)
     result["tv_kl_only_surrogate"] = max(result["kl_only"][a]["tv_to_fixed_point"] for a in ALGORITHMS)
     result["branch_vs_grpo"] = compare(result, ends, sampled_end)
     result["curves"] = {" ".join(map(str, key)): curve for key, curve in curves.items()}
     result["wall_seconds"] = time.perf_counter() - start
     return result
-
-
-def mean(values):
-    """Mean over seeds of numbers, or elementwise of equal-length lists."""
-    return [sum(c) / len(c) for c in zip(*values)] if isinstance(values[0], list) else sum(values) / len(values)
-
-
-def sampled_report(toy: Toy, algorithm: str, ends: list, expected_end: torch.Tensor) -> dict:
-    """(c) per seed and averaged over seeds: the final table and the second-half average (`settled`)."""
-    optimum, runs = toy.optimum[algorithm], []
-    for seq, settled in ends:
-        runs.append(toy.report(seq, algorithm))
-        runs[-1]["tv_to_expected"] = float(E.tv(seq, expected_end).mean())
-        runs[-1]["settled_tv_to_optimum"] = float(E.tv(settled, optimum).mean())
-        runs[-1]["settled_tv_to_expected"] = float(E.tv(settled, expected_end).mean())
-        runs[-1]["settled_pass_at_k"] = E.pass_at_k(toy.task, settled, KS).mean(0).tolist()
-    return {"per_seed": runs, **{key: mean([r[key] for r in runs]) for key in runs[0]}}
-
-
-def compare(result: dict, expected_end: dict, sampled_end: dict) -> dict:
-    """How far sage-branch ends from grpo, per way: pass@k differences; for (b) the TV between the two
-    ends; for (c) the TV between a branch seed and a grpo seed against that between two grpo seeds
-    (the noise floor), for the final tables and the second-half averages, and the paired pass@1 gaps."""
-    out = {}
-    for way in ("optimum", "exact", "expected", "sampled"):
-        diff = [b - g for b, g in zip(result[way]["sage-branch"]["pass_at_k"], result[way]["grpo"]["pass_at_k"])]
-        out[way] = {"pass_at_k_difference": diff, "max_abs_pass_at_k_difference": max(abs(d) for d in diff)}
-    out["expected"]["tv_between"] = float(E.tv(expected_end["sage-branch"], expected_end["grpo"]).mean())
-    seeds = range(len(sampled_end["grpo"]))
-    pairs = [(j, k) for j in seeds for k in seeds if j != k]
-    for i, name in enumerate(("final", "settled")):
-        for a, label in (("sage-branch", "branch"), ("grpo", "grpo")):
-            tvs = [float(E.tv(sampled_end[a][j][i], sampled_end["grpo"][k][i]).mean()) for j, k in pairs]
-            out["sampled"][f"tv_{name}_{label}_to_grpo_seeds"] = mean(tvs) if tvs else None
-    per_seed = [result["sampled"][a]["per_seed"] for a in ("sage-branch", "grpo")]
-    out["sampled"]["pass_at_1_paired_gaps"] = [b["pass_at_k"][0] - g["pass_at_k"][0] for b, g in zip(*per_seed)]
-    return out
-
-
-def plot(result: dict, out: Path) -> list[str]:
-    """tv_curves.png (TV to the target along training, per way) and pass_at_k.png (exact curves)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colours = {"grpo": "tab:blue", "sage-branch": "tab:red", "sage-token": "tab:green"}
-    titles = {"exact": "(a) exact gradient of J", "expected": "(b) the loss in expectation"}
-    titles.update(kl_only="(b) zero advantages, to q pi_ref / Z_t", sampled="(c) sampled, G per prompt")
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6), sharey=True)
-    for ax, way in zip(axes, titles):
-        for key, curve in result["curves"].items():
-            parts = key.split(" ")
-            label = parts[1] if len(parts) == 2 or parts[2] == "0" else None
-            if parts[0] == way:
-                ax.plot(*zip(*curve), color=colours[parts[1]], alpha=0.5 if way == "sampled" else 1.0, label=label)
-        ax.set_yscale("symlog", linthresh=1e-3)  # TV spans 1 down to the 1e-6 of a converged way
-        ax.set(title=titles[way], xlabel="step")
-    axes[0].set_ylabel("TV to target (mean over prompts)")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "tv_curves.png", dpi=80)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    ax.plot(result["ks"], result["reference"]["pass_at_k"], color="black", marker=".", label="pi_ref")
-    for way, style in (("optimum", "-"), ("expected", "--"), ("sampled", ":")):
-        for a in ALGORITHMS:
-            pass_at_k = result[way][a]["pass_at_k"]
-            ax.plot(result["ks"], pass_at_k, color=colours[a], linestyle=style, marker=".", label=f"{way} {a}")
-    ax.set(xscale="log", xlabel="k", ylabel="exact pass@k (mean over prompts)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "pass_at_k.png", dpi=80)
-    plt.close(fig)
-    return ["tv_curves.png", "pass_at_k.png"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -343,7 +357,7 @@ RULES = (
         ("prompts", "length", "steps", "sampled_steps", "seeds", "eval_every", "beta", "lr", "sampled_lr", "q_min"),
     ),
     (">= 2", lambda v: v >= 2, ("vocab", "group_size")),
-    (">= 0", lambda v: v >= 0, ("gamma", "token_gamma")),
+    (">= 0", lambda v: v >= 0, ("gamma", "token_gamma", "hard", "spread", "coverage")),
     (">= 1", lambda v: v >= 1, ("q_max",)),
     ("<= 1", lambda v: v <= 1, ("q_min",)),
 )
@@ -353,7 +367,8 @@ def parse(argv: list[str]) -> tuple[Path, Options]:
     parser = _Parser(prog="sage-study --toy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for toy.json and the plots")
     for name, value in asdict(Options()).items():
-        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        if name != "shared":  # the coverage toy's (toy_coverage.py), not a flag
+            parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     args = vars(parser.parse_args(argv))
     out, opts = Path(args.pop("out")), Options(**args)
     for rule, holds, names in RULES:
@@ -361,6 +376,8 @@ def parse(argv: list[str]) -> tuple[Path, Options]:
             value = getattr(opts, name)
             if not holds(value):
                 raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+    if opts.hard > opts.prompts:
+        raise ValueError(f"--hard must be <= --prompts ({opts.prompts}), got {opts.hard}")
     if opts.vocab**opts.length > 4096:
         raise ValueError(f"--vocab ** --length must be <= 4096 to enumerate, got {opts.vocab**opts.length}")
     return out, opts
@@ -378,8 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     # The tables are tiny: a second thread only adds synchronisation (about 15x slower on a busy machine).
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
+    from sage_train import toy_coverage, toy_report
+
+    command = "python -m sage_train.toy " + " ".join(sys.argv[1:] if argv is None else argv)
     result = run(opts)
-    result["command"] = "python -m sage_train.toy " + " ".join(sys.argv[1:] if argv is None else argv)
+    result["command"] = command
     result["files"] = ["toy.json", "curves.json"] + plot(result, out)
     # The curves are most of the numbers: one compact line each, apart from the readable report.
     lines = ",\n".join(f"{json.dumps(key)}: {json.dumps(curve)}" for key, curve in result.pop("curves").items())
@@ -387,10 +407,16 @@ def main(argv: list[str] | None = None) -> int:
     (out / "toy.json").write_text(json.dumps(result, indent=1) + "\n")
     cmp = {way: f"{c['max_abs_pass_at_k_difference']:.2e}" for way, c in result["branch_vs_grpo"].items()}
     print(
-        f"tv_exact_objective {result['tv_exact_objective']:.2e}  tv_kl_only_surrogate "
-        f"{result['tv_kl_only_surrogate']:.2e}\nsage-branch vs grpo, max |pass@k difference| {cmp}\n"
-        f"wrote {out / 'toy.json'} in {result['wall_seconds']:.0f}s"
+        f"tv_exact_objective {result['tv_exact_objective']:.2e}  tv_reward_expected "
+        f"{result['tv_reward_expected']:.2e}  tv_kl_only_surrogate {result['tv_kl_only_surrogate']:.2e}\n"
+        f"sage-branch vs grpo, max |pass@k difference| {cmp}\nwrote {out / 'toy.json'} in {result['wall_seconds']:.0f}s"
     )
+    if opts.coverage:
+        coverage = toy_coverage.run(opts)
+        coverage["command"] = command
+        coverage["files"] = ["coverage.json"] + toy_report.plot_coverage(coverage, out)
+        (out / "coverage.json").write_text(json.dumps(coverage, indent=1) + "\n")
+        print(f"wrote {out / 'coverage.json'} in {coverage['wall_seconds']:.0f}s")
     return 0
 
 

@@ -83,9 +83,13 @@ def make_task(
     rare: int = 2,
     rare_prob: float = 1e-3,
     hard: int = 1,
+    spread: float | None = None,
 ) -> EnumerableTask:
     """A random instance: per node, logits N(0, s^2) with s = 0.3 (flat, high entropy) for about
     `flat_fraction` of the nodes and s = 2.5 (peaked) otherwise, so the branch guide sees both.
+    With `spread`, the prompts share one such table and each adds its own N(0, spread^2) logits:
+    prompts alike, as a language model's are, so what one prompt learns moves the others; their
+    common answers are then the same sequences, from the shared table's top tenth.
 
     Correct answers per prompt: `common` sequences drawn from pi_ref's top tenth and `rare`
     from the tenth whose probability is nearest `rare_prob` in log scale, so exploration has
@@ -97,15 +101,23 @@ def make_task(
     generator = torch.Generator().manual_seed(seed)
     tokens, nodes = prefix_tree(vocab, length)
     num_nodes = (vocab**length - 1) // (vocab - 1)
-    flat = torch.rand(prompts, num_nodes, 1, generator=generator, dtype=DTYPE) < flat_fraction
+    tables = prompts if spread is None else 1
+    flat = torch.rand(tables, num_nodes, 1, generator=generator, dtype=DTYPE) < flat_fraction
     scale = torch.where(flat, 0.3, 2.5)
-    ref_logits = scale * torch.randn(prompts, num_nodes, vocab, generator=generator, dtype=DTYPE)
+    ref_logits = scale * torch.randn(tables, num_nodes, vocab, generator=generator, dtype=DTYPE)
+    decile, shared_top = max(1, tokens.shape[0] // 10), None
+    if spread is not None:  # the common answers: from the shared table's top tenth
+        base_order = sequence_logprobs(ref_logits, tokens, nodes)[0].argsort(descending=True)
+        ref_logits = ref_logits + spread * torch.randn(prompts, num_nodes, vocab, generator=generator, dtype=DTYPE)
+        shared_top = base_order[torch.randperm(decile, generator=generator)[:common]]
     ref_seq = sequence_logprobs(ref_logits, tokens, nodes)
     reward = torch.zeros_like(ref_seq)
-    decile = max(1, tokens.shape[0] // 10)
     for p in range(prompts):
         order = ref_seq[p].argsort(descending=True)
-        top = order[torch.randperm(decile, generator=generator)[: common if p < prompts - hard else 0]]
+        if shared_top is None:
+            top = order[torch.randperm(decile, generator=generator)[: common if p < prompts - hard else 0]]
+        else:
+            top = shared_top if p < prompts - hard else shared_top[:0]
         near = (ref_seq[p] - math.log(rare_prob)).abs().argsort()[:decile]
         reward[p, top] = 1.0
         reward[p, near[torch.randperm(decile, generator=generator)[:rare]]] = 1.0
@@ -139,12 +151,13 @@ def branch_log_q(logits: torch.Tensor, *, gamma: float, tau: float, q_min: float
     return q.log()[..., None].expand_as(logits).clone()
 
 
-def token_log_q(ref_logits: torch.Tensor, *, gamma: float, tau: float, q_min: float, q_max: float) -> torch.Tensor:
-    """A fixed token-dependent guide [P, N, V] from pi_ref's own surprisal,
-    q = clamp(1 + gamma (-log pi_ref(y|s) - tau)+, q_min, q_max), raising rare tokens. It is fixed
-    (no noise, no schedule) so that the optimum it defines is exact; the package's token guide
+def token_log_q(logits: torch.Tensor, *, gamma: float, tau: float, q_min: float, q_max: float) -> torch.Tensor:
+    """A deterministic token-dependent guide [P, N, V] from the surprisal of the node table `logits`
+    (pi_ref's for a fixed guide, the policy's for a recomputed one),
+    q = clamp(1 + gamma (-log pi(y|s) - tau)+, q_min, q_max), raising rare tokens. It has no noise
+    and no schedule, so that the optimum it defines is exact; the package's token guide
     (`sage_kernels.guides.TokenGuide`) is the official stochastic, annealed one."""
-    surprisal = -torch.log_softmax(ref_logits.to(DTYPE), dim=-1)
+    surprisal = -torch.log_softmax(logits.to(DTYPE), dim=-1)
     q = (1.0 + gamma * (surprisal - tau).clamp(min=0.0)).clamp(q_min, q_max)
     return q.log()
 
@@ -161,6 +174,33 @@ def visitation(task: EnumerableTask, seq_logp: torch.Tensor) -> torch.Tensor:
 def optimum(task: EnumerableTask, log_q: torch.Tensor | None, beta: float) -> torch.Tensor:
     """log pi* [P, S], pi* proportional to pi_ref * prod_t q * exp(r / beta), the maximiser of J."""
     return torch.log_softmax(task_logprobs(task, task.ref_logits, log_q) + task.reward / beta, dim=-1)
+
+
+def node_log_probs(task: EnumerableTask, seq_logp: torch.Tensor) -> torch.Tensor:
+    """The node table [P, N, V] (log next-token probabilities) of a sequence distribution [P, S]:
+    at each prefix, P(prefix then y) / P(prefix). Every node must be reached."""
+    prob = seq_logp.exp()
+    P, N, V = task.prompts, task.num_nodes, task.vocab
+    joint = torch.zeros(P, N * V, dtype=DTYPE)
+    for t in range(task.length):
+        joint.index_add_(1, task.nodes[:, t] * V + task.tokens[:, t], prob)
+    joint = joint.reshape(P, N, V)
+    return (joint / joint.sum(-1, keepdim=True)).log()
+
+
+def self_consistent_optimum(task: EnumerableTask, guide, beta: float, *, damping: float = 0.5, tol: float = 1e-12):
+    """The optimum of J whose guide is computed from that optimum itself, as SAGE computes q from
+    the policy: a pi with pi = pi*(q(pi)). `guide(logits)` gives log q [P, N, V] of a node table.
+
+    Damped fixed-point iteration from pi_ref, logits <- logits + damping * (table of pi*(q(logits))
+    - logits), until no entry moves by `tol`. Returns (log pi [P, S], iterations, the last move)."""
+    logits = torch.log_softmax(task.ref_logits, dim=-1)
+    for iteration in range(1, 100_001):
+        move = damping * (node_log_probs(task, optimum(task, guide(logits), beta)) - logits)
+        logits = logits + move
+        if move.abs().max() < tol:
+            break
+    return optimum(task, guide(logits), beta), iteration, float(move.abs().max())
 
 
 def objective(task: EnumerableTask, seq_logp: torch.Tensor, log_q: torch.Tensor | None, beta: float) -> torch.Tensor:
@@ -225,13 +265,23 @@ def describe(task: EnumerableTask) -> dict:
     }
 
 
-def population_advantages(task: EnumerableTask, seq_logp: torch.Tensor) -> torch.Tensor:
+def population_advantages(task: EnumerableTask, seq_logp: torch.Tensor, reward: torch.Tensor | None = None):
     """(r - mean) / (std + 1e-4) under pi per prompt [P, S]: the trainer's `group_advantages` as the
-    group grows (its unbiased std tends to this one)."""
-    prob = seq_logp.exp()
-    mean = (prob * task.reward).sum(-1, keepdim=True)
-    std = (prob * (task.reward - mean) ** 2).sum(-1, keepdim=True).sqrt()
-    return (task.reward - mean) / (std + STD_EPS)
+    group grows (its unbiased std tends to this one). `reward` [P, S] defaults to the task's."""
+    prob, reward = seq_logp.exp(), task.reward if reward is None else reward
+    mean = (prob * reward).sum(-1, keepdim=True)
+    std = (prob * (reward - mean) ** 2).sum(-1, keepdim=True).sqrt()
+    return (reward - mean) / (std + STD_EPS)
+
+
+def entropy_quantile(task: EnumerableTask, logits: torch.Tensor, level: float) -> float:
+    """The `level` quantile of the next-token entropy at the positions a policy (node table
+    `logits`) samples, each node weighted by how often it is reached: what the trainer's token
+    entropies would show of it."""
+    entropy, weight = node_entropy(logits).flatten(), visitation(task, task_logprobs(task, logits)).flatten()
+    order = entropy.argsort()
+    cumulative = weight[order].cumsum(0) / weight.sum()
+    return float(entropy[order][torch.searchsorted(cumulative, torch.tensor(level, dtype=DTYPE))])
 
 
 def policy_report(task: EnumerableTask, seq_logp: torch.Tensor, *, optimum, grpo_optimum, log_q, beta, ks) -> dict:

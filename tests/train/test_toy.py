@@ -1,9 +1,11 @@
-"""The enumerable toy: its exact quantities against brute-force sums, and the three training ways.
+"""The enumerable toy: its exact quantities against brute-force sums, the training ways, the
+self-consistent optimum, ``kl_in_reward`` reaching the objective's optima, and the coverage toy.
 
 A smaller instance than the report's (2 prompts, V = 3, L = 3: 27 sequences per prompt)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -13,11 +15,15 @@ import pytest
 import torch
 
 from sage_train import toy as T
+from sage_train import toy_coverage as C
+from sage_train.reward_kl import sequence_kl
 from sage_train.tasks import enumerable as E
 
 SMALL = T.Options(
     prompts=2, vocab=3, length=3, task_seed=3, token_gamma=1.0, steps=300, sampled_steps=20, seeds=1, eval_every=50
 )
+#: a branch guide active enough that its self-consistent optimum is 0.054 (TV) from its pi* at pi_ref
+GUIDED = dataclasses.replace(SMALL, gamma=2.0, tau=0.3, sampled_steps=800)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -184,12 +190,15 @@ def test_main_writes_the_report(tmp_path):
         "2",
         "--eval-every",
         "50",
+        "--coverage",
+        "4",
     ]
     assert T.main(argv) == 0
     report = json.loads((tmp_path / "toy.json").read_text())
     assert report["tv_exact_objective"] <= 0.01
+    assert report["tv_reward_expected"] <= 0.01
     assert report["tv_kl_only_surrogate"] <= 0.01
-    for way in ("exact", "expected", "sampled"):
+    for way in ("exact", "expected", "sampled", "reward_expected", "reward_sampled", "self_consistent"):
         for algorithm in T.ALGORITHMS:
             assert 0 <= report[way][algorithm]["tv_to_optimum"] <= 1
             assert len(report[way][algorithm]["pass_at_k"]) == len(T.KS)
@@ -197,6 +206,11 @@ def test_main_writes_the_report(tmp_path):
     assert all((tmp_path / name).stat().st_size > 0 for name in report["files"])
     curves = json.loads((tmp_path / "curves.json").read_text())
     assert curves["exact grpo"][0] == [0, pytest.approx(report["optimum"]["grpo"]["tv_to_reference"])]
+    coverage = json.loads((tmp_path / "coverage.json").read_text())
+    assert coverage["options"]["prompts"] == 4 and coverage["options"]["hard"] == 1
+    assert list(coverage["arms"]) == [arm.name for arm in C.arms(C.coverage_options(T.Options()))]
+    assert all(len(arm["pass_at_k"]) == len(T.KS) for arm in coverage["arms"].values())
+    assert all((tmp_path / name).stat().st_size > 0 for name in coverage["files"])
 
 
 @pytest.mark.parametrize(
@@ -207,6 +221,8 @@ def test_main_writes_the_report(tmp_path):
         ["--out", "x", "--vocab", "1"],
         ["--out", "x", "--length", "9"],
         ["--out", "x", "--bogus", "1"],
+        ["--out", "x", "--coverage", "-1"],
+        ["--out", "x", "--hard", "4"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
@@ -217,3 +233,143 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
 def test_help_exits_0_and_names_the_options(capsys):
     assert T.main(["--help"]) == 0
     assert "--sampled-steps" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the self-consistent optimum
+
+
+def test_node_log_probs_recover_the_table(toy):
+    task = toy.task
+    logits = task.ref_logits + torch.randn(
+        task.ref_logits.shape, generator=torch.Generator().manual_seed(5), dtype=E.DTYPE
+    )
+    table = E.node_log_probs(task, E.task_logprobs(task, logits))
+    torch.testing.assert_close(table, torch.log_softmax(logits, -1), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("algorithm", ["sage-branch", "sage-token"])
+def test_self_consistent_optimum_is_the_optimum_of_its_own_guide(algorithm):
+    toy = T.Toy(GUIDED)
+    consistent, (iterations, move) = toy.consistent[algorithm], toy.iterations[algorithm]
+    assert move < 1e-11 and iterations > 1
+    own_guide = toy.guide_log_q(algorithm, E.node_log_probs(toy.task, consistent))
+    again = E.optimum(toy.task, own_guide, GUIDED.beta)
+    assert E.tv(again, consistent).max().item() < 1e-10
+    # and it is not the optimum of the guide at pi_ref
+    assert E.tv(consistent, toy.optimum[algorithm]).mean().item() > 0.02
+
+
+# ----------------------------------------------------------------------------- kl_in_reward
+
+
+@pytest.fixture(scope="module")
+def guided():
+    return T.Toy(GUIDED)
+
+
+def test_the_reward_kl_of_a_completion_is_log_pi_over_q(guided):
+    """What the trainer's `sequence_kl` sums per token is log pi(x) - log Q(x) of the whole sequence."""
+    task, toy = guided.task, guided
+    logits = task.ref_logits + 0.4
+    seq = E.task_logprobs(task, logits)
+    log_q = toy.guide_log_q("sage-branch", logits)
+    prompts, at = toy.full_prompts, (toy.full_prompts[:, None], task.nodes[toy.full_seqs], task.tokens[toy.full_seqs])
+    old_logp = torch.log_softmax(logits, -1)[at]
+    kl = sequence_kl(old_logp, toy.ref_table[at], log_q[at], torch.ones_like(old_logp, dtype=torch.bool))
+    anchor = E.task_logprobs(task, task.ref_logits, log_q)
+    torch.testing.assert_close(kl, (seq - anchor)[prompts, toy.full_seqs], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["frozen", "recomputed"])
+def test_kl_in_reward_in_expectation_reaches_its_optimum(guided, mode):
+    """q at pi_ref: pi*; q from the current policy: the self-consistent optimum; each within 0.01."""
+    target = guided.optimum if mode == "frozen" else guided.consistent
+    other = guided.consistent if mode == "frozen" else guided.optimum
+    full = guided.rows(guided.full_prompts, guided.full_seqs)
+    step = partial(T.exact_step, guided, algorithm="sage-branch", full=full, reward_kl=mode)
+    theta, curve, _ = T.train(guided, step, guided.start(), target["sage-branch"])
+    end = guided.seq_logp(theta)
+    assert curve[0][1] > 0.1
+    assert E.tv(end, target["sage-branch"]).mean().item() <= 0.01
+    assert E.tv(end, other["sage-branch"]).mean().item() > 0.04
+
+
+@pytest.mark.parametrize("mode", ["frozen", "recomputed"])
+def test_sampled_kl_in_reward_reaches_its_optimum(guided, mode):
+    """G = 8 completions per prompt, the trainer's group advantages of the shaped reward: within 0.05."""
+    target = (guided.optimum if mode == "frozen" else guided.consistent)["sage-branch"]
+    generator = torch.Generator().manual_seed(1000)
+    step = partial(T.sampled_step, guided, algorithm="sage-branch", generator=generator, reward_kl=mode)
+    theta, curve, _ = T.train(guided, step, guided.start(), target, sampled=True)
+    assert curve[0][1] > 0.1
+    assert E.tv(guided.seq_logp(theta), target).mean().item() <= 0.05
+
+
+# ----------------------------------------------------------------------------- the shared policy
+
+
+def test_shared_exact_step_is_minus_the_gradient_of_j():
+    """With one table shared by the prompts (the coverage toy), the loss's gradient is still -grad J."""
+    toy = T.Toy(dataclasses.replace(SMALL, prompts=4, hard=1, shared=True))
+    full = toy.rows(toy.full_prompts, toy.full_seqs)
+    shift = 0.3 * torch.randn(toy.start().shape, generator=torch.Generator().manual_seed(6), dtype=E.DTYPE)
+    theta = (toy.start() + shift).requires_grad_(True)
+    T.exact_step(toy, theta, "sage-branch", full)
+    direct = (toy.start() + shift).requires_grad_(True)
+    seq = E.task_logprobs(toy.task, toy.task.ref_logits + direct.t()[None])
+    (-E.objective(toy.task, seq, toy.fixed_log_q["sage-branch"], SMALL.beta).mean()).backward()
+    torch.testing.assert_close(theta.grad, direct.grad, rtol=1e-10, atol=1e-14)
+    assert theta.grad.shape == (3, toy.task.num_nodes)
+
+
+def test_shared_task_gives_the_easy_prompts_one_common_answer():
+    task = E.make_task(6, 3, 3, seed=2, hard=2, spread=0.5)
+    common = task.reward[:4].prod(0)  # rewarded in every easy prompt
+    assert common.sum() == 1 and (task.reward[4:] * common).sum() == 0
+    assert task.reward.sum(-1).tolist() == [3.0, 3.0, 3.0, 3.0, 2.0, 2.0]
+
+
+# ----------------------------------------------------------------------------- the KL estimators in expectation
+
+
+def expected_kl_gradient(logits, ref_logp, kl: str, guide: str, log_q=None):
+    """sum_y pi(y) * d(beta kl at token y)/d logits at one prefix, on-policy, advantages 0, beta 1."""
+    from sage_kernels import LossConfig, fused_linear_sage_loss
+
+    V, total = logits.shape[0], torch.zeros_like(logits)
+    pi = torch.softmax(logits, -1)
+    config = LossConfig(beta=1.0, kl=kl, guide=guide, gamma=1.0, tau=0.5)
+    for y in range(V):
+        weight = logits[:, None].clone().requires_grad_(True)
+        inputs = {"ref_logp": ref_logp[y].view(1, 1), "log_q": None if log_q is None else log_q[y].view(1, 1)}
+        out = fused_linear_sage_loss(
+            torch.ones(1, 1, 1, dtype=E.DTYPE),
+            weight,
+            torch.tensor([[y]]),
+            torch.ones(1, 1, dtype=torch.bool),
+            torch.zeros(1, dtype=E.DTYPE),
+            config=config,
+            backend="reference",
+            **inputs,
+        )
+        out.loss.backward()
+        total += pi[y] * weight.grad[:, 0]
+    return total
+
+
+def test_k1_has_no_expected_gradient_and_k2_ignores_a_position_only_guide():
+    """docs/loss.md: on-policy, E[grad k1] = 0 whatever the guide; k2 with the branch guide (one q for
+    every token of the prefix) has k2's expected gradient without it; k3's is scaled by that q."""
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, generator=generator, dtype=E.DTYPE)
+    ref_logp = torch.log_softmax(torch.randn(5, generator=generator, dtype=E.DTYPE), -1)
+    token_q = 0.3 * torch.randn(5, generator=generator, dtype=E.DTYPE)
+    assert E.node_entropy(logits[None]).item() > 0.6  # above tau: the branch guide's q > 1 here
+    for guide, log_q in (("none", None), ("branch", None), ("none", token_q)):
+        assert expected_kl_gradient(logits, ref_logp, "k1", guide, log_q).abs().max().item() < 1e-14
+    k2, k2_branch = (expected_kl_gradient(logits, ref_logp, "k2", guide) for guide in ("none", "branch"))
+    torch.testing.assert_close(k2_branch, k2, rtol=1e-12, atol=1e-14)
+    assert k2.abs().max().item() > 0.01
+    k3, k3_branch = (expected_kl_gradient(logits, ref_logp, "k3", guide) for guide in ("none", "branch"))
+    q = 1.0 + (E.node_entropy(logits[None]).item() - 0.5)
+    torch.testing.assert_close(k3_branch, min(q, 1.4) * k3, rtol=1e-10, atol=1e-14)
