@@ -332,13 +332,13 @@ def test_shared_task_gives_the_easy_prompts_one_common_answer():
 # ----------------------------------------------------------------------------- the KL estimators in expectation
 
 
-def expected_kl_gradient(logits, ref_logp, kl: str, guide: str, log_q=None):
+def expected_kl_gradient(logits, ref_logp, kl: str, guide: str, log_q=None, **options):
     """sum_y pi(y) * d(beta kl at token y)/d logits at one prefix, on-policy, advantages 0, beta 1."""
     from sage_kernels import LossConfig, fused_linear_sage_loss
 
     V, total = logits.shape[0], torch.zeros_like(logits)
     pi = torch.softmax(logits, -1)
-    config = LossConfig(beta=1.0, kl=kl, guide=guide, gamma=1.0, tau=0.5)
+    config = LossConfig(beta=1.0, kl=kl, guide=guide, gamma=1.0, tau=0.5, **options)
     for y in range(V):
         weight = logits[:, None].clone().requires_grad_(True)
         inputs = {"ref_logp": ref_logp[y].view(1, 1), "log_q": None if log_q is None else log_q[y].view(1, 1)}
@@ -358,8 +358,9 @@ def expected_kl_gradient(logits, ref_logp, kl: str, guide: str, log_q=None):
 
 
 def test_k1_has_no_expected_gradient_and_k2_ignores_a_position_only_guide():
-    """docs/loss.md: on-policy, E[grad k1] = 0 whatever the guide; k2 with the branch guide (one q for
-    every token of the prefix) has k2's expected gradient without it; k3's is scaled by that q."""
+    """docs/loss.md: on-policy, E[grad k1] = 0 whatever the guide (with the ratio correction: the
+    reverse KL's, as k2's); k2 with the branch guide (one q for every token of the prefix) has k2's
+    expected gradient without it; k3's is scaled by that q."""
     generator = torch.Generator().manual_seed(7)
     logits = torch.randn(5, generator=generator, dtype=E.DTYPE)
     ref_logp = torch.log_softmax(torch.randn(5, generator=generator, dtype=E.DTYPE), -1)
@@ -370,6 +371,9 @@ def test_k1_has_no_expected_gradient_and_k2_ignores_a_position_only_guide():
     k2, k2_branch = (expected_kl_gradient(logits, ref_logp, "k2", guide) for guide in ("none", "branch"))
     torch.testing.assert_close(k2_branch, k2, rtol=1e-12, atol=1e-14)
     assert k2.abs().max().item() > 0.01
+    # k1 times the ratio: the reverse KL's gradient, k2's
+    corrected = expected_kl_gradient(logits, ref_logp, "k1", "none", use_bias_correction_kl=True)
+    torch.testing.assert_close(corrected, k2, rtol=1e-10, atol=1e-14)
     k3, k3_branch = (expected_kl_gradient(logits, ref_logp, "k3", guide) for guide in ("none", "branch"))
     q = 1.0 + (E.node_entropy(logits[None]).item() - 0.5)
     torch.testing.assert_close(k3_branch, min(q, 1.4) * k3, rtol=1e-10, atol=1e-14)
