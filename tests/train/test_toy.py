@@ -22,8 +22,9 @@ from sage_train.tasks import enumerable as E
 SMALL = T.Options(
     prompts=2, vocab=3, length=3, task_seed=3, token_gamma=1.0, steps=300, sampled_steps=20, seeds=1, eval_every=50
 )
-#: a branch guide active enough that its self-consistent optimum is 0.054 (TV) from its pi* at pi_ref
-GUIDED = dataclasses.replace(SMALL, gamma=2.0, tau=0.3, sampled_steps=800)
+#: a branch guide active enough that its self-consistent optimum is 0.054 (TV) from its pi* at pi_ref;
+#: groups of 32 find the rare answers within a few hundred steps (600 steps end within 0.005 of the target)
+GUIDED = dataclasses.replace(SMALL, gamma=2.0, tau=0.3, sampled_steps=600, group_size=32)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -296,7 +297,7 @@ def test_kl_in_reward_in_expectation_reaches_its_optimum(guided, mode):
 
 @pytest.mark.parametrize("mode", ["frozen", "recomputed"])
 def test_sampled_kl_in_reward_reaches_its_optimum(guided, mode):
-    """G = 8 completions per prompt, the trainer's group advantages of the shaped reward: within 0.05."""
+    """G completions per prompt, the trainer's group advantages of the shaped reward: within 0.05."""
     target = (guided.optimum if mode == "frozen" else guided.consistent)["sage-branch"]
     generator = torch.Generator().manual_seed(1000)
     step = partial(T.sampled_step, guided, algorithm="sage-branch", generator=generator, reward_kl=mode)
