@@ -112,9 +112,10 @@ def plot_coverage(result: dict, out: Path) -> list[str]:
     left.plot(ks, reference, color="black", marker=".", label="start (pi_ref)")
     right.axhline(0.0, color="black", linewidth=0.8)
     for i, (name, arm) in enumerate(result["arms"].items()):
-        colour = plt.cm.tab10(i % 10)
-        left.plot(ks, arm["pass_at_k"], color=colour, marker=".", label=name)
-        right.plot(ks, [a - r for a, r in zip(arm["pass_at_k"], reference)], color=colour, marker=".", label=name)
+        # arms that end in the same place overlap: each later one thinner and dashed, so both show
+        style = {"color": plt.cm.tab10(i % 10), "linewidth": 3.2 - 0.3 * i, "linestyle": ("-", "--", ":")[i % 3]}
+        left.plot(ks, arm["pass_at_k"], label=name, **style)
+        right.plot(ks, [a - r for a, r in zip(arm["pass_at_k"], reference)], label=name, **style)
     left.set(xscale="log", xlabel="k", ylabel="exact pass@k (mean over prompts)", title="pass@k")
     right.set(xscale="log", xlabel="k", ylabel="pass@k - pi_ref's", title="against the start")
     right.set_yscale("symlog", linthresh=1e-2)
