@@ -132,3 +132,21 @@ def score(model: nn.Module, batch: Batch, micro_batch_size: int, temperature: fl
         for start in range(0, batch.rows, micro_batch_size)
     ]
     return torch.cat([logp for logp, _ in parts]), torch.cat([entropy for _, entropy in parts])
+
+
+#: the behaviour policy's token-entropy quantiles logged per generation (a branch guide's tau is
+#: often set from them, e.g. at the starting policy's 80% quantile: step 1's `entropy/p80`)
+ENTROPY_QUANTILES = (0.5, 0.8, 0.9)
+
+
+def entropy_quantiles(entropy: torch.Tensor, mask: torch.Tensor) -> dict:
+    """`entropy/p50`, `/p80`, `/p90` over this rank's completion tokens (nats, at the sampling
+    temperature); none when no token is in the loss."""
+    values = entropy[mask].float()
+    if values.numel() == 0:
+        return {}
+    levels = torch.tensor(ENTROPY_QUANTILES, device=values.device)
+    # torch.quantile refuses more than 2**24 elements: past that, an evenly strided subsample
+    stride = -(-values.numel() // 2**24)
+    found = torch.quantile(values[::stride], levels)
+    return {f"entropy/p{round(level * 100)}": value for level, value in zip(ENTROPY_QUANTILES, found)}

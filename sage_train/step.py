@@ -34,7 +34,7 @@ from .advantages import group_advantages
 from .config import TrainConfig
 from .distributed import all_ranks
 from .importance import truncated_is_weights
-from .policy import Batch, make_batch, score
+from .policy import Batch, entropy_quantiles, make_batch, score
 from .presets import loss_config
 from .report import COMPLETIONS_FILE, write_completions
 from .reward_kl import shaped_rewards
@@ -174,6 +174,7 @@ def generate(ctx: Context, first_step: int) -> Generation:
         "completions/clipped_ratio": truncated.float().mean(),
         **tis_metrics,
         **kl_metrics,
+        **entropy_quantiles(entropy, batch.completion_mask),
     }
     if getattr(ctx.rollout, "last_sync_s", None) is not None:  # engines holding their own weights
         metrics["rollout/sync_time"] = ctx.rollout.last_sync_s

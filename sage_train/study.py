@@ -47,7 +47,7 @@ import yaml
 from .config import ConfigError, parse_args, read_yaml
 from .study_report import ENV_FILE, START, write_report
 
-STUDY_KEYS = ("algorithms", "seeds", "baseline", "eval_n", "eval_problems", "train_config", "train")
+STUDY_KEYS = ("algorithms", "seeds", "baseline", "eval_n", "eval_problems", "train_config", "train", "endpoints")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,8 @@ class Study:
     train: dict  # sage-train overrides common to every run
     out: Path
     jobs: int = 1
+    # pre-registered paired differences, [{"arm", "versus", "k": [...]}], reported first
+    endpoints: list = dataclasses.field(default_factory=list)
 
     def run_dir(self, arm: str, seed: int) -> Path:
         return self.out / "runs" / f"{arm}-s{seed}"
@@ -148,6 +150,7 @@ def parse_study(argv: list) -> Study:
         train=train,
         out=Path(args.out),
         jobs=args.jobs,
+        endpoints=values.get("endpoints") or [],
     )
     check_study(study)
     return study
@@ -193,11 +196,25 @@ def check_study(study: Study) -> None:
             raise StudyError(f"{key.replace('_', '-')} must be an integer >= 1, got {value!r}")
     if study.baseline not in [arm.name for arm in study.arms] + [START]:
         raise StudyError(f"baseline {study.baseline!r} is not one of the algorithms {[a.name for a in study.arms]}")
+    check_endpoints(study)
     for arm in [None, *study.arms]:
         try:
             parse_args(study.train_args(arm, study.seeds[0]))
         except ConfigError as error:
             raise StudyError(f"{arm.name if arm else 'the starting-point run'}: {error}") from None
+
+
+def check_endpoints(study: Study) -> None:
+    names = [START, *(arm.name for arm in study.arms)]
+    for entry in study.endpoints:
+        if not isinstance(entry, dict) or set(entry) != {"arm", "versus", "k"}:
+            raise StudyError(f"endpoints: expected {{arm, versus, k: [...]}}, got {entry!r}")
+        for key in ("arm", "versus"):
+            if entry[key] not in names:
+                raise StudyError(f"endpoints: {key} {entry[key]!r} is not one of {names}")
+        ks = entry["k"]
+        if not isinstance(ks, list) or not ks or not all(type(k) is int and 1 <= k <= study.eval_n for k in ks):
+            raise StudyError(f"endpoints: k must be a list of integers in 1..eval_n={study.eval_n}, got {ks!r}")
 
 
 def _ints(text: str, what: str) -> list:

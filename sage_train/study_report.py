@@ -98,6 +98,22 @@ def aggregate(counts: dict, baseline: str, ks: list) -> dict:
     return arms
 
 
+def endpoint_intervals(counts: dict, endpoints: list) -> list:
+    """The pre-registered endpoints: per entry and k, the paired difference arm - versus over the
+    seeds both have, with its crossed interval (`crossed_interval`'s dict plus arm, versus, k, seeds)."""
+    found = []
+    for entry in endpoints:
+        arm, versus = counts.get(entry["arm"], {}), counts.get(entry["versus"], {})
+        seeds = sorted({int(seed) for seed in arm} & {int(seed) for seed in versus})
+        for k in entry["k"]:
+            row = {"arm": entry["arm"], "versus": entry["versus"], "k": k, "seeds": seeds}
+            if seeds:
+                own, base = pass_at_k_matrices(arm, seeds, [k]), pass_at_k_matrices(versus, seeds, [k])
+                row.update(crossed_interval(own[k] - base[k]))
+            found.append(row)
+    return found
+
+
 def recompute(path) -> dict:
     """Every interval of a study.json from its stored counts: {arm: {"pass_at_k", "diff_vs_baseline"}}
     with integer k, as `aggregate` computes them (a reader's check of a committed study)."""
@@ -191,8 +207,10 @@ def write_report(study, argv: list, wall_time_s) -> dict:
             "eval_problems": study.eval_problems,
             "train_config": study.train_config,
             "train": study.train,
+            "endpoints": study.endpoints,
         },
         "warm_starts": warm_starts(study, counts),
+        "endpoints": endpoint_intervals(counts, study.endpoints),
         "arms": aggregate(counts, study.baseline, list(range(1, study.eval_n + 1))),
         "curves": curves(study),
         "problems": problems,
@@ -241,6 +259,11 @@ def summary_table(report: dict, study) -> str:
     """The console summary: pass@1 and pass@n per arm, and the paired differences."""
     n = str(study.eval_n)
     lines = [f"sage-study: held-out pass@k (%), mean [95% CI], {study.eval_problems} problems x {n} samples"]
+    for row in report["endpoints"]:
+        cell = _cell(row, sign=True) if row["seeds"] else "(no paired seeds yet)"
+        lines.append(
+            f"  endpoint {row['arm']} - {row['versus']} at pass@{row['k']}: {cell} ({len(row['seeds'])} seeds)"
+        )
     for arm, result in report["arms"].items():
         if not result["pass_at_k"]:
             lines.append(f"  {arm:24s} (no finished evaluation)")
@@ -254,6 +277,24 @@ def summary_table(report: dict, study) -> str:
         lines.append("  [-]: one seed, so no interval (how much another seed would differ is unmeasured)")
     lines.append(f"  wrote {study.out / 'study.md'}, study.json, pass_at_k.png, training_curves.png")
     return "\n".join(lines)
+
+
+def _endpoint_lines(rows: list) -> list:
+    """The pre-registered endpoints' table (nothing when the study registered none)."""
+    if not rows:
+        return []
+    lines = [
+        "## Pre-registered endpoints (percentage points, paired, crossed 95% interval)",
+        "",
+        "| endpoint | seeds | difference | seeds above / below |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        cells = [_cell(row, sign=True), _directions(row)] if row["seeds"] else ["-", "-"]
+        lines.append(
+            f"| {row['arm']} - {row['versus']} at pass@{row['k']} | {len(row['seeds'])} | " + " | ".join(cells) + " |"
+        )
+    return lines + [""]
 
 
 def _k_table(title: str, rows: list, ks: list) -> list:
@@ -288,6 +329,7 @@ def markdown(report: dict, study) -> str:
         "freedom; `sage_train/intervals.py`), recomputable from the counts in study.json "
         "(`sage_train.study_report.recompute`). Differences are paired by seed and problem.",
         "",
+        *_endpoint_lines(report["endpoints"]),
         "## Warm starts",
         "",
         f"| seed | SFT steps | held-out pass@1 | held-out pass@{study.eval_n} |",

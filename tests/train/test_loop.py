@@ -2,6 +2,7 @@
 a short run and its outputs, the presets, and resume equality after a real SIGTERM."""
 
 import json
+import math
 import os
 import signal
 
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sage_kernels.spec import METRIC_NAMES
 from sage_train import report
 from sage_train.config import load_yaml
+from sage_train.policy import entropy_quantiles
 from sage_train.run import train
 
 TRL_NAMES = set(METRIC_NAMES) | {
@@ -46,6 +48,7 @@ def test_short_run_writes_every_output(tiny_config, distributed):
     for row in rows:
         assert all(isinstance(v, (int, float)) and v == v for v in row.values()), row
         q_min, q_mean, q_max = row["sage/q_min"], row["sage/q_mean"], row["sage/q_max"]
+        assert 0.0 <= row["entropy/p50"] <= row["entropy/p80"] <= row["entropy/p90"] <= math.log(256) + 1e-4
         assert 0.6 - 1e-6 <= q_min <= q_mean + 1e-6 and q_mean <= q_max + 1e-6 and q_max <= 1.4 + 1e-6
     assert load_yaml(run / "config.yaml") == cfg
     assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step000002", "step000003"]
@@ -63,6 +66,15 @@ def test_short_run_writes_every_output(tiny_config, distributed):
     assert tokenizer.decode(tokenizer("1+2=")["input_ids"]) == "1+2="
     ids = tokenizer("1+2=", return_tensors="pt")["input_ids"]
     assert ids.shape[1] < model.generate(ids, max_new_tokens=2, do_sample=False).shape[1] <= ids.shape[1] + 2
+
+
+def test_entropy_quantiles_are_over_the_completion_tokens_only():
+    entropy = torch.tensor([[9.0, 0.0, 1.0, 2.0], [3.0, 4.0, 9.0, 9.0]])
+    mask = torch.tensor([[False, True, True, True], [True, True, False, False]])
+    found = {name: float(value) for name, value in entropy_quantiles(entropy, mask).items()}
+    # numpy's default (linear) quantiles of 0, 1, 2, 3, 4
+    assert found == pytest.approx({"entropy/p50": 2.0, "entropy/p80": 3.2, "entropy/p90": 3.6})
+    assert entropy_quantiles(entropy, torch.zeros_like(mask)) == {}
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "sage-token", "sage-random", "dapo-full", "sage-branch-bnpo"])

@@ -5,6 +5,8 @@ import dataclasses
 import json
 
 from sage_train.config import parse_args, read_yaml
+from sage_train.presets import loss_config
+from sage_train.study import parse_study
 
 
 def test_pilot_premise_is_study_arithmetic_with_the_default_pool_and_grpo():
@@ -21,3 +23,39 @@ def test_pilot_premise_is_study_arithmetic_with_the_default_pool_and_grpo():
     # what the run is called and reports, plus the pool: the training itself is the study's
     assert differ == {"name", "seed", "train_problems", "eval_splits", "eval_samples"}
     assert reference.train_problems == 7000
+
+
+def test_study_decisive_trains_the_pilot_setting_on_fresh_seeds_with_its_registered_endpoints(tmp_path):
+    study = parse_study(["--config", "study-decisive", "--out", str(tmp_path)])  # every run's config checked
+    assert len(study.seeds) >= 8 and not {100, 101} & set(study.seeds)
+    assert study.eval_n >= 256 and study.eval_problems >= 512 and study.baseline == "grpo"
+    arms = {arm.name: (arm.algorithm, arm.overrides) for arm in study.arms}
+    assert arms == {
+        "grpo": ("grpo", {}),
+        "grpo-beta1.4x": ("grpo-beta1.4x", {}),
+        "sage-branch": ("sage-branch", {"tau": 0.95}),
+        "sage-branch-tau1.2": ("sage-branch", {"tau": 1.2}),
+        "sage-branch-exact": ("sage-branch-exact", {"tau": 0.95}),
+        "grpo-no-kl": ("grpo-no-kl", {}),
+    }
+    assert study.endpoints[:2] == [
+        {"arm": "sage-branch", "versus": "grpo", "k": [1, 64]},
+        {"arm": "sage-branch-exact", "versus": "grpo", "k": [1, 64]},
+    ]
+    pilot = parse_args(["--config", "pilot-premise"])
+    for arm in study.arms:  # the training is the pilot's but for the seed, the arm and what the study sets
+        run = parse_args(study.train_args(arm, study.seeds[0]))
+        differ = {f.name for f in dataclasses.fields(run) if getattr(run, f.name) != getattr(pilot, f.name)}
+        assert differ - {"name", "seed", "output_dir", "resume", "progress", "report_to", "plots"} - {
+            "model",
+            "sft_steps",
+            "eval_problems",
+            "eval_splits",
+            "eval_samples",
+            "algorithm",
+        } <= {"beta", "guide", "tau", "kl_in_reward"}, (arm.name, differ)
+    resolved = {arm.name: parse_args(study.train_args(arm, 200)) for arm in study.arms}
+    assert resolved["grpo-beta1.4x"].beta == 0.07 and resolved["grpo-no-kl"].beta == 0.0
+    assert resolved["sage-branch"].guide == "branch" and resolved["sage-branch"].tau == 0.95
+    exact = resolved["sage-branch-exact"]  # beta weighs the KL in the reward; the loss gets none
+    assert exact.kl_in_reward and exact.beta == 0.05 and loss_config(exact).beta == 0.0

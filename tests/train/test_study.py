@@ -51,9 +51,22 @@ def as_json(value):
     return json.loads(json.dumps(value))
 
 
+def test_bad_endpoints_exit_2_naming_them(tmp_path, capsys):
+    for endpoints in ("[{arm: nope, versus: grpo, k: [1]}]", "[{arm: grpo, versus: start, k: [0]}]", "[grpo]"):
+        config = tmp_path / "study.yaml"
+        config.write_text(f"algorithms: [grpo]\neval_n: 4\nendpoints: {endpoints}\n")
+        assert study_main(["--config", str(config), "--out", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err.startswith("sage-study: endpoints: ")
+    assert not (tmp_path / "out").exists()
+
+
 def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
     out = tmp_path / "study"
+    config = tmp_path / "endpoints.yaml"
+    config.write_text("endpoints: [{arm: sage-branch, versus: grpo, k: [1, 4]}, {arm: grpo, versus: start, k: [4]}]\n")
     argv = [
+        "--config",
+        str(config),
         "--algorithms",
         "grpo,sage-branch",
         "--seeds",
@@ -98,6 +111,22 @@ def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
             base = np.array([[pass_at_k(4, c, 1) for c in report["counts"]["grpo"][s]["correct"]] for s in ("0", "1")])
             own = np.array([[pass_at_k(4, c, 1) for c in report["counts"][arm][s]["correct"]] for s in ("0", "1")])
             assert result["diff_vs_baseline"]["1"] == as_json(crossed_interval(own - base))
+    # the pre-registered endpoints: paired differences over both arms' seeds, in the order given
+    assert [(e["arm"], e["versus"], e["k"]) for e in report["endpoints"]] == [
+        ("sage-branch", "grpo", 1),
+        ("sage-branch", "grpo", 4),
+        ("grpo", "start", 4),
+    ]
+    for entry in report["endpoints"]:
+        k = entry["k"]
+        own, base = (
+            np.array([[pass_at_k(4, c, k) for c in report["counts"][arm][s]["correct"]] for s in ("0", "1")])
+            for arm in (entry["arm"], entry["versus"])
+        )
+        assert entry == as_json(
+            {"arm": entry["arm"], "versus": entry["versus"], "k": k, "seeds": [0, 1], **crossed_interval(own - base)}
+        )
+    assert "## Pre-registered endpoints" in (out / "study.md").read_text()
     # a reader's recomputation from study.json alone gives every interval
     assert as_json(recompute(out / "study.json")) == report["arms"]
     # the environment: one, that trained and evaluated all 6 runs; the warm starts' SFT steps
