@@ -14,6 +14,11 @@ place; ``checkpoints/latest`` (the file DeepSpeed's tools read) is replaced last
 full disk at any moment leaves the previous checkpoints as they were. Resuming does not trust
 ``latest``: it takes the newest ``step*`` whose manifest matches the files on disk and loads;
 the ones it skips are named.
+
+Loading: a checkpoint is data, never code. Every file, ours and DeepSpeed's, is read by
+`load_data` (``torch.load(weights_only=True)``), which builds tensors, plain containers and the
+few classes `_data_classes` names, and nothing else: a run directory received from someone else
+cannot run code on ``--resume``. A file holding anything else refuses the resume by name.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,6 +92,38 @@ def frozen_weights_left_out(module):
         yield
     finally:
         handle.remove()
+
+
+class UntrustedFileError(ConfigError):
+    """A checkpoint file holding Python objects that are not data (loading it would run code)."""
+
+
+def _data_classes() -> list:
+    """What `load_data` builds besides tensors and plain containers: NumPy's RNG state (rank<r>.pt)
+    and the enum, fragment address and loss scaler in DeepSpeed's ZeRO optimizer states."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    numpy_rng = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), multiarray._reconstruct]
+    return [*numpy_rng, ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+
+
+def load_data(path, map_location=None):
+    """`torch.load` of a checkpoint file as data (module docstring); `UntrustedFileError` naming
+    what else it holds, before any of it is built."""
+    with torch.serialization.safe_globals(_data_classes()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
+            if "Weights only load failed" not in str(error):
+                raise  # a damaged file, not a refused one
+            found = sorted(set(re.findall(r"GLOBAL (\S+)", str(error)))) or ["an object that is not data"]
+            raise UntrustedFileError(
+                f"{path} holds Python objects other than tensors and plain data ({', '.join(found)}); loading "
+                f"it could run code, so it is refused"
+            ) from None
 
 
 def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
@@ -275,8 +314,9 @@ def load(engine, candidates: list[Path], skipped: list[str], guide) -> int:
     `guide`; returns its step. Falls back to older ones with a warning naming what was skipped;
     `ConfigError` when none loads (the user chooses: repair, or --overwrite)."""
     skipped = list(skipped)
+    engine.checkpoint_engine.load = load_data  # DeepSpeed's own states too (its loader unpickles anything)
     for path in candidates:
-        failure = None
+        failure = untrusted = None
         try:
             frozen = any(not p.requires_grad for p in engine.module.parameters())  # not in the checkpoint
             loaded, client_state = engine.load_checkpoint(
@@ -284,12 +324,20 @@ def load(engine, candidates: list[Path], skipped: list[str], guide) -> int:
             )
             if loaded is None:
                 raise FileNotFoundError("DeepSpeed found no model states")
-            state = torch.load(path / f"rank{dist.get_rank()}.pt", weights_only=False)
+            state = load_data(path / f"rank{dist.get_rank()}.pt")
+        except UntrustedFileError as error:
+            untrusted = str(error)
         except Exception as error:  # noqa: BLE001 - whatever a damaged file raises, the checkpoint is unusable
             failure = f"{path.name} (loading failed: {type(error).__name__}: {error})"
-        failures = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, failure)
-        failure = next((f for f in failures if f), None)
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, (failure, untrusted))
+        untrusted = next((u for _, u in outcomes if u), None)
+        if untrusted:  # tampered with: no older checkpoint of this directory is trusted either
+            raise UntrustedFileError(
+                f"resume: {untrusted}. Nothing was loaded or run; resume only run directories you made, or "
+                f"pass --overwrite to start afresh"
+            )
+        failure = next((f for f, _ in outcomes if f), None)
         if failure:
             skipped.append(failure)
             continue
