@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .config import DEFAULT_CONFIG, ConfigError, packaged_config_names, parse_args
+from .config import DEFAULT_CONFIG, ConfigError, parse_args
+from .config_files import packaged_config_names
 
 
 def train_main(argv=None) -> int:

@@ -16,7 +16,6 @@ import math
 import re
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +23,7 @@ import yaml
 
 from sage_kernels import LossConfig
 
+from . import config_files
 from .presets import LOSS_KEYS, PresetError, apply_preset
 
 DEFAULT_CONFIG = "tiny-cpu"
@@ -39,7 +39,7 @@ LOGGERS = ("tensorboard", "wandb", "trackio")
 POSITIVE_KEYS = (
     "steps prompts_per_step micro_batch_size num_iterations steps_per_generation max_new_tokens eval_samples "
     "log_every save_every dynamic_sampling_max_rounds tiny_hidden_size tiny_layers tiny_heads tiny_kv_heads "
-    "tiny_intermediate_size sft_batch_size max_nonfinite_steps"
+    "tiny_intermediate_size tiny_max_positions sft_batch_size max_nonfinite_steps"
 ).split()
 NON_NEGATIVE_KEYS = (
     "sft_steps sft_max_tokens sft_epochs sft_warmup_steps sft_max_example_tokens cpu_threads train_problems "
@@ -286,29 +286,17 @@ def _check_keys(values: dict, source: str) -> None:
         raise ConfigError(f"unknown config key(s) {unknown} in {source}; known keys: {sorted(FIELDS)}")
 
 
-def packaged_config_path(name: str):
-    """The packaged YAML `name` (with or without .yaml) in sage_train/configs, or None."""
-    candidate = resources.files("sage_train") / "configs" / (name if name.endswith(".yaml") else f"{name}.yaml")
-    return candidate if candidate.is_file() else None
-
-
 def read_yaml(name_or_path: str) -> dict:
-    """A YAML mapping from a file path or a packaged config name."""
-    path = Path(name_or_path)
-    source = path if path.is_file() else packaged_config_path(name_or_path)
-    if source is None:
-        raise ConfigError(
-            f"config file {name_or_path!r} not found (a path, or one of the packaged configs {packaged_config_names()})"
-        )
-    values = yaml.safe_load(source.read_text()) or {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"config file {name_or_path!r} must hold a mapping of keys to values")
-    return values
+    """The mapping in a YAML file or packaged config (`config_files.read_mapping`)."""
+    return plain_yaml(config_files.read_mapping, name_or_path)
 
 
-def packaged_config_names() -> list[str]:
-    folder = resources.files("sage_train") / "configs"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+def plain_yaml(read, *args):
+    """`read(*args)` (a `config_files` reader), its refusals raised as `ConfigError`."""
+    try:
+        return read(*args)
+    except config_files.YamlDataError as error:
+        raise ConfigError(str(error)) from None
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
@@ -340,15 +328,25 @@ def parse_args(argv: list[str]) -> TrainConfig:
         if key == "local_rank":  # passed by the deepspeed launcher; LOCAL_RANK in the environment says the same
             continue
         _check_keys({key: None}, "the command line")
-        overrides[key] = yaml.safe_load(text) if text != "" else ""
-        if _HINTS[key] is str and not isinstance(overrides[key], str):
-            overrides[key] = text  # a name like "123" or "on" stays a string
+        overrides[key] = _override(key, text)
     if config_file is None:
         config_file = DEFAULT_CONFIG if overrides.get("model", "tiny") == "tiny" else REAL_MODEL_CONFIG
     values = read_yaml(config_file)
     _check_keys(values, f"config file {config_file!r}")
     values.update(overrides)
     return resolve(build(values))
+
+
+def _override(key: str, text: str):
+    """The value of ``--key=text``: YAML, except that a string key keeps any text that does not read
+    as a YAML string (a name like "123", "on" or "[draft" stays as given)."""
+    if _HINTS[key] is not str:
+        return plain_yaml(config_files.load, text, f"--{key}") if text != "" else ""
+    try:
+        value = config_files.load(text, f"--{key}")
+    except config_files.YamlDataError:
+        return text
+    return value if isinstance(value, str) else text
 
 
 def build(values: dict) -> TrainConfig:
@@ -427,7 +425,9 @@ def validate(cfg: TrainConfig) -> None:
     require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
     require(cfg.chat_template or not cfg.system_prompt, "system_prompt", "'' without a chat_template")
     require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
-    require(cfg.name != "" and "/" not in cfg.name, "name", "a non-empty name without '/'")
+    plain = cfg.name not in ("", ".", "..") and "/" not in cfg.name and "\0" not in cfg.name  # and no link out:
+    inside = plain and cfg.run_dir.resolve().parent == Path(cfg.output_dir).resolve()
+    require(inside, "name", "a plain folder name inside output_dir (not '.' or '..')")
     require(cfg.beta is None or cfg.beta >= 0, "beta", ">= 0 (0: no KL term)")
     require(not (cfg.resume and cfg.overwrite), "overwrite", "false with resume (continue the run, or replace it)")
     require(
@@ -435,6 +435,14 @@ def validate(cfg: TrainConfig) -> None:
         "report_to",
         f"a list of {', '.join(map(repr, LOGGERS))}",
     )
+    head_dim, rest = divmod(cfg.tiny_hidden_size, cfg.tiny_heads)
+    require(rest == 0, "tiny_heads", f"a divisor of tiny_hidden_size={cfg.tiny_hidden_size}")
+    require(head_dim % 2 == 0, "tiny_heads", "such that tiny_hidden_size / tiny_heads is even (RoPE rotates pairs)")
+    require(cfg.tiny_heads % cfg.tiny_kv_heads == 0, "tiny_kv_heads", f"a divisor of tiny_heads={cfg.tiny_heads}")
+    for item in dataclasses.fields(RunOptions):  # last, so that the specific rules above speak first
+        value = getattr(cfg, item.name)
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        require(not numeric or value >= 0, item.name, ">= 0 (no run option is signed)")
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
@@ -451,4 +459,4 @@ def save_yaml(cfg: TrainConfig, path) -> None:
 
 def load_yaml(path) -> TrainConfig:
     """A saved, resolved config (e.g. from a checkpoint)."""
-    return build(yaml.safe_load(Path(path).read_text()))
+    return build(plain_yaml(config_files.read, path))

@@ -18,15 +18,15 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import yaml
 
-from . import checkpoint
+from . import checkpoint, config_files
 from .build import check_batch_shape, deepspeed_config
-from .config import ConfigError, TrainConfig, save_yaml
+from .config import ConfigError, TrainConfig, plain_yaml, save_yaml
 from .packaged_models import gguf_source
 from .tasks import TASK_NAMES, get_task
 
-#: what a fresh run removes when ``overwrite`` is set (what it would otherwise refuse to lose is `KEPT`)
+#: a previous run's outputs: a fresh run over any of them is refused, unless ``overwrite``, which deletes
+#: them (the evaluations of its models too: sage-eval's default --out and sage-study's)
 FRESH_RUN_CLEARS = (
     "checkpoints",
     "sft",
@@ -39,9 +39,9 @@ FRESH_RUN_CLEARS = (
     "summary.json",
     "metrics.png",
     "completions.jsonl",  # log_completions
+    "eval",
+    "study_eval",
 )
-#: a previous run's outputs that cost training to make: a fresh run needs ``overwrite`` to delete them
-KEPT = ("checkpoints", "final", "sft")
 RESUME_MAY_CHANGE = (
     "output_dir",  # the run directory was moved
     "resume",
@@ -237,8 +237,13 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
     usable, skipped = checkpoint.find(run_dir, world)
     damaged = [s for s in skipped if s.startswith(checkpoint.TAG_PREFIX)]  # not a save that never finished
     if cfg.resume:
+        # the config the run was started with: its newest checkpoint's, else the one saved at its start
+        # (a run killed before its first checkpoint keeps its warm start, which that config made)
+        saved = usable[0] / "config.yaml" if usable else run_dir / "config.yaml"
+        if saved.is_file():
+            _check_unchanged(cfg, saved)
         if usable:
-            _check_unchanged(cfg, usable[0] / "config.yaml")
+            pass  # checkpoint.load takes the newest that loads
         elif damaged:
             raise ConfigError(
                 f"resume: no usable checkpoint in {checkpoint.checkpoint_dir(run_dir)}: {'; '.join(skipped)}. "
@@ -253,11 +258,12 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
             left = f" (skipped {'; '.join(skipped)})" if skipped else ""
             print(f"sage-train: no complete checkpoint in {run_dir} yet{left}: --resume starts at step 1", flush=True)
     else:
-        kept = [name for name in KEPT if _has_content(run_dir / name)]
+        kept = [name for name in FRESH_RUN_CLEARS if _has_content(run_dir / name)]
         if kept and not cfg.overwrite:
+            listed = ", ".join(f"{n}/" if (run_dir / n).is_dir() else n for n in kept)
             raise ConfigError(
-                f"run directory {run_dir} holds a previous run ({', '.join(f'{n}/' for n in kept)}); pass "
-                f"--resume to continue it, --overwrite to replace it, or choose another --name"
+                f"run directory {run_dir} holds a previous run ({listed}); pass --resume to continue it, "
+                f"--overwrite to replace it, or choose another --name"
             )
     if rank == 0:
         if not cfg.resume:
@@ -280,7 +286,7 @@ def _has_content(path: Path) -> bool:
 def _check_unchanged(cfg: TrainConfig, saved_path: Path) -> None:
     """The resumed config must equal the checkpoint's but for `RESUME_MAY_CHANGE` (keys the saved
     file has and this version no longer knows are ignored)."""
-    saved = yaml.safe_load(saved_path.read_text()) or {}
+    saved = plain_yaml(config_files.read, saved_path) or {}
     changed = sorted(k for k, v in cfg.to_dict().items() if k in saved and saved[k] != v and k not in RESUME_MAY_CHANGE)
     if changed:
         raise ConfigError(

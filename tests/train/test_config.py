@@ -2,7 +2,8 @@
 
 import pytest
 
-from sage_train.config import ConfigError, TrainConfig, build, packaged_config_names, parse_args, resolve
+from sage_train.config import ConfigError, TrainConfig, build, parse_args, resolve
+from sage_train.config_files import packaged_config_names
 from sage_train.presets import PRESETS, loss_config
 from sage_train.run_dir import check_inputs
 

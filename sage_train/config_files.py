@@ -1,0 +1,108 @@
+"""Config files and values, read as plain YAML data: the config files (a path, or the name of a
+packaged config), ``--key=value`` overrides and DeepSpeed files a user hands sage-train, and the
+run configs sage-eval reads back.
+
+On top of ``yaml.safe_load`` (no Python objects), refused with one line naming the source:
+text that is not UTF-8; a syntax error (its line and column); a tag beyond YAML's plain types
+(``!!python/...``); an alias (``*name``: a few hundred bytes of nested aliases expand to
+gigabytes once copied, so they are refused before anything is built); and a key given twice in
+one mapping (YAML itself would silently keep the last value).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+
+class YamlDataError(ValueError):
+    """A YAML text that is not plain data; the message is one line naming its source."""
+
+
+class _PlainDataLoader(yaml.SafeLoader):
+    source = "<yaml>"
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise YamlDataError(
+                f"{self.source}: line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                f"accepted; write the value out"
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        self.flatten_mapping(node)  # merge keys (<<) first, as SafeLoader does
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise YamlDataError(
+                    f"{self.source}: line {key_node.start_mark.line + 1}: a mapping key must be a scalar"
+                )
+            if key in seen:
+                raise YamlDataError(f"{self.source}: line {key_node.start_mark.line + 1}: key {key!r} is given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load(text: str | bytes, source: str):
+    """The plain data in `text` (a str, or bytes that must be UTF-8); `YamlDataError` otherwise."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise YamlDataError(f"{source}: not UTF-8 text (byte {error.start} is {text[error.start]:#04x})") from None
+    loader = _PlainDataLoader(text)
+    loader.source = source
+    try:
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = " ".join(filter(None, (error.context, error.problem)))
+        raise YamlDataError(f"{source}: invalid YAML at {where}{problem}") from None
+    except yaml.YAMLError as error:
+        raise YamlDataError(f"{source}: invalid YAML: {' '.join(str(error).split())}") from None
+    finally:
+        loader.dispose()
+
+
+def read(path) -> object:
+    """The plain data in the YAML (or JSON) file `path`."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as error:
+        raise YamlDataError(f"{path}: cannot be read ({error.strerror or error})") from None
+    return load(raw, str(path))
+
+
+def packaged_config_path(name: str):
+    """The packaged YAML `name` (with or without .yaml) in sage_train/configs, or None."""
+    candidate = resources.files("sage_train") / "configs" / (name if name.endswith(".yaml") else f"{name}.yaml")
+    return candidate if candidate.is_file() else None
+
+
+def packaged_config_names() -> list[str]:
+    folder = resources.files("sage_train") / "configs"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def read_mapping(name_or_path: str) -> dict:
+    """The mapping in the YAML file `name_or_path`, or in the packaged config of that name."""
+    path = Path(name_or_path)
+    source = path if path.is_file() else packaged_config_path(name_or_path)
+    if source is None:
+        raise YamlDataError(
+            f"config file {name_or_path!r} not found (a path, or one of the packaged configs {packaged_config_names()})"
+        )
+    try:
+        text = source.read_bytes()
+    except OSError as error:
+        raise YamlDataError(f"config file {name_or_path!r} cannot be read ({error.strerror or error})") from None
+    values = load(text, f"config file {name_or_path!r}") or {}
+    if not isinstance(values, dict):
+        raise YamlDataError(f"config file {name_or_path!r} must hold a mapping of keys to values")
+    return values
