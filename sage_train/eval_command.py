@@ -29,9 +29,11 @@ from typing import Optional, Sequence
 
 from . import evaluate
 from .evaluate import check_ks, evaluate_engine, markdown_table, write_outputs
-from .packaged_models import gguf_source, model_directory
-from .eval_records import COMPLETIONS_FILE, RECORDS_FILE, RecordWriter, check_sampling, read_records
-from .rollout.base import RolloutEngine, SamplingParams
+from .eval_models import ModelSpec, build_engine, check_models, check_prompt_lengths, fingerprints
+from .eval_models import in_prompt_format, resolve_models, trained_config
+from .eval_records import COMPLETIONS_FILE, RECORDS_FILE, RecordWriter, check_fingerprints, check_sampling
+from .eval_records import read_records
+from .rollout.base import SamplingParams
 
 
 #: the official SAGE evaluation (`--protocol official`): defaults of the options it sets
@@ -53,60 +55,6 @@ AVERAGED = ("aime", "amc23", "math500")
 PLAIN = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "n": 16}
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A model to evaluate: its label (plots, tables, records), HF directory, and run config."""
-
-    label: str
-    path: str
-    run_config: Optional[dict]
-
-
-def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
-    """Run directories (`config.yaml` + `final/`) load `<run>/final`; anything else is an HF
-    directory or hub name. Labels are the run or directory names, full paths if those clash."""
-    resolved = []
-    for given in paths:
-        path = Path(given)
-        if (path / "config.yaml").is_file() and (path / "final").is_dir():
-            import yaml
-
-            config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-            resolved.append((path.resolve().name, str(path / "final"), config))
-        elif (path / "config.yaml").is_file() and not (path / "config.json").is_file():
-            raise ValueError(
-                f"--model {given!r} is a run directory without a final model ({path / 'final'}); did the run finish?"
-            )
-        elif gguf_source(given) is not None:  # a named model or a GGUF file: its cached HF conversion
-            resolved.append((Path(given).stem if given.endswith(".gguf") else given, model_directory(given), None))
-        elif path.exists() and not path.is_dir():
-            raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory or a hub name")
-        else:
-            name = path.resolve().name if path.is_dir() else given
-            if name == "final" and path.is_dir():  # runs/<name>/final: call it by the run's name
-                name = path.resolve().parent.name
-            resolved.append((name, given, None))
-    labels = [label for label, _, _ in resolved]
-    if len(set(labels)) < len(labels):
-        resolved = [(path, path, config) for _, path, config in resolved]
-    if len({label for label, _, _ in resolved}) < len(resolved):
-        raise ValueError(f"--model given twice: {list(paths)}")
-    return [ModelSpec(*entry) for entry in resolved]
-
-
-def trained_config(model: ModelSpec) -> dict:
-    """The run config a model was trained with: its run directory's, or for ``<run>/final`` the
-    config.yaml beside it; {} when there is none."""
-    if model.run_config is not None:
-        return model.run_config
-    beside = Path(model.path).parent / "config.yaml"
-    if Path(model.path).is_dir() and beside.is_file():
-        import yaml
-
-        return yaml.safe_load(beside.read_text()) or {}
-    return {}
-
-
 def prompt_format(args, model: ModelSpec) -> tuple[str, str]:
     """(chat template, system prompt) for `model`: the options when given, else what it was
     trained with, else the protocol's."""
@@ -117,24 +65,6 @@ def prompt_format(args, model: ModelSpec) -> tuple[str, str]:
     if template is None or template is True or template is False:  # a config from before names
         template = {True: "tokenizer", False: ""}.get(template, protocol["chat_template"])
     return template, (system if system is not None else protocol["system_prompt"])
-
-
-def build_engine(kind: str, model_path: str, device: str) -> RolloutEngine:
-    """A rollout engine sampling from the model at `model_path`: "hf" loads it with transformers
-    on `device`; "vllm" hands the path to a vLLM engine that owns the GPU (no sleep mode: there is
-    no training to share memory with)."""
-    from .rollout import make_engine
-
-    if kind == "hf":
-        from .model import load_pretrained
-
-        model, tokenizer = load_pretrained(model_path)
-        model.to(device).eval()
-        return make_engine("hf", model, tokenizer, device=device)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return make_engine(kind, model_path, tokenizer, enable_sleep_mode=False, gpu_memory_utilization=0.85)
 
 
 def parse_ints(text: str, what: str) -> list[int]:
@@ -227,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"also write every completion and its score to {COMPLETIONS_FILE}",
     )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=8192,
+        help="refuse a problem whose prompt has more tokens (default 8192)",
+    )
     p.add_argument("--out", default=None, help="output directory (default: <first run dir>/eval, else eval)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -266,6 +202,7 @@ def main(argv=None) -> int:
     """`sage-eval`: evaluate every model on every task; see the module docstring."""
     args = build_parser().parse_args(argv)
     models = resolve_models(args.model)
+    check_models(models)
     run_config = next((m.run_config for m in models if m.run_config is not None), {}) or {}
     official = args.protocol == "official"
     defaults = OFFICIAL if official else PLAIN
@@ -297,6 +234,8 @@ def main(argv=None) -> int:
         raise ValueError("--seeds is empty")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.max_prompt_tokens < 1:
+        raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     sampling = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -305,7 +244,17 @@ def main(argv=None) -> int:
         max_new_tokens=max_new_tokens,
         stop=stop,
     )
+    from .tasks import get_task
+
+    tasks = [get_task(name, **options) for name, options in resolve_tasks(args, models)]
+    problems = {task.name: list(task.problems("test", args.limit, 0)) for task in tasks}
+    prompted = {(m.label, t.name): in_prompt_format(t, m, formats[m.label]) for m in models for t in tasks}
+    for (label, name), task in prompted.items():
+        check_prompt_lengths(task, problems[name], next(m for m in models if m.label == label), args.max_prompt_tokens)
     out = Path(args.out or (Path(args.model[0]) / "eval" if models[0].run_config is not None else "eval"))
+    weights = fingerprints(models, out)
+    done = read_records(out)  # nothing is written to `out` before every check has passed
+    check_fingerprints(out, done, weights)
     out.mkdir(parents=True, exist_ok=True)
     check_sampling(
         out,
@@ -322,10 +271,6 @@ def main(argv=None) -> int:
         },
     )
 
-    from .tasks import get_task
-
-    tasks = [get_task(name, **options) for name, options in resolve_tasks(args, models)]
-    problems = {task.name: list(task.problems("test", args.limit, 0)) for task in tasks}
     config = {
         "models": {m.label: m.path for m in models},
         "tasks": [t.name for t in tasks],
@@ -341,8 +286,7 @@ def main(argv=None) -> int:
         "samples_per_call": args.samples_per_call,
     }
     results = {"config": config, "models": {}, "generated": 0, "resumed": 0}
-    done = read_records(out)
-    writer = RecordWriter(out, args.save_completions)
+    writer = RecordWriter(out, args.save_completions, weights)
     from tqdm.auto import tqdm
 
     bar = tqdm(
@@ -355,9 +299,9 @@ def main(argv=None) -> int:
     try:
         for model in models:
             engine = None  # loaded only if some problem of this model is not done yet
-            results["models"][model.label] = {"path": model.path, "tasks": {}}
+            results["models"][model.label] = {"path": model.path, "fingerprint": weights[model.label], "tasks": {}}
             for plain_task in tasks:
-                task = in_prompt_format(plain_task, model, formats[model.label])
+                task = prompted[model.label, plain_task.name]
                 mine = {
                     (seed, pid): record
                     for (label, name, seed, pid), record in done.items()
@@ -406,23 +350,6 @@ def main(argv=None) -> int:
     print(table)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass_at_k.png'}")
     return 0
-
-
-def in_prompt_format(task, model: ModelSpec, prompt_format: tuple[str, str]):
-    """`task` with its prompts in `model`'s chat template and system prompt (`prompt_format`), or
-    `task` itself when there is no template. The tokenizer is the model's own (saved with it, the
-    official template included when the model was trained with it)."""
-    template, system = prompt_format
-    if not template:
-        return task
-    from transformers import AutoTokenizer
-
-    from .tasks.chat import ChatPromptTask
-
-    try:
-        return ChatPromptTask(task, AutoTokenizer.from_pretrained(model.path), system, template)
-    except ValueError as error:
-        raise ValueError(f"model {model.label!r}: {error}") from None
 
 
 def average_table(results: dict, ks: list) -> str:

@@ -1,7 +1,9 @@
 """`sage-eval`'s resumable records: one line per finished (model, task, seed, problem) in
 records.jsonl (and its completions in completions.jsonl), written at once, so a killed evaluation
-loses at most the problem in progress and resumes from the file; the sampling settings are kept
-beside them so that a resume cannot mix draws made with other settings."""
+loses at most the problem in progress and resumes from the file. A resume cannot mix draws made
+otherwise: the sampling settings are kept beside them (sampling.json), and each record names the
+fingerprint of the weights that drew it (`model_files.fingerprint`), so the records of a model that
+has since been retrained or replaced are refused, not reused."""
 
 from __future__ import annotations
 
@@ -27,18 +29,33 @@ def read_records(out: Path) -> dict[tuple[str, str, int, str], dict]:
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8
             if number == len(lines):
                 break
             raise ValueError(f"{path}:{number} is not a JSON record; remove the file to start afresh")
         if not line.endswith(b"\n"):
             break
+        if not isinstance(record, dict) or not {"model", "task", "seed", "problem_id", "n", "c"} <= set(record):
+            raise ValueError(f"{path}:{number} is not a sage-eval record; remove the file to start afresh")
         records[(record["model"], record["task"], record["seed"], record["problem_id"])] = record
         good_bytes += len(line)
     if good_bytes < path.stat().st_size:
         with open(path, "r+b") as f:
             f.truncate(good_bytes)
     return records
+
+
+def check_fingerprints(out: Path, records: dict, fingerprints: dict[str, str]) -> None:
+    """Refuse records of a model (by label) drawn from other weights than `fingerprints` names."""
+    for (label, *_), record in records.items():
+        drawn_by = record.get("fingerprint")
+        if label in fingerprints and drawn_by != fingerprints[label]:
+            was = f"weights {drawn_by[:12]}" if drawn_by else "weights an older sage-eval did not record"
+            raise ValueError(
+                f"--out {out} holds samples of model {label!r} drawn from other {was}, not the ones it has "
+                f"now ({fingerprints[label][:12]}): was it retrained? Use another --out, or remove {out} to "
+                f"evaluate it afresh"
+            )
 
 
 def check_sampling(out: Path, sampling: dict) -> None:
@@ -61,15 +78,16 @@ class RecordWriter:
     """Appends finished problems to records.jsonl (and completions.jsonl), flushed at once so
     that a killed run loses at most the problem in progress."""
 
-    def __init__(self, out: Path, save_completions: bool):
+    def __init__(self, out: Path, save_completions: bool, fingerprints: dict[str, str]):
         self.records = open(out / RECORDS_FILE, "a")
         self.completions = open(out / COMPLETIONS_FILE, "a") if save_completions else None
+        self.fingerprints = fingerprints
 
     def writer_for(self, model: str, task: str) -> Callable[[dict, list[str], list[float]], None]:
         """An `on_record` callback for `evaluate_engine` that tags records with model and task."""
 
         def write(record: dict, completions: list[str], scores: list[float]) -> None:
-            keyed = {"model": model, "task": task} | record
+            keyed = {"model": model, "fingerprint": self.fingerprints[model], "task": task} | record
             if self.completions is not None:  # first, so that a record implies its completions
                 texts = keyed | {"completions": completions, "scores": scores}
                 self.completions.write(json.dumps(texts) + "\n")

@@ -21,6 +21,7 @@ log-scale k, one line per model, one panel per task).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -109,7 +110,7 @@ def sample_seed(seed: int, problem_id: str, chunk: int) -> int:
 
 
 def evaluate_engine(
-    engine: RolloutEngine,
+    engine: Optional[RolloutEngine],
     task: Task,
     problems: Sequence[Problem],
     *,
@@ -127,7 +128,8 @@ def evaluate_engine(
     A sample counts as correct when the task scores it 1.0.
 
     The engine is kept awake (`RolloutEngine.awake`) for the whole evaluation: an engine that
-    holds its own weights loads them at most once, not once per call.
+    holds its own weights loads them at most once, not once per call. When `done` holds every
+    problem, the engine is not touched and may be None.
 
     sampling: temperature, top_p, ... (its `n` and seeds are set here per call).
     problems_per_call: prompts per generate call (default: all of a seed's problems in one
@@ -158,7 +160,8 @@ def evaluate_engine(
         raise ValueError(f"samples_per_call must be >= 1, got {samples_per_call}")
     done = done or {}
     records: dict[tuple[int, str], dict] = {}
-    with engine.awake():
+    left = any((seed, p.id) not in done for seed in seeds for p in problems)
+    with engine.awake() if left else contextlib.nullcontext():  # all done: no engine needed (None)
         for seed in seeds:
             for problem in problems:
                 if (seed, problem.id) in done:

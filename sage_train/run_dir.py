@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import checkpoint, config_files
 from .build import check_batch_shape, deepspeed_config
 from .config import ConfigError, TrainConfig, plain_yaml, save_yaml
+from .model_files import ModelFilesError, check_model
 from .packaged_models import gguf_source
 from .tasks import TASK_NAMES, get_task
 
@@ -110,18 +111,11 @@ def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
             raise ConfigError(f"config key 'report_to': {logger!r} needs its package (pip install {logger})")
     if gguf_source(cfg.model, cfg.gguf_file) is not None:  # a named model or GGUF file: found, converted at load
         return Inputs(task, train_problems, sft_task, sft_problems)
-    if cfg.model.startswith(("/", ".", "~")) and not Path(cfg.model).expanduser().is_dir():
-        raise ConfigError(f"config key 'model': no directory {cfg.model!r} (expected 'tiny', a hub id or a directory)")
     if cfg.model != "tiny":
-        from transformers import AutoConfig
-
         try:
-            AutoConfig.from_pretrained(cfg.model)
-        except (OSError, ValueError) as error:
-            raise ConfigError(
-                f"config key 'model': {cfg.model!r} is neither 'tiny', a local model directory nor a hub "
-                f"model ({str(error).splitlines()[0]})"
-            ) from error
+            check_model(cfg.model, "config key 'model' (expected 'tiny', a hub id or a model directory)")
+        except ModelFilesError as error:
+            raise ConfigError(str(error)) from None
     return Inputs(task, train_problems, sft_task, sft_problems)
 
 

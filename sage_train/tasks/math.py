@@ -109,28 +109,54 @@ def _gold(row: dict, where: str) -> str:
         answer = last_boxed(row["solution"])
     if answer is None:
         raise ValueError(f"{where}: no 'answer' field and no \\boxed{{}} in 'solution'")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"{where}: the answer must be a string or a number, got {type(answer).__name__} {answer!r}")
     if isinstance(answer, float) and answer.is_integer():
         answer = int(answer)  # AMC golds are JSON floats ("27.0"); models write 27
     return str(answer).strip()
 
 
-def rows_to_problems(rows, name: str, where: str) -> list[Problem]:
-    """Problems from dict rows; ids are `<name>/<row index>`."""
+def rows_to_problems(rows, name: str, where: str, places: list[str] | None = None) -> list[Problem]:
+    """Problems from dict rows; ids are `<name>/<row index>`. Errors name `places[i]` (a file and
+    line), else "`where` row i"."""
     problems = []
     for i, row in enumerate(rows):
+        place = places[i] if places else f"{where} row {i}"
         question = row.get("problem", row.get("question", row.get("prompt")))
         if not isinstance(question, str):
-            raise ValueError(f"{where} row {i}: no 'problem' (or 'question', or 'prompt') text")
+            raise ValueError(f"{place}: no 'problem' (or 'question', or 'prompt') text")
         meta = {k: v for k, v in row.items() if k in ("subject", "level", "type", "url", "unique_id")}
         if isinstance(row.get("generated_solution"), str) and row["generated_solution"].strip():
             meta["sft_completion"] = row["generated_solution"]
-        problems.append(Problem(id=f"{name}/{i}", question=question, answer=_gold(row, f"{where} row {i}"), meta=meta))
+        problems.append(Problem(id=f"{name}/{i}", question=question, answer=_gold(row, place), meta=meta))
     return problems
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def jsonl_problems(path: Path, name: str) -> list[Problem]:
+    rows, lines = read_jsonl(path)
+    return rows_to_problems(rows, name, str(path), [f"{path}:{line}" for line in lines])
+
+
+def read_jsonl(path: Path) -> tuple[list[dict], list[int]]:
+    """(the rows of a jsonl file, each a JSON object; their line numbers). A line that is not one
+    (or not UTF-8 text) raises ValueError naming the file and line; blank lines are skipped."""
+    rows, lines = [], []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+                row = json.loads(line) if line.strip() else None
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{number}: not UTF-8 text (byte {error.start} of the line)") from None
+            except ValueError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
+            if not line.strip():
+                continue
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object per line, got {type(row).__name__}")
+            rows.append(row)
+            lines.append(number)
+    return rows, lines
 
 
 def load_hub(dataset: str, split: str, config: str | None = None) -> list[dict]:
@@ -155,7 +181,7 @@ def load_source(source: str) -> tuple[str, list[Problem]]:
         file, hub, split = BENCHMARKS[source]
         local = data_root() / file
         if local.is_file():
-            return source, rows_to_problems(read_jsonl(local), source, str(local))
+            return source, jsonl_problems(local, source)
         return source, rows_to_problems(load_hub(hub, split), source, hub)
     if source in TRAIN_SETS:
         dataset, config, split = TRAIN_SETS[source]
@@ -164,13 +190,13 @@ def load_source(source: str) -> tuple[str, list[Problem]]:
         path = Path(source[len("jsonl:") :])
         if not path.is_file():
             raise FileNotFoundError(f"task {source!r}: no file {str(path)!r}")
-        return path.stem, rows_to_problems(read_jsonl(path), path.stem, str(path))
+        return path.stem, jsonl_problems(path, path.stem)
     if source.startswith("hub:"):
         dataset, _, split = source[len("hub:") :].partition(":")
         return source, rows_to_problems(load_hub(dataset, split or "test"), source, dataset)
     path = Path(source)
     if path.suffix == ".jsonl" and path.is_file():
-        return path.stem, rows_to_problems(read_jsonl(path), path.stem, str(path))
+        return path.stem, jsonl_problems(path, path.stem)
     raise ValueError(
         f"source must be one of {sorted(BENCHMARKS) + sorted(POOLED) + sorted(TRAIN_SETS)}, a path to an "
         f"existing .jsonl file, 'jsonl:<path>' or 'hub:<owner>/<dataset>[:<split>]'; "

@@ -60,7 +60,7 @@ def test_bad_sources_and_options_are_named(tmp_path):
         MathTask("math500", template="no placeholder")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"problem": "x", "solution": "no box"}) + "\n")
-    with pytest.raises(ValueError, match="bad.jsonl row 0: no 'answer'"):
+    with pytest.raises(ValueError, match="bad.jsonl:1: no 'answer'"):
         MathTask(str(bad))
     with pytest.raises(TypeError, match="unknown option"):
         get_task("math500", digits=3)
