@@ -3,8 +3,10 @@ package builds itself (nothing downloaded), or a real model: a named model shipp
 a GGUF file (both through `sage_train.packaged_models`), a hub name or a local path.
 
 The tiny tokenizer maps each printable ASCII character and the newline to one token, plus
-``<pad>``, ``<eos>`` and ``<unk>``. It is a `PreTrainedTokenizerFast`, so it saves with
-``save_pretrained`` and loads back with ``AutoTokenizer.from_pretrained`` like any other.
+``<pad>``, ``<eos>`` and ``<unk>``; other characters are dropped. It is a `Qwen2Tokenizer`, the
+class ``AutoTokenizer.from_pretrained`` gives a folder holding a Qwen2 config, so the tokenizer a
+run saves beside its model (sft/, final/) loads back as the same class and encodes alike: a resumed
+run trains with the tokenizer of the run it continues.
 """
 
 from __future__ import annotations
@@ -13,14 +15,8 @@ import os
 import string
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from tokenizers import pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 from .packaged_models import model_directory
 
@@ -28,26 +24,24 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARACTERS = "\n" + "".join(c for c in string.printable if c.isprintable())
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character: byte-level BPE with an empty merge list never joins characters.
-
-    Byte-level (space is stored as "Ġ", newline as "Ċ", as GPT-2 and Qwen2 do) because
-    ``AutoTokenizer`` loads a directory holding a Qwen2 config with Qwen2's tokenizer class,
-    which imposes a byte-level pre-tokenizer: this vocabulary reads the same through it."""
+def build_char_tokenizer() -> Qwen2Tokenizer:
+    """One token per character: Qwen2's byte-level BPE with an empty merge list never joins
+    characters (space is stored as "Ġ", newline as "Ċ", as GPT-2 and Qwen2 do)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     byte_char = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in CHARACTERS:
         vocab[byte_char[ord(char)]] = len(vocab)
     assert all(token in alphabet for token in list(vocab)[len(SPECIAL_TOKENS) :])
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=512,
     )
-    tokenizer.model_max_length = 512
-    return tokenizer
 
 
 def _bytes_to_unicode() -> list[str]:
