@@ -34,13 +34,19 @@
 
 namespace {
 
+// ln(FLT_MIN): below it exp(x) is subnormal or 0, and exp_nonpositive returns exactly 0.
+constexpr float kExpUnderflow = -87.3365447505531f;
+
 // exp(x) for x <= ~0 (arguments are logits minus their maximum or their log-sum-exp).
 // Range reduction x = k ln2 + r, |r| <= ln2/2, a degree-7 polynomial for e^r, then 2^k via the
-// exponent bits; relative error ~2 ulp. Inputs below -87 flush to ~1e-38, i.e. zero weight.
+// exponent bits; relative error ~2 ulp. Exactly 0 below kExpUnderflow (-inf included): a weight
+// of ~1e-38 there, times a logit of -1e38 (a finfo.min bias, a temperature of 1e-37), would move the
+// entropy by whole nats. Callers keep such zeros zero: 0 * -inf is NaN, so each product of a
+// probability with a logit is taken only where the probability is not 0.
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+  const float clamped = std::max(x, kExpUnderflow);  // 2^k stays a normal float
+  const float k = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - k * 0.693359375f) + k * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -51,7 +57,7 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return x < kExpUnderflow ? 0.0f : p * scale;
 }
 
 // Rows per thread task: at least ~64K logits, so that small blocks are not split across threads.
@@ -154,7 +160,7 @@ void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::
         const float shifted = z[v] - max_z;
         const float e = exp_nonpositive(shifted);
         sum_e += e;
-        sum_ez += e * shifted;
+        sum_ez += e > 0.f ? e * shifted : 0.f;  // shifted may be -inf (a logit of -inf after 1/T)
       }
       const float log_sum = std::log(sum_e);
       out_lse[i] = max_z + log_sum;
@@ -189,7 +195,7 @@ void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::T
         for (int64_t v = 0; v < V; ++v) {
           const float log_p = z[v] - m;
           const float p = exp_nonpositive(log_p);
-          z[v] = -p * (gi + ci * (log_p + h));
+          z[v] = p > 0.f ? -p * (gi + ci * (log_p + h)) : 0.f;  // ci * log_p may overflow where p is 0
         }
       }
       z[y[i]] += gi;

@@ -125,7 +125,8 @@ class _TorchBlocks:
         logits.mul_(inv_temperature)
         torch.logsumexp(logits, 1, out=lse)
         log_p = logits - lse[:, None]
-        entropy.copy_(-(log_p.exp() * log_p).sum(1))
+        # p log p is 0 where p is: a logit of -inf (a finfo.min bias over T < 1) gives 0 * -inf = NaN
+        entropy.copy_(-(log_p.exp() * log_p).nan_to_num_(nan=0.0).sum(1))
         logp.copy_(log_p.gather(1, targets[:, None]).squeeze(1))
 
     @staticmethod
@@ -145,6 +146,8 @@ class _TorchBlocks:
     ):
         log_p = logits.sub_(lse[:, None])
         weight_per_p = (log_p + entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None])
+        # where it is not finite (c log p overflowed, or c = 0 times log p = -inf), p is 0 and so is d z
+        weight_per_p.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         d_logits = log_p.exp_().mul_(weight_per_p).neg_()  # -p (g + c (log p + H)), in the workspace
         d_logits.scatter_add_(1, targets[:, None], grad_logp[:, None])
         d_logits.mul_(inv_temperature)

@@ -50,7 +50,9 @@ def reference_logprobs_and_entropy(
     z = logits_of(hidden2d, weight, bias, temperature, dtype)
     logprobs = torch.log_softmax(z, dim=-1)
     logp = logprobs.gather(-1, token_ids_flat[:, None]).squeeze(-1)
-    entropy = -ordered_sum(logprobs.exp() * logprobs, -1)
+    # a logit of -inf (a finfo.min bias over T < 1 overflows) has p = 0 and p log p = 0, not 0 * -inf = NaN
+    finite = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
+    entropy = -ordered_sum(finite.exp() * finite, -1)
     return logp, entropy
 
 
