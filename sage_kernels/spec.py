@@ -128,6 +128,7 @@ class LossConfig:
             self.importance_sampling,
         )
         _require(self.temperature > 0, "temperature", "> 0", self.temperature)
+        _require(self.beta >= 0, "beta", ">= 0 (0: no KL term)", self.beta)
         _require(self.gamma >= 0, "gamma", ">= 0", self.gamma)
         _require(0 < self.q_min <= self.q_max, "q_min", f"in (0, q_max={self.q_max}]", self.q_min)
         _require(0 <= self.eps_low < 1, "eps_low", "in [0, 1)", self.eps_low)
@@ -175,7 +176,9 @@ class LossConfig:
             )
         if self.max_completion_length is not None:
             _require(
-                isinstance(self.max_completion_length, int) and self.max_completion_length > 0,
+                isinstance(self.max_completion_length, int)
+                and not isinstance(self.max_completion_length, bool)
+                and self.max_completion_length > 0,
                 "max_completion_length",
                 "None or a positive int",
                 self.max_completion_length,
@@ -263,6 +266,8 @@ class SageLossOutput:
 def _check_tensor(name: str, value, *, ndim=None, device=None, float_=False) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}; pass {name}.to_dense()")
     if ndim is not None and value.dim() not in ndim:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, got shape {tuple(value.shape)}")
     if device is not None and value.device != device:
@@ -329,6 +334,7 @@ def validate_inputs(
             raise ValueError(f"bias must have shape [V={V}], got {tuple(bias.shape)}")
         if bias.dtype != hidden.dtype:
             raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+        _check_finite("bias", bias)  # -inf too: mask a token with a finite bias such as finfo.min
 
     _check_tensor("token_ids", token_ids, ndim=(2,), device=device)
     if token_ids.is_floating_point() or token_ids.dtype == torch.bool or token_ids.is_complex():
@@ -382,6 +388,7 @@ def validate_inputs(
     adv = adv[:, None].expand(B, L) if adv.dim() == 1 else adv
     _check_finite("advantages", adv, loss_mask)
     _check_finite("hidden", hidden)
+    _check_finite("weight", weight)
     bad = ((token_ids < 0) | (token_ids >= V)) & loss_mask
     if device.type == "cpu":
         if bool(bad.any()):
