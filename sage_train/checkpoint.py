@@ -32,11 +32,12 @@ import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 from .config import ConfigError, save_yaml
 from .distributed import RunError
@@ -192,27 +193,63 @@ def _commit(root: Path, written: Path, world: int) -> None:
 
 def write_atomically(path: Path, text: str) -> None:
     """`path` holds `text` whole, or what it held before: staged beside it, fsynced, renamed over it.
-    For the files a resume or a study reads back (eval_before.json, summary.json)."""
+    For the files a resume or a study reads back (eval_before.json, summary.json). `RunError` when
+    it cannot be written (a full disk, a read-only folder), naming which."""
     staged = path.with_name(f".{path.name}.tmp")
-    _write_synced(staged, text)
-    os.replace(staged, path)
-    _fsync(path.parent)
+    try:
+        _write_synced(staged, text)
+        os.replace(staged, path)
+        _fsync(path.parent)
+    except OSError as error:
+        _remove_quietly(staged)
+        raise RunError(f"{path} could not be written: {_why_not_written(error, path)}") from None
 
 
 @contextmanager
 def folder_written_atomically(folder: Path) -> Iterator[Path]:
     """Yields a staging folder to write `folder`'s files into; when the block ends without an error
     they are fsynced and the staging folder replaces `folder`. A kill or an error leaves the
-    previous `folder` (or none), never a half-written one that loads as a model."""
+    previous `folder` (or none), never a half-written one that loads as a model; a write that
+    fails (a full disk, a read-only folder) raises `RunError` naming why."""
     staged = folder.with_name(f".{folder.name}{PARTIAL}")
-    shutil.rmtree(staged, ignore_errors=True)  # a save killed earlier
-    staged.mkdir(parents=True)
-    yield staged
-    for path in staged.rglob("*"):
-        _fsync(path)
-    _fsync(staged)
-    _replace_folder(folder, staged)
-    _fsync(folder.parent)
+    try:
+        shutil.rmtree(staged, ignore_errors=True)  # a save killed earlier
+        staged.mkdir(parents=True)
+        yield staged
+        for path in staged.rglob("*"):
+            _fsync(path)
+        _fsync(staged)
+        _replace_folder(folder, staged)
+        _fsync(folder.parent)
+    except (OSError, RuntimeError, SafetensorError) as error:  # torch and safetensors report IO errors so
+        shutil.rmtree(staged, ignore_errors=True)
+        if isinstance(error, RunError):
+            raise
+        raise RunError(f"{folder} could not be written: {_why_not_written(error, folder)}") from None
+
+
+def on_rank0(rank: int, write: Callable[[], None]) -> None:
+    """`write()` on rank 0 only (a file the run writes once); its `RunError` is raised on every rank,
+    so that no rank waits forever at the next collective for one that has stopped."""
+    error = None
+    if rank == 0:
+        try:
+            write()
+        except RunError as caught:
+            error = str(caught)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error:
+        raise RunError(error)
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # a read-only folder: nothing was staged there either
 
 
 def _replace_folder(folder: Path, staged: Path) -> None:
@@ -243,13 +280,34 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _full_disk(error: BaseException, path: Path) -> Optional[int]:
+    """The free bytes where `path` lies when `error` reads as a full disk (torch reports ENOSPC as an
+    iostream error, hence the free space too), else None."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < FULL_DISK_BYTES
+    return free if full else None
+
+
+def _why_not_written(error: BaseException, path: Path) -> str:
+    """Why `path` could not be written, in words, and what to do: a full disk, a read-only folder, or
+    the error itself."""
+    free = _full_disk(error, path)
+    if free is not None:
+        why = f"no space left on device ({free} bytes free)"
+    elif getattr(error, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = f"{path.parent} is not writable"
+    else:
+        why = " ".join(str(error).split()) or type(error).__name__
+    return f"{why}; make room or make it writable and run the command again (sage-train with --resume)"
+
+
 def _write_failure(error: Exception, root: Path, tag: str) -> str:
     """One line for a checkpoint that could not be written, naming a full disk as such."""
-    existing = next(p for p in (root, *root.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
+    free = _full_disk(error, root)
     kept = latest_complete_name(root)
     previous = f"the previous checkpoint {kept} stays 'latest'" if kept else "no earlier checkpoint exists"
-    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < FULL_DISK_BYTES:
+    if free is not None:
         return (
             f"checkpoint {tag}: no space left on device in {root} ({free} bytes free); {previous}. "
             f"Free some space and continue with --resume"

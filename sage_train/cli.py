@@ -58,6 +58,7 @@ def train_usage() -> str:
 
 def eval_main(argv=None) -> int:
     """`sage-eval --model PATH_OR_RUN_DIR ... --tasks ...`; returns the exit status."""
+    from .distributed import RunError
     from .eval_command import main
 
     try:
@@ -65,6 +66,9 @@ def eval_main(argv=None) -> int:
     except (ValueError, FileNotFoundError, ConfigError) as error:
         print(f"sage-eval: {error}", file=sys.stderr)
         return 2
+    except RunError as error:  # its outputs could not be written (a full disk); the records are kept
+        print(f"sage-eval: {error}", file=sys.stderr)
+        return 1
 
 
 def study_main(argv=None) -> int:

@@ -173,8 +173,7 @@ def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
         for split in cfg.eval_splits:
             split_task, problems = eval_set(cfg, ctx.task, ctx.tokenizer, ctx.train_problems, split)
             results[split] = pass_at_k_over_ranks(ctx, split_task, problems)
-    if ctx.rank == 0:
-        checkpoint.write_atomically(path, json.dumps(results, indent=1) + "\n")
+    checkpoint.on_rank0(ctx.rank, lambda: checkpoint.write_atomically(path, json.dumps(results, indent=1) + "\n"))
     return results
 
 
@@ -236,15 +235,18 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
 
     lm = engine.module.lm
     gather = deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None, enabled=cfg.zero_stage == 3)
+
+    def write() -> None:
+        with checkpoint.folder_written_atomically(path) as staged:
+            if is_lora(lm):  # the adapter, and the merged model beside it
+                lm.save_pretrained(staged / "adapter")
+                base_lm(lm).save_pretrained(staged, state_dict=dict(merged_named_weights(lm)))
+            else:
+                lm.save_pretrained(staged)
+            tokenizer.save_pretrained(staged)
+
     with gather:
-        if rank == 0:
-            with checkpoint.folder_written_atomically(path) as staged:
-                if is_lora(lm):  # the adapter, and the merged model beside it
-                    lm.save_pretrained(staged / "adapter")
-                    base_lm(lm).save_pretrained(staged, state_dict=dict(merged_named_weights(lm)))
-                else:
-                    lm.save_pretrained(staged)
-                tokenizer.save_pretrained(staged)
+        checkpoint.on_rank0(rank, write)
     dist.barrier()
 
 

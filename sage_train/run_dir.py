@@ -57,7 +57,7 @@ RESUME_MAY_CHANGE = (
     "log_completions",
     "max_nonfinite_steps",
 )
-LOCK_FILE = "run.lock"
+LOCK_FILE = "run.lock"  # a run's `RunLock`
 
 
 class Inputs(NamedTuple):
@@ -138,10 +138,13 @@ class RunLock:
     """One run at a time in a run directory: rank 0 holds an exclusive ``flock`` on
     ``run_dir/run.lock`` for the run's life. The kernel drops the lock when its process dies, so a
     lock file still holding a holder's details but no lock is a stale one (a killed run): it is
-    reported and taken over. A second run fails with `ConfigError` naming the holder."""
+    reported and taken over. A second run fails with `ConfigError` naming the holder.
 
-    def __init__(self, run_dir: Path, rank: int):
-        self.path, self.rank, self.fd = Path(run_dir) / LOCK_FILE, rank, None
+    A sage-study holds one on its --out the same way (``owner="study"``: ``study.lock``)."""
+
+    def __init__(self, run_dir: Path, rank: int, *, owner: str = "run", option: str = "--name"):
+        self.path, self.rank, self.fd = Path(run_dir) / f"{owner}.lock", rank, None
+        self.owner, self.option = owner, option
 
     def __enter__(self) -> "RunLock":
         error = None
@@ -171,8 +174,8 @@ class RunLock:
                 holder = _read(fd)
                 os.close(fd)
                 raise ConfigError(
-                    f"run directory {self.path.parent} is in use by {describe(holder)}; wait for that run "
-                    f"to end, or choose another --name"
+                    f"{self.owner} directory {self.path.parent} is in use by {describe(holder)}; wait for that "
+                    f"{self.owner} to end, or choose another {self.option}"
                 ) from None
             try:  # its previous holder may have removed the file between our open and our lock
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
@@ -184,8 +187,8 @@ class RunLock:
         stale = _read(fd)
         if stale:
             print(
-                f"sage-train: {self.path} was left by {describe(stale)}, which ended without releasing it "
-                f"(killed?); taking it over",
+                f"sage-{'train' if self.owner == 'run' else self.owner}: {self.path} was left by {describe(stale)}, "
+                f"which ended without releasing it (killed?); taking it over",
                 flush=True,
             )
         holder = {
@@ -202,7 +205,13 @@ class RunLock:
     def release(self) -> None:
         if self.fd is None:
             return
-        self.path.unlink(missing_ok=True)  # before unlocking: a waiting run then re-opens a new file
+        try:
+            self.path.unlink(missing_ok=True)  # before unlocking: a waiting run then re-opens a new file
+        except OSError:  # a folder made read-only during the run: leave the file naming no holder
+            try:
+                os.ftruncate(self.fd, 0)
+            except OSError:
+                pass  # a read-only file system: the lock itself is released with the descriptor
         os.close(self.fd)
         self.fd = None
 

@@ -410,7 +410,28 @@ def main(argv=None) -> int:
     if "--toy" in argv:
         return toy_main(argv)
     study = parse_study(argv)
-    study.out.mkdir(parents=True, exist_ok=True)
+    with _one_study_at_a_time(study.out):
+        return run_study(study, argv)
+
+
+@contextlib.contextmanager
+def _one_study_at_a_time(out: Path):
+    """Hold --out's study.lock (`run_dir.RunLock`): a second study on it stops naming the holder,
+    having written nothing."""
+    from .run_dir import RunLock
+
+    lock = RunLock(out, 0, owner="study", option="--out")
+    try:
+        lock.acquire()
+    except ConfigError as error:
+        raise StudyError(str(error)) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def run_study(study: Study, argv: list) -> int:
     if "--report-only" in argv:
         print(write_report(study, argv, wall_time_s=None)["summary"])
         return 0

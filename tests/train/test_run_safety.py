@@ -369,7 +369,7 @@ def test_a_failed_model_save_leaves_the_previous_folder_whole_and_a_finished_one
     final = tmp_path / "final"
     final.mkdir()
     (final / "config.json").write_text("old")
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(RunError, match="disk gone"):
         with checkpoint.folder_written_atomically(final) as staged:
             (staged / "config.json").write_text("new")
             raise OSError("disk gone")
