@@ -233,10 +233,11 @@ def describe(holder: dict) -> str:
 def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> tuple[list[Path], list[str]]:
     """Make `run_dir` ready and save the config (rank 0 writes; every rank checks the same files).
 
-    With ``resume``: check the config against the saved one; returns (the complete checkpoints
-    newest first, what was skipped) for `checkpoint.load` (none yet: the run starts at step 1,
-    keeping its warm start). Without: a directory holding a previous run's checkpoints, final or
-    warm-started model is refused unless ``overwrite``, which clears `FRESH_RUN_CLEARS`."""
+    With ``resume``: check the config against the run's (its newest checkpoint's, or before the
+    first checkpoint the one saved at its start); returns (the complete checkpoints newest first,
+    what was skipped) for `checkpoint.load` (none yet: the run starts at step 1, keeping its warm start).
+    Without: a directory holding any of a previous run's outputs (`FRESH_RUN_CLEARS`) is refused
+    unless ``overwrite``, which clears them."""
     usable, skipped = checkpoint.find(run_dir, world)
     damaged = [s for s in skipped if s.startswith(checkpoint.TAG_PREFIX)]  # not a save that never finished
     if cfg.resume:

@@ -22,7 +22,8 @@ What lands in --out:
 Resumable: a run whose summary.json says it finished is reused; an unfinished one continues from
 its newest checkpoint (every run is launched with --resume); sage-eval resumes from its records.
 Killing the study (Ctrl-C, SIGTERM) starts nothing more and stops the runs in flight (at a
-checkpoint when in the RL loop); the same command then finishes the grid. With --jobs N, N worker
+checkpoint when in the RL loop); the same command then finishes the grid. One study at a time holds
+--out (study.lock): a second stops naming the first, having written nothing. With --jobs N, N worker
 processes run at once, one torch thread each; each run is `sage_train.run.train` of its sage-train
 command line, in a worker (so torch and DeepSpeed are imported once per worker, not once per run).
 """

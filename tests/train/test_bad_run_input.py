@@ -183,3 +183,12 @@ def test_a_changed_config_is_refused_on_resume_before_the_first_checkpoint(tmp_p
     assert status == 2 and len(lines) == 1, lines
     assert "differ from the run's saved config" in lines[0] and arg[2:].split("=")[0] in lines[0]
     assert snapshot(tmp_path) == before
+
+
+def test_overwrite_clears_the_previous_runs_evaluations_too(finished_run, distributed):
+    """sage-eval's default --out is <run>/eval: the new model must not inherit the old one's samples."""
+    from sage_train.run_dir import prepare_run_dir
+
+    cfg = resolve(build({**TINY_RUN, "output_dir": str(finished_run.parent), "name": "done", "overwrite": True}))
+    prepare_run_dir(cfg, finished_run, 0, 1)
+    assert sorted(p.name for p in finished_run.iterdir()) == ["config.yaml"]
