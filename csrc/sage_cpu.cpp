@@ -34,17 +34,19 @@
 
 namespace {
 
-// ln(FLT_MIN): below it exp(x) is subnormal or 0, and exp_nonpositive returns exactly 0.
-constexpr float kExpUnderflow = -87.3365447505531f;
+// The floor of exp_nonpositive's argument: 2^k there has k = -127, whose exponent field is 0, so the
+// result is exactly 0 (from x = -87.68 down: exp(x) < 2^-126.5, below the normal floats) with no
+// compare or select, and a floored argument stays finite for the products that use it.
+constexpr float kExpFloor = -88.0f;
 
 // exp(x) for x <= ~0 (arguments are logits minus their maximum or their log-sum-exp).
 // Range reduction x = k ln2 + r, |r| <= ln2/2, a degree-7 polynomial for e^r, then 2^k via the
-// exponent bits; relative error ~2 ulp. Exactly 0 below kExpUnderflow (-inf included): a weight
-// of ~1e-38 there, times a logit of -1e38 (a finfo.min bias, a temperature of 1e-37), would move the
-// entropy by whole nats. Callers keep such zeros zero: 0 * -inf is NaN, so each product of a
-// probability with a logit is taken only where the probability is not 0.
+// exponent bits; relative error ~2 ulp down to -87.3 (the subnormals above -87.68 are rounded there).
+// Exactly 0 further down (-inf included): a weight of ~1e-38 there, times a logit of -1e38 (a
+// finfo.min bias, a temperature of 1e-37), would move the entropy by whole nats. Callers keep such
+// zeros zero: 0 * -inf is NaN, so a probability multiplies a floored logit, or is tested for 0.
 inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, kExpUnderflow);  // 2^k stays a normal float
+  const float clamped = std::max(x, kExpFloor);
   const float k = std::nearbyint(clamped * 1.44269504088896341f);
   const float r = (clamped - k * 0.693359375f) + k * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -57,7 +59,7 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return x < kExpUnderflow ? 0.0f : p * scale;
+  return p * scale;
 }
 
 // Rows per thread task: at least ~64K logits, so that small blocks are not split across threads.
@@ -157,10 +159,10 @@ void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::
       float sum_e = 0.f, sum_ez = 0.f;  // sum_ez uses z - max, so it stays small
 #pragma omp simd reduction(+ : sum_e, sum_ez)
       for (int64_t v = 0; v < V; ++v) {
-        const float shifted = z[v] - max_z;
+        const float shifted = std::max(z[v] - max_z, kExpFloor);  // z may be -inf (finfo.min / T < 1)
         const float e = exp_nonpositive(shifted);
         sum_e += e;
-        sum_ez += e > 0.f ? e * shifted : 0.f;  // shifted may be -inf (a logit of -inf after 1/T)
+        sum_ez += e * shifted;
       }
       const float log_sum = std::log(sum_e);
       out_lse[i] = max_z + log_sum;
@@ -193,9 +195,10 @@ void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::T
       } else {
 #pragma omp simd
         for (int64_t v = 0; v < V; ++v) {
-          const float log_p = z[v] - m;
+          // floored, and p times ci first: where p is 0, ci (log p + H) may overflow (T = 1e-37)
+          const float log_p = std::max(z[v] - m, kExpFloor);
           const float p = exp_nonpositive(log_p);
-          z[v] = p > 0.f ? -p * (gi + ci * (log_p + h)) : 0.f;  // ci * log_p may overflow where p is 0
+          z[v] = -(p * gi) - (p * ci) * (log_p + h);
         }
       }
       z[y[i]] += gi;

@@ -109,14 +109,54 @@ def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
     for logger in cfg.report_to:  # each logger is its own package, not a dependency of sage-train
         if importlib.util.find_spec(logger) is None:
             raise ConfigError(f"config key 'report_to': {logger!r} needs its package (pip install {logger})")
-    if gguf_source(cfg.model, cfg.gguf_file) is not None:  # a named model or GGUF file: found, converted at load
+    if cfg.rollout_engine == "vllm" and (importlib.util.find_spec("vllm") is None or not torch.cuda.is_available()):
+        raise ConfigError(
+            "config key 'rollout_engine': 'vllm' needs vLLM on a CUDA machine (pip install 'sage-rl[vllm]')"
+        )
+    # a named model or a GGUF file is found here and converted at load: its tokenizer and skeleton are checked then
+    if gguf_source(cfg.model, cfg.gguf_file) is not None:
         return Inputs(task, train_problems, sft_task, sft_problems)
     if cfg.model != "tiny":
         try:
             check_model(cfg.model, "config key 'model' (expected 'tiny', a hub id or a model directory)")
         except ModelFilesError as error:
             raise ConfigError(str(error)) from None
+    _check_what_the_model_meets(cfg, task, sft_task, sft_problems)
     return Inputs(task, train_problems, sft_task, sft_problems)
+
+
+def _check_what_the_model_meets(cfg: TrainConfig, task, sft_task, sft_problems: list) -> None:
+    """The keys that fail only once a model exists, checked on its tokenizer and on a skeleton of it
+    (no weights: the meta device): the chat template, the LoRA target modules, and the warm start's
+    examples (`sft.sft_examples` refuses a set that leaves none)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .build import chat_prompted
+    from .model import build_char_tokenizer, build_tiny_model
+    from .sft import sft_examples
+
+    tokenizer = build_char_tokenizer() if cfg.model == "tiny" else AutoTokenizer.from_pretrained(cfg.model)
+    try:
+        prompted = chat_prompted(cfg, sft_task, tokenizer)
+    except ValueError as error:  # the tasks/chat.py messages name the template
+        raise ConfigError(f"config key 'chat_template' with model {cfg.model!r}: {error}") from None
+    if cfg.lora_rank:
+        with torch.device("meta"):
+            if cfg.model == "tiny":
+                shape = dict(hidden_size=cfg.tiny_hidden_size, num_layers=cfg.tiny_layers, num_heads=cfg.tiny_heads)
+                shape |= dict(num_kv_heads=cfg.tiny_kv_heads, intermediate_size=cfg.tiny_intermediate_size)
+                skeleton = build_tiny_model(tokenizer, **shape, max_positions=cfg.tiny_max_positions, seed=cfg.seed)
+            else:
+                skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model))
+        names = {name.rsplit(".", 1)[-1] for name, _ in skeleton.named_modules()}
+        missing = [m for m in cfg.lora_target_modules if m not in names]
+        if missing:
+            raise ConfigError(
+                f"config key 'lora_target_modules': {missing} name no module of {cfg.model!r} (its modules "
+                f"include {sorted(n for n in names if n.endswith('proj')) or sorted(names)[:12]})"
+            )
+    if cfg.warm_start:
+        sft_examples(prompted, sft_problems, tokenizer, cfg)
 
 
 def _task(key: str, name: str, options: dict):
