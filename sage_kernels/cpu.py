@@ -5,7 +5,8 @@ block's logits (h W^T + b) / T in a [rows, V] workspace, one fused pass per row 
 logp and the entropy, and, for training, one more fused pass turns the workspace into
 d(logits) in place before two matmuls add the block's share to the hidden, weight and
 bias gradients. The passes are the native operators of ``csrc/sage_cpu.cpp``
-(``torch.ops.sage_cpu``), compiled on first use and cached by torch's extension loader;
+(``torch.ops.sage_cpu``), compiled on first use and cached by torch's extension loader
+under a name with a digest of the source (`extension_name`: two sources never share a build);
 without a compiler, or with ``SAGE_CPU_NATIVE=0``, the same block loop runs on PyTorch
 operators (`_TorchBlocks`), after one warning line.
 
@@ -29,6 +30,7 @@ call) and everything accumulates in float32.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -49,8 +51,8 @@ WORKSPACE_MIN_ELEMENTS = 1 << 22
 #: the operator's source: inside the installed package (a wheel), else the checkout's csrc/
 _SOURCES = (_HERE / "csrc" / "sage_cpu.cpp", _HERE.parent / "csrc" / "sage_cpu.cpp")
 _SOURCE = next((path for path in _SOURCES if path.is_file()), _SOURCES[-1])
-# Instruction-set flags per torch CPU capability; the capability is part of the extension's name,
-# so a cache shared between machines never loads code built for a richer instruction set.
+# Instruction-set flags per torch CPU capability; the capability is part of the extension's name
+# (`extension_name`), so a cache shared between machines never loads code built for a richer one.
 _ISA_FLAGS = {
     "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"],
     "AVX2": ["-mavx2", "-mfma"],
@@ -62,9 +64,18 @@ def native_ops():
     """``torch.ops.sage_cpu`` once the extension is built and loaded, else None (one warning)."""
     if "ops" not in _native_state:
         capability = torch.backends.cpu.get_cpu_capability()
-        loaded = build_extension(_SOURCE, f"sage_cpu_{capability.lower()}", _ISA_FLAGS.get(capability, []))
+        loaded = build_extension(_SOURCE, extension_name(_SOURCE, capability), _ISA_FLAGS.get(capability, []))
         _native_state["ops"] = torch.ops.sage_cpu if loaded else None
     return _native_state["ops"]
+
+
+def extension_name(source: Path, capability: str) -> str:
+    """The name the operator is built and cached under: the CPU capability and a digest of the source.
+    Torch caches an extension in one folder per name, shared by every checkout on the machine; with
+    one name, two checkouts whose sources differ rebuild that folder in turn, and a process can load
+    the other checkout's build (a source that is absent is named by its path, for the warning)."""
+    content = source.read_bytes() if source.is_file() else str(source).encode()
+    return f"sage_cpu_{capability.lower()}_{hashlib.sha256(content).hexdigest()[:12]}"
 
 
 def build_extension(source: Path, name: str, flags: list) -> bool:

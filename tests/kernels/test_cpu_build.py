@@ -4,6 +4,7 @@ with one warning, and the environment switch and the block sizing do what they s
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,23 @@ def test_native_operator_builds_and_is_registered():
     ops = cpu.native_ops()
     assert ops is not None, "the csrc operator must build on this machine (gcc and ninja are installed)"
     assert hasattr(ops, "block_stats") and hasattr(ops, "block_grad")
+
+
+def test_the_build_is_cached_under_a_digest_of_its_source(tmp_path):
+    # torch caches one build folder per name for every checkout on the machine: with a fixed name, a
+    # checkout with another csrc/ rebuilt that folder and this one then loaded the other's operator
+    first, moved, edited = tmp_path / "a.cpp", tmp_path / "elsewhere.cpp", tmp_path / "b.cpp"
+    first.write_text("int f() { return 1; }\n")
+    moved.write_text("int f() { return 1; }\n")
+    edited.write_text("int f() { return 2; }\n")
+    assert cpu.extension_name(first, "AVX2") == cpu.extension_name(moved, "AVX2")
+    assert cpu.extension_name(first, "AVX2") != cpu.extension_name(edited, "AVX2")
+    assert cpu.extension_name(first, "AVX2") != cpu.extension_name(first, "AVX512")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    assert cpu.native_ops() is not None
+    name = cpu.extension_name(cpu._SOURCE, torch.backends.cpu.get_cpu_capability())
+    assert (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
 
 
 def test_failed_build_warns_once_and_reports_the_compiler_error(tmp_path, monkeypatch):
