@@ -235,7 +235,12 @@ class _Sweep:
 
 def _per_token_grad_is_local(config: LossConfig) -> bool:
     """True when dloss/dlogp_t and dloss/dH_t depend only on position t's own logp and H."""
-    return config.importance_sampling == "token" and config.top_entropy_quantile == 1.0 and config.loss_type != "vespo"
+    return (
+        config.importance_sampling == "token"
+        and config.top_entropy_quantile == 1.0
+        and config.loss_type != "vespo"
+        and config.off_policy_mask_threshold is None  # a row's mask needs all of its logp
+    )
 
 
 def _stage_with_grads(logp, entropy, inputs, config):

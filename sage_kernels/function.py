@@ -56,6 +56,7 @@ def fused_linear_sage_loss(
     ref_logp: Optional[torch.Tensor] = None,
     is_weights: Optional[torch.Tensor] = None,
     log_q: Optional[torch.Tensor] = None,
+    sampling_logp: Optional[torch.Tensor] = None,
     config: Optional[LossConfig] = None,
     backend: str = "auto",
     **options,
@@ -75,6 +76,9 @@ def fused_linear_sage_loss(
         ref_logp: [B, L] reference log-probs; required when beta != 0.
         is_weights: [B, L] rollout importance-sampling corrections, multiplying the PG term.
         log_q: [B, L] external guide; overrides ``config.guide``.
+        sampling_logp: [B, L] the sampler's log-probs (e.g. vLLM's), read only by the off-policy
+            mask (``off_policy_mask_threshold``), which otherwise uses `old_logp`; NaN marks a
+            token the sampler could not score.
         config: a `LossConfig`; keyword `options` override its fields ({options}).
         backend: "auto", "reference", "cpu" or "triton".
 
@@ -95,6 +99,7 @@ def fused_linear_sage_loss(
         ref_logp=ref_logp,
         is_weights=is_weights,
         log_q=log_q,
+        sampling_logp=sampling_logp,
         config=config,
         allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
     )

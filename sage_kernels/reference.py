@@ -18,6 +18,8 @@ Choices where TRL leaves room (docs/loss.md lists them all), following TRL's GRP
   when beta != 0; with use_bias_correction_kl the reported KL is the ratio-weighted one.
 - cispo's clip fraction is TRL's ``cispo_clip_ratio`` (r > eps_high and A > 0), reported as
   clip_ratio/high_mean and region_mean; sapo and vespo clip nothing (all three are 0).
+- the off-policy mask multiplies the PG term only (TRL's order: the KL and the entropy bonus
+  of a dropped sequence stay), and the normalisers still count its tokens.
 """
 
 from __future__ import annotations
@@ -72,6 +74,20 @@ def kl_estimate(delta: torch.Tensor, kl: str) -> torch.Tensor:
     return torch.expm1(delta) - delta
 
 
+def off_policy_keep(logp, behaviour_logp, A, mask, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's ``get_off_policy_mask``): True where A >= 0 or
+    the sequence's mean of behaviour_logp - logp over its unmasked tokens is at most `threshold`.
+
+    logp: [B, L] (its gradient is not followed); behaviour_logp: [B, L], NaN where the sampler could
+    not score a token (it then adds 0); A: [B, L]; mask: [B, L] bool. Returns [B, L] bool.
+    """
+    m = mask.to(logp.dtype)
+    evidence = mask & ~torch.isnan(behaviour_logp)
+    kl = torch.where(evidence, behaviour_logp - logp.detach(), 0.0)
+    mean_kl = ordered_sum(kl, -1, keepdim=True) / ordered_sum(m, -1, keepdim=True).clamp(min=1.0)
+    return (A >= 0) | (mean_kl <= threshold)
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = mask.to(x.dtype)
     return ordered_sum(x * m) / ordered_sum(m).clamp(min=1.0)
@@ -118,6 +134,10 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
     if config.use_bias_correction_kl:
         kl = kl * ratio
     pg, low, high = policy_gradient_term(logp, ratio, token_log_ratio, A, inputs, config)
+    if config.off_policy_mask_threshold is not None:
+        behaviour = old_logp if inputs.sampling_logp is None else inputs.sampling_logp.to(logp.dtype)
+        keep = off_policy_keep(logp, behaviour, A, mask, config.off_policy_mask_threshold)
+        pg = pg * keep.to(pg.dtype)
     if config.top_entropy_quantile < 1.0:
         pg = pg * high_entropy_mask(entropy, mask, config.top_entropy_quantile, active).to(pg.dtype)
     if inputs.is_weights is not None and config.loss_type != "vespo":

@@ -81,6 +81,10 @@ class LossConfig:
     form), instead of TRL 1.16's sum over unmasked tokens. kl_clamp: clamp delta = log(q*pi_ref / pi) to
     [-kl_clamp, kl_clamp] before the KL estimator, its gradient zero outside (verl clamps at 20);
     None clamps nothing (TRL's behaviour: one token with delta > ~88 overflows k3 and fk3).
+    off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask (TRL's option): the PG term
+    of a sequence with A < 0 is dropped when the mean over its tokens of sampling_logp - logp (a
+    KL estimate against the sampler; old_logp when no sampling_logp is given) exceeds it; None
+    (default) masks nothing. Where A is per token, the condition A < 0 is read per token.
     """
 
     beta: float = 0.05
@@ -110,6 +114,7 @@ class LossConfig:
     use_bias_correction_kl: bool = False
     luspo_include_padding: bool = False
     kl_clamp: Optional[float] = None
+    off_policy_mask_threshold: Optional[float] = None
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
@@ -142,6 +147,14 @@ class LossConfig:
                 "kl_clamp",
                 "None or a finite number > 0",
                 self.kl_clamp,
+            )
+        if self.off_policy_mask_threshold is not None:
+            threshold = self.off_policy_mask_threshold
+            _require(
+                _is_number(threshold) and math.isfinite(threshold) and threshold >= 0,
+                "off_policy_mask_threshold",
+                "None or a finite number >= 0",
+                threshold,
             )
         if self.loss_type == "cispo":
             _require(self.eps_high > 0, "eps_high", "> 0 for loss_type 'cispo' (the cap on the ratio)", self.eps_high)
@@ -216,7 +229,9 @@ class SageInputs:
     completion mask, or every position under `LossConfig.luspo_include_padding` (None means
     `mask`). Per-token float inputs are cast to the compute dtype (float32, or float64 when
     `hidden` is float64) and replaced outside `loss_mask` by neutral values (0 for log-probs,
-    1 for `is_weights`), so garbage there cannot reach the loss.
+    1 for `is_weights`), so garbage there cannot reach the loss. `sampling_logp` (the sampler's
+    log-probs, read by the off-policy mask only) may hold NaN where the sampler could not score a
+    token: such a token adds nothing to its sequence's KL estimate, as in TRL.
     """
 
     hidden: torch.Tensor
@@ -230,6 +245,7 @@ class SageInputs:
     is_weights: Optional[torch.Tensor]
     log_q: Optional[torch.Tensor]
     loss_mask: Optional[torch.Tensor] = None
+    sampling_logp: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -305,6 +321,7 @@ def validate_inputs(
     ref_logp=None,
     is_weights=None,
     log_q=None,
+    sampling_logp=None,
     config: LossConfig,
     allowed_dtypes=FAST_DTYPES,
 ) -> SageInputs:
@@ -374,6 +391,7 @@ def validate_inputs(
         ("ref_logp", ref_logp, 0.0),
         ("is_weights", is_weights, 1.0),
         ("log_q", log_q, 0.0),
+        ("sampling_logp", sampling_logp, 0.0),
     ):
         if value is None:
             per_token[name] = None
@@ -381,7 +399,8 @@ def validate_inputs(
         _check_tensor(name, value, device=device, float_=True)
         if tuple(value.shape) != (B, L):
             raise ValueError(f"{name} must have shape [B={B}, L={L}], got {tuple(value.shape)}")
-        _check_finite(name, value, loss_mask)
+        if name != "sampling_logp":  # NaN there marks a token the sampler could not score (TRL's convention)
+            _check_finite(name, value, loss_mask)
         per_token[name] = torch.where(loss_mask, value.detach().to(cd), neutral)
 
     adv = advantages.detach().to(cd)

@@ -68,6 +68,7 @@ class LossTensors(NamedTuple):
     ref_logp: MaybeTensor
     is_weights: MaybeTensor
     log_q: MaybeTensor
+    sampling_logp: MaybeTensor
 
     @classmethod
     def of(cls, inputs: SageInputs) -> LossTensors:
@@ -95,6 +96,7 @@ class LossTensors(NamedTuple):
             ref_logp=row_major(self.ref_logp),
             is_weights=row_major(self.is_weights),
             log_q=row_major(self.log_q),
+            sampling_logp=row_major(self.sampling_logp),
         )
 
 

@@ -152,11 +152,14 @@ def _sage_loss_op(
     ref_logp: MaybeTensor,
     is_weights: MaybeTensor,
     log_q: MaybeTensor,
+    sampling_logp: MaybeTensor,
     num_items: MaybeTensor,
     floats: list[float],
     ints: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    tensors = LossTensors(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q)
+    tensors = LossTensors(
+        hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, sampling_logp
+    )
     return loss_forward(tensors, unpack_config(floats, ints, num_items)).flat()
 
 

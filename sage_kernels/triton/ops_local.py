@@ -44,12 +44,15 @@ def _local_loss_op(
     ref_logp: MaybeTensor,
     is_weights: MaybeTensor,
     log_q: MaybeTensor,
+    sampling_logp: MaybeTensor,
     num_items: MaybeTensor,
     floats: list[float],
     ints: list[int],
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    tensors = LossTensors(hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q)
+    tensors = LossTensors(
+        hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, sampling_logp
+    )
     out = local_forward(tensors, unpack_config(floats, ints, num_items), GradsWanted.from_flat(needs))
     empty_if_none = dict(
         grad_hidden=none_as_empty(out.grad_hidden, hidden),

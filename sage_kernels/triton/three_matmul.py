@@ -87,6 +87,7 @@ def per_token_grad_is_local(config: LossConfig) -> bool:
         config.importance_sampling == "token"
         and config.top_entropy_quantile == 1.0
         and config.loss_type in LOCAL_LOSS_TYPES
+        and config.off_policy_mask_threshold is None  # a row's mask needs all of its logp
     )
 
 

@@ -3,7 +3,8 @@
 One program per sequence (row b) walks its L positions in BLOCK_L chunks:
 
 1. row statistics: the token count and, for sequence-level ratios, sum_t m (logp - old_logp);
-   for vespo, the log of the sequence weight w (docs/loss.md);
+   for vespo, the log of the sequence weight w (docs/loss.md); for the off-policy mask,
+   sum_t m (sampling_logp - logp) (old_logp without sampling log-probs);
 2. every per-token quantity of docs/loss.md, written for all positions (positions outside the
    loss get q = ratio = 1, kl = 0, g = c = 0), the row's share of the loss and of each metric;
 3. sequence-level ratios only: the ratio is shared by the row, so g_t needs the row sum
@@ -60,6 +61,7 @@ _ROW_REGION = tl.constexpr(ROW_REGION)
         "HAS_REF": lambda args: args["ref_ptr"] is not None,
         "HAS_IS_WEIGHTS": lambda args: args["isw_ptr"] is not None,
         "HAS_LOG_Q": lambda args: args["log_q_ptr"] is not None,
+        "HAS_SAMPLING": lambda args: args["sampling_ptr"] is not None,
         "HAS_QUANTILE": lambda args: args["threshold_ptr"] is not None,
     }
 )
@@ -73,6 +75,7 @@ def _token_stage_kernel(
     ref_ptr,
     isw_ptr,
     log_q_ptr,
+    sampling_ptr,
     threshold_ptr,
     inv_norm_ptr,
     q_ptr,
@@ -100,6 +103,7 @@ def _token_stage_kernel(
     vespo_k_neg,
     vespo_lambda_neg,
     kl_clamp,
+    off_policy_threshold,
     KL: tl.constexpr,
     BRANCH: tl.constexpr,
     SEQUENCE: tl.constexpr,
@@ -110,10 +114,12 @@ def _token_stage_kernel(
     HAS_DELTA: tl.constexpr,
     HAS_DUAL: tl.constexpr,
     HAS_KL_CLAMP: tl.constexpr,
+    OFF_POLICY: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_REF: tl.constexpr,
     HAS_IS_WEIGHTS: tl.constexpr,
     HAS_LOG_Q: tl.constexpr,
+    HAS_SAMPLING: tl.constexpr,
     HAS_QUANTILE: tl.constexpr,
     N_STATS: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -126,6 +132,7 @@ def _token_stage_kernel(
     count = tl.zeros([BLOCK_L], dtype=tl.float32)
     log_ratio_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
     log_w_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    behaviour_kl_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
     for l0 in range(0, L, BLOCK_L):
         in_row = l0 + offs < L
         m = tl.load(mask_ptr + base + l0 + offs, mask=in_row, other=0) != 0
@@ -138,6 +145,14 @@ def _token_stage_kernel(
         if HAS_IS_WEIGHTS and LOSS == LOSS_VESPO:
             log_is = tl.log(tl.load(isw_ptr + base + l0 + offs, mask=m, other=1.0))
             log_w_sum += tl.where(m, tl.minimum(tl.maximum(log_is, LOG_W_MIN), LOG_W_MAX), 0.0)
+        if OFF_POLICY and (HAS_SAMPLING or HAS_OLD):  # without either the behaviour policy is logp: 0
+            lp = tl.load(logp_ptr + base + l0 + offs, mask=in_row, other=0.0)
+            if HAS_SAMPLING:  # NaN: a token the sampler could not score adds nothing
+                behaviour = tl.load(sampling_ptr + base + l0 + offs, mask=m, other=0.0)
+                behaviour_kl = tl.where(behaviour != behaviour, 0.0, behaviour - lp)
+            else:
+                behaviour_kl = tl.load(old_ptr + base + l0 + offs, mask=m, other=0.0) - lp
+            behaviour_kl_sum += tl.where(m, behaviour_kl, 0.0)
     n_tokens = tl.sum(count, axis=0)
     per_token_share = 1.0 / tl.maximum(n_tokens, 1.0)
     if PER_SEQUENCE_MEAN:
@@ -152,6 +167,8 @@ def _token_stage_kernel(
     log_w = tl.minimum(tl.maximum(tl.sum(log_w_sum, axis=0), LOG_W_MIN), LOG_W_MAX)
     if HAS_QUANTILE:
         threshold = tl.load(threshold_ptr)
+    # the off-policy mask keeps the row's A >= 0 tokens, and all of them when it is near the sampler
+    near_behaviour = tl.where(tl.sum(behaviour_kl_sum, axis=0) * per_token_share <= off_policy_threshold, 1.0, 0.0)
 
     # 2. per-token values, the row's loss and metric sums
     loss_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
@@ -234,6 +251,11 @@ def _token_stage_kernel(
             pg *= keep
             d_pg *= keep
             d_pg_logp *= keep
+        if OFF_POLICY:
+            kept = tl.maximum(tl.where(adv >= 0.0, 1.0, 0.0), near_behaviour)
+            pg *= kept
+            d_pg *= kept
+            d_pg_logp *= kept
         if HAS_IS_WEIGHTS and LOSS != LOSS_VESPO:  # vespo folds the weights into w
             weights = tl.load(isw_ptr + at, mask=active, other=1.0)
             pg *= weights
@@ -349,6 +371,7 @@ def token_stage(logp, entropy, tensors: LossTensors, config: LossConfig) -> Stag
         tensors.ref_logp,
         tensors.is_weights,
         tensors.log_q,
+        tensors.sampling_logp,
         threshold,
         inv_norm,
         q,
@@ -379,6 +402,7 @@ def token_stage(logp, entropy, tensors: LossTensors, config: LossConfig) -> Stag
                 config.vespo_k_neg,
                 config.vespo_lambda_neg,
                 config.kl_clamp or 0.0,
+                config.off_policy_mask_threshold or 0.0,
             )
         ),
         KL=KL_CODES[config.kl],
@@ -391,6 +415,7 @@ def token_stage(logp, entropy, tensors: LossTensors, config: LossConfig) -> Stag
         HAS_DELTA=config.delta_clip is not None,
         HAS_DUAL=config.dual_clip_c is not None,
         HAS_KL_CLAMP=config.kl_clamp is not None,
+        OFF_POLICY=config.off_policy_mask_threshold is not None,
         N_STATS=N_ROW_STATS,
         BLOCK_L=block_l,
         num_warps=4,

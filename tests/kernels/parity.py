@@ -4,7 +4,8 @@ Each check runs the backend on inputs of the problem's dtype and the reference o
 cast to float64, backpropagates loss * (a random scalar) through both and compares the loss, the
 per-token outputs, the metrics and the gradients of hidden, weight and bias with the tolerances
 of `tolerances.py`. `problem` is a dict with the loss's inputs (hidden, weight, bias, token_ids,
-mask, advantages, old_logp, ref_logp, is_weights, log_q); `frozen` names leaves that need no gradient.
+mask, advantages, old_logp, ref_logp, is_weights, log_q, optionally sampling_logp); `frozen` names
+leaves that need no gradient.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tolerances import assert_close, assert_grad_close
 F64 = torch.float64
 PER_TOKEN = ("logp", "entropy", "q", "kl", "ratio")
 LEAVES = ("hidden", "weight", "bias")
-OPTIONAL = ("old_logp", "ref_logp", "is_weights", "log_q")
+OPTIONAL = ("old_logp", "ref_logp", "is_weights", "log_q", "sampling_logp")
 
 
 def run(problem, config, backend, dtype=None, *, native=None, frozen=(), upstream=1.0):
@@ -32,7 +33,7 @@ def run(problem, config, backend, dtype=None, *, native=None, frozen=(), upstrea
         k: None if problem[k] is None else problem[k].detach().to(dtype).clone().requires_grad_(k not in frozen)
         for k in LEAVES
     }
-    optional = {k: problem[k] for k in OPTIONAL}
+    optional = {k: problem.get(k) for k in OPTIONAL}
     if backend == "cpu" and native is not None:
         inputs = validate_inputs(
             leaves["hidden"],
