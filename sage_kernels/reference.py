@@ -20,6 +20,7 @@ Choices where TRL leaves room (docs/loss.md lists them all), following TRL's GRP
   clip_ratio/high_mean and region_mean; sapo and vespo clip nothing (all three are 0).
 - the off-policy mask multiplies the PG term only (TRL's order: the KL and the entropy bonus
   of a dropped sequence stay), and the normalisers still count its tokens.
+- a call without any unmasked token has no metric values: every metric is NaN (its loss is 0).
 """
 
 from __future__ import annotations
@@ -149,17 +150,18 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
     loss = aggregate(per_token_loss, m, config)
 
     q = torch.where(active, log_q.detach().exp(), 1.0)
-    any_token = mask.any()
     metrics = {
         "kl": _masked_mean(kl.detach(), mask),
         "entropy": _masked_mean(entropy.detach(), mask),
         "sage/q_mean": _masked_mean(q, mask),
-        "sage/q_min": torch.where(any_token, torch.where(mask, q, float("inf")).min(), 1.0),
-        "sage/q_max": torch.where(any_token, torch.where(mask, q, float("-inf")).max(), 1.0),
+        "sage/q_min": torch.where(mask, q, float("inf")).min(),
+        "sage/q_max": torch.where(mask, q, float("-inf")).max(),
         "clip_ratio/low_mean": _masked_mean(low.to(q.dtype), mask),
         "clip_ratio/high_mean": _masked_mean(high.to(q.dtype), mask),
         "clip_ratio/region_mean": _masked_mean((low | high).to(q.dtype), mask),
     }
+    # no token, no value: NaN, which the loggers skip (a 0 or a 1 would read as a measurement)
+    metrics = {name: torch.where(mask.any(), value, float("nan")) for name, value in metrics.items()}
     per_token = {"q": q, "kl": kl.detach(), "ratio": torch.where(active, ratio.detach(), 1.0), "metrics": metrics}
     return loss, per_token
 

@@ -3,6 +3,7 @@ error that stops a run cleanly."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -56,7 +57,8 @@ def all_ranks(flag: bool, device: torch.device) -> bool:
 
 
 def reduce_rows(pending: list[tuple[int, dict]], device: torch.device) -> list[dict]:
-    """Host rows of the pending steps' metrics, averaged over ranks (q_min / q_max: min / max).
+    """Host rows of the pending steps' metrics, averaged over ranks (q_min / q_max: min / max); a
+    rank's NaN (no value: no completion token) is left out, and a value no rank has stays NaN.
 
     The one host sync of the log interval: every value goes to one tensor, then `.tolist()`."""
     names = sorted(pending[0][1])
@@ -67,13 +69,19 @@ def reduce_rows(pending: list[tuple[int, dict]], device: torch.device) -> list[d
         ]
     )
     if dist.get_world_size() > 1:
+        # NaN is a rank's "no value" (a step without completion tokens): the mean is over the ranks with one
         low, high = names.index("sage/q_min"), names.index("sage/q_max")
-        minimum, maximum = values[:, low].clone(), values[:, high].clone()
-        dist.all_reduce(values)
+        minimum = values[:, low].nan_to_num(nan=math.inf)
+        maximum = values[:, high].nan_to_num(nan=-math.inf)
+        counts = (~values.isnan()).float()
+        values = values.nan_to_num(nan=0.0)
+        for total in (values, counts):
+            dist.all_reduce(total)
         dist.all_reduce(minimum, op=dist.ReduceOp.MIN)
         dist.all_reduce(maximum, op=dist.ReduceOp.MAX)
-        values = values / dist.get_world_size()
-        values[:, low], values[:, high] = minimum, maximum
+        values = torch.where(counts > 0, values / counts.clamp(min=1.0), math.nan)
+        values[:, low] = torch.where(minimum.isinf(), math.nan, minimum)
+        values[:, high] = torch.where(maximum.isinf(), math.nan, maximum)
     return [{"step": step, **dict(zip(names, row))} for (step, _), row in zip(pending, values.tolist())]
 
 

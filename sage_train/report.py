@@ -1,6 +1,7 @@
 """What a run reports: ``metrics.jsonl`` (one row per step, TRL / official SAGE names), a
 console progress bar, the experiment loggers of ``report_to`` (TensorBoard, W&B, trackio), plots,
-and the end-of-run summary.
+and the end-of-run summary. A metric without a value at a step (NaN: the token means of a step
+without completion tokens) is left out of that step's row everywhere.
 
 Only rank 0 writes. Rows arrive already on the host: the trainer converts its metric
 tensors at log intervals only.
@@ -83,6 +84,7 @@ class MetricsLog:
         self.loggers = []
 
     def write(self, rows: list[dict]) -> None:
+        rows = [with_values_only(row) for row in rows]
         try:
             with open(self.path, "a") as f:
                 f.write("".join(json.dumps(row) + "\n" for row in rows))
@@ -97,6 +99,12 @@ class MetricsLog:
     def close(self) -> None:
         for logger in self.loggers:
             logger.close()
+
+
+def with_values_only(row: dict) -> dict:
+    """`row` without its NaN entries: a metric with no value this step (e.g. the token means of a
+    step without completion tokens) is left out, not logged as a number (JSON has no NaN)."""
+    return {key: value for key, value in row.items() if not (isinstance(value, float) and math.isnan(value))}
 
 
 def rows_up_to(path: Path, step: int) -> list[str]:
@@ -233,6 +241,7 @@ def progress_bar(total: int, initial: int, enabled: bool):
 
 
 def progress_postfix(row: dict) -> str:
+    row = with_values_only(row)
     return " ".join(f"{label}={row[name]:{fmt}}" for name, label, fmt in PROGRESS_FIELDS if name in row)
 
 

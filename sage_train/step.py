@@ -423,22 +423,26 @@ class LossTotals:
         tokens = mask.sum().float()
         self.loss = self.loss + loss.detach()
         self.tokens = self.tokens + tokens
-        for name in self.MEAN_METRICS:
-            self.sums[name] = self.sums.get(name, 0.0) + out.metrics[name].float() * tokens
+        for name in self.MEAN_METRICS:  # a micro-batch without tokens has NaN metrics: it adds nothing
+            self.sums[name] = self.sums.get(name, 0.0) + torch.nan_to_num(out.metrics[name].float() * tokens)
         q_min, q_max = out.metrics["sage/q_min"].float(), out.metrics["sage/q_max"].float()
         # the share of tokens whose anchor the guide raises (q > 1): how much of the text it touches
         self.q_above_one = self.q_above_one + ((out.q > 1.0) & mask).sum().float()
-        self.q_min = q_min if self.q_min is None else torch.minimum(self.q_min, q_min)
-        self.q_max = q_max if self.q_max is None else torch.maximum(self.q_max, q_max)
+        self.q_min = q_min if self.q_min is None else torch.fmin(self.q_min, q_min)  # fmin/fmax skip NaN
+        self.q_max = q_max if self.q_max is None else torch.fmax(self.q_max, q_max)
 
     def metrics(self, iterations: int) -> dict:
-        tokens = torch.as_tensor(self.tokens).clamp(min=1.0)
-        means = {name: total / tokens for name, total in self.sums.items()}
+        """The step's metrics; the token means are NaN (no value, which the report leaves out) when
+        the step had no completion token."""
+        tokens = torch.as_tensor(self.tokens)
+        means = {
+            name: torch.where(tokens > 0, total / tokens.clamp(min=1.0), torch.nan) for name, total in self.sums.items()
+        }
         return {
             "loss": self.loss / iterations,
             **means,
             "sage/q_min": self.q_min,
             "sage/q_max": self.q_max,
             "nonfinite/skipped_steps": float(len(self.skipped)),
-            "sage/frac_q_gt_1": self.q_above_one / tokens,
+            "sage/frac_q_gt_1": torch.where(tokens > 0, self.q_above_one / tokens.clamp(min=1.0), torch.nan),
         }

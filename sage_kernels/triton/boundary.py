@@ -239,24 +239,23 @@ def unpack_config(floats: list[float], ints: list[int], num_items: Optional[Tens
 
 
 def metrics_vector(row_stats: Tensor, mask: Tensor) -> Tensor:
-    """The [8] metric vector (METRIC_NAMES order) from the per-row partial sums."""
+    """The [8] metric vector (METRIC_NAMES order) from the per-row partial sums; NaN throughout
+    when no position is unmasked (no value: the reference's convention)."""
     tokens = mask.sum().to(torch.float32)
-    denom = tokens.clamp(min=1.0)
     sums = row_stats.sum(0)
-    any_token = tokens > 0
-    one = torch.ones((), dtype=torch.float32, device=row_stats.device)
-    return torch.stack(
+    vector = torch.stack(
         [
-            sums[stage.ROW_KL] / denom,
-            sums[stage.ROW_ENTROPY] / denom,
-            sums[stage.ROW_Q] / denom,
-            torch.where(any_token, row_stats[:, stage.ROW_Q_MIN].min(), one),
-            torch.where(any_token, row_stats[:, stage.ROW_Q_MAX].max(), one),
-            sums[stage.ROW_LOW] / denom,
-            sums[stage.ROW_HIGH] / denom,
-            sums[stage.ROW_REGION] / denom,
+            sums[stage.ROW_KL] / tokens,
+            sums[stage.ROW_ENTROPY] / tokens,
+            sums[stage.ROW_Q] / tokens,
+            row_stats[:, stage.ROW_Q_MIN].min(),
+            row_stats[:, stage.ROW_Q_MAX].max(),
+            sums[stage.ROW_LOW] / tokens,
+            sums[stage.ROW_HIGH] / tokens,
+            sums[stage.ROW_REGION] / tokens,
         ]
     )
+    return torch.where(tokens > 0, vector, float("nan"))
 
 
 def unit_stride(t: Tensor) -> Tensor:

@@ -194,6 +194,7 @@ def test_everything_masked_gives_zero_loss_and_gradients(path):
     for name, grad in grads.items():
         assert bool((grad == 0).all()), f"grad {name} must be zero"
     assert bool((out.q == 1).all()) and bool((out.ratio == 1).all())
+    assert all(torch.isnan(v) for v in out.metrics.values())  # no token: no metric value
 
 
 def test_second_backward_through_one_loss_is_refused():

@@ -193,7 +193,8 @@ def test_everything_masked_gives_zero_loss():
         top_entropy_quantile=0.5,
     )
     assert loss.item() == 0.0
-    assert out["metrics"]["sage/q_min"].item() == 1.0 and out["metrics"]["kl"].item() == 0.0
+    # no token, no metric value: NaN throughout (the loggers skip it), not a 0 or a 1 that reads as measured
+    assert all(torch.isnan(value) for value in out["metrics"].values())
 
 
 def test_sequence_level_ratio_is_the_geometric_mean():

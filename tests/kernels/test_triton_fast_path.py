@@ -180,6 +180,7 @@ def test_three_matmul_everything_masked(small_chunks):
     problem = make_problem(B=2, L=6, V=300, D=32, mask="none")
     out, grads = run(problem, LossConfig(entropy_coef=0.1), "triton", torch.float32, upstream=1.3)
     assert out.loss.item() == 0.0
+    assert all(torch.isnan(v) for v in out.metrics.values())  # no token: no metric value
     for name, grad in grads.items():
         assert torch.equal(grad, torch.zeros_like(grad)), name
 
