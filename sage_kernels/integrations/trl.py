@@ -8,26 +8,31 @@ q * pi_ref, top-entropy mask and the vLLM importance-sampling correction.
 
 TRL's options are honoured with TRL's meaning: ``loss_type`` (grpo, bnpo, dr_grpo, dapo, cispo,
 sapo, luspo, vespo), ``beta``, ``epsilon``, ``epsilon_high``, ``delta``, ``importance_sampling_level``,
-``top_entropy_quantile``, ``entropy_coef`` (a static coefficient), ``use_bias_correction_kl``, the
-``sapo_temperature_*`` and ``vespo_*`` parameters and ``vllm_importance_sampling_correction``;
-gradient accumulation scales as in TRL. With ``sage_guide="none"`` the loss and gradients are
-TRL's. Options TRL has and this trainer does not (``off_policy_mask_threshold``,
-``use_adaptive_entropy``, MoE auxiliary loss, vision inputs, soft-capped or scaled logits) raise
-ValueError rather than being silently dropped.
+``top_entropy_quantile``, ``entropy_coef`` and ``use_adaptive_entropy`` (Skywork-OR1's adaptive
+coefficient: ``entropy_target``, ``entropy_coef_delta``, ``entropy_coef_min``/``_max``),
+``off_policy_mask_threshold`` (DeepSeek-V3.2's sequence mask, fused: `LossConfig`), the MoE
+load-balancing loss (``router_aux_loss_coef``, the model's own ``load_balancing_loss_func``),
+``use_bias_correction_kl``, the ``sapo_temperature_*`` and ``vespo_*`` parameters and
+``vllm_importance_sampling_correction``; gradient accumulation scales as in TRL. With
+``sage_guide="none"`` the loss and gradients are TRL's. What TRL has and this trainer does not
+(vision inputs, soft-capped or scaled logits) raises ValueError rather than being silently dropped.
 
 Known differences from TRL:
 - with several processes, the top-entropy threshold is the quantile of this process's tokens
   (TRL gathers all processes' entropies first);
 - the entropy bonus (TRL's mean entropy over the kept tokens) costs a second fused sweep over
-  the vocabulary, since its per-token weight differs from the PG term's.
+  the vocabulary, since its per-token weight differs from the PG term's;
+- a masked mean over no completion token (on every process) is logged as NaN, which TRL's
+  ``log`` skips, not as 0.
 
 Metrics: TRL's names (``kl``, ``entropy``, ``clip_ratio/*`` for the clipped loss types,
-``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss`` with the entropy bonus) with TRL's
-semantics, plus ``sage/q_mean``, ``sage/q_min``, ``sage/q_max``.
+``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``policy_loss`` and ``entropy_coef`` with the entropy
+bonus, ``aux_loss`` with the MoE loss) with TRL's semantics, plus ``sage/q_mean``, ``sage/q_min``, ``sage/q_max``.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Optional
@@ -102,6 +107,7 @@ class HiddenStatesOutput(ModelOutput):
     hidden_states: Optional[torch.Tensor] = None
     weight: Optional[torch.Tensor] = None
     bias: Optional[torch.Tensor] = None
+    aux_loss: Optional[torch.Tensor] = None
 
 
 def add_hidden_states_head(model) -> None:
@@ -113,9 +119,16 @@ def add_hidden_states_head(model) -> None:
     def forward(self, *args, sage_hidden_states: bool = False, **kwargs):
         if not sage_hidden_states:
             return inner_forward(*args, **kwargs)
-        hidden = self.base_model(*args, use_cache=False, **kwargs).last_hidden_state
+        outputs = self.base_model(*args, use_cache=False, **kwargs)
         head = self.get_output_embeddings()
-        return HiddenStatesOutput(hidden_states=hidden, weight=head.weight, bias=head.bias)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):  # the model's own load-balancing loss, as its causal-LM forward forms it
+            balance = sys.modules[type(self).__module__].load_balancing_loss_func
+            mask = kwargs.get("attention_mask")
+            aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, mask)
+        return HiddenStatesOutput(
+            hidden_states=outputs.last_hidden_state, weight=head.weight, bias=head.bias, aux_loss=aux_loss
+        )
 
     model.forward = types.MethodType(forward, model)
 
@@ -132,8 +145,9 @@ class SAGEGRPOTrainer(GRPOTrainer):
             args = SAGEGRPOConfig(f"{name.split('/')[-1]}-SAGE-GRPO")
         _check_supported(args)
         super().__init__(model, reward_funcs, args=args, **kwargs)
-        _check_model(self.model, self.aux_loss_enabled)
-        add_hidden_states_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        _check_model(base, self.aux_loss_enabled)
+        add_hidden_states_head(base)
         # Validate the SAGE options now rather than at the first step.
         self._loss_config(num_items_in_batch=None)
 
@@ -157,6 +171,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
             temperature=self.temperature,
             max_completion_length=self.max_completion_length,
             num_items_in_batch=num_items_in_batch,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
             **{name: getattr(args, name) for name in _SHARED_OPTIONS},
         )
 
@@ -173,6 +188,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
                 input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
                 attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
                 sage_hidden_states=True,
+                **(dict(output_router_logits=True) if self.aux_loss_enabled else {}),
             )
             # The LM head runs in the autocast dtype, as TRL's fused head does, unless told to stay in fp32.
             device_type = head.weight.device.type
@@ -208,18 +224,34 @@ class SAGEGRPOTrainer(GRPOTrainer):
             old_logp=inputs.get("old_per_token_logps"),
             ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
             is_weights=is_weights,
+            # the off-policy mask's behaviour policy: the sampler's log-probs (vLLM's), else old_logp
+            sampling_logp=inputs.get("sampling_per_token_logps")
+            if self.off_policy_mask_threshold is not None
+            else None,
             config=self._loss_config(num_items),
             backend=self.args.sage_backend,
         )
         # TRL scales every loss type but the token-count ones (whose divisor covers the window) for accumulation.
         loss = out.loss if self.loss_type in TOKEN_COUNT_LOSS_TYPES else out.loss / accumulation
 
-        if self.entropy_coef != 0.0:
+        if self._entropy_bonus_enabled:
             kept = mask
             if self.top_entropy_quantile < 1.0:
                 kept = kept & self.get_high_entropy_mask(out.entropy, mask, 1 - self.top_entropy_quantile)
-            loss = loss + self._entropy_bonus(hidden, weight, bias, completion_ids, kept, accumulation)
+            # the coefficient (and gate) of the previous optimizer step, the same for its whole window
+            coef = self.entropy_coef
+            if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+                coef = 0.0
+            if coef != 0.0:  # a zero bonus adds nothing to the loss or the gradients: no second sweep
+                loss = loss + self._entropy_bonus(hidden, weight, bias, completion_ids, kept, coef / accumulation)
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(out.loss.detach()).nanmean().item())
+            if self.use_adaptive_entropy and mode == "train":
+                self._update_entropy_coef(out.entropy, kept)
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * head.aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(head.aux_loss).mean().item())
         self._log_loss_metrics(mode, out, inputs["advantages"], mask)
         if self.loss_type == "vespo":
             self._log_vespo_weight(mode, out, inputs, mask, is_weights)
@@ -235,8 +267,29 @@ class SAGEGRPOTrainer(GRPOTrainer):
         totals = self.accelerator.reduce(torch.stack([rows.sum(), torch.tensor(float(rows.numel()))]), reduction="sum")
         self._metrics[mode]["vespo/phi_seq_mean"].append((totals[0] / totals[1].clamp(min=1.0)).item())
 
-    def _entropy_bonus(self, hidden, weight, bias, token_ids, kept, accumulation) -> torch.Tensor:
-        """-entropy_coef * (mean entropy over the kept tokens) / accumulation, TRL's bonus, differentiable.
+    def _update_entropy_coef(self, entropy: torch.Tensor, kept: torch.Tensor) -> None:
+        """Skywork-OR1's adaptive coefficient, TRL's controller: the entropy of every micro-batch of the
+        accumulation window is summed; at the optimizer step the window's mean over all processes
+        raises the coefficient by entropy_coef_delta when at most entropy_target, lowers it
+        otherwise, within [entropy_coef_min, entropy_coef_max]."""
+        stats = torch.stack([(entropy * kept).sum(), kept.sum().to(entropy.dtype)]).detach()
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
+
+    def _entropy_bonus(self, hidden, weight, bias, token_ids, kept, coef: float) -> torch.Tensor:
+        """-coef * (mean entropy over the kept tokens), TRL's bonus (coef already divided for
+        accumulation), differentiable.
 
         A second fused call with zero advantages and no KL leaves only the entropy term; bnpo
         aggregation makes it the mean over `kept`."""
@@ -245,7 +298,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
             guide="none",
             loss_type="bnpo",
             temperature=self.temperature,
-            entropy_coef=self.entropy_coef / accumulation,
+            entropy_coef=coef,
         )
         zeros = torch.zeros(token_ids.shape[0], device=hidden.device, dtype=torch.float32)
         return fused_linear_sage_loss(
@@ -258,8 +311,9 @@ class SAGEGRPOTrainer(GRPOTrainer):
         m = mask.float()
 
         def global_mean(total: torch.Tensor, count: torch.Tensor) -> float:
+            """The mean over all processes; NaN (no value, skipped by TRL's `log`) without any count."""
             totals = self.accelerator.reduce(torch.stack([total.float(), count.float()]), reduction="sum")
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
+            return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
 
         if self.beta != 0.0:
             metrics["kl"].append(global_mean((out.kl * m).sum(), m.sum()))
@@ -293,17 +347,11 @@ class SAGEGRPOTrainer(GRPOTrainer):
 
 def _check_supported(args: SAGEGRPOConfig) -> None:
     """Reject the TRL options this trainer does not implement, before any model is loaded."""
-    unsupported = {
-        "loss_type": args.loss_type not in SUPPORTED_LOSS_TYPES,
-        "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
-        "use_adaptive_entropy": args.use_adaptive_entropy,
-    }
-    for name, bad in unsupported.items():
-        if bad:
-            raise ValueError(
-                f"SAGEGRPOTrainer does not support {name}={getattr(args, name)!r} "
-                f"(loss types: {', '.join(SUPPORTED_LOSS_TYPES)})"
-            )
+    if args.loss_type not in SUPPORTED_LOSS_TYPES:
+        raise ValueError(
+            f"SAGEGRPOTrainer does not support loss_type={args.loss_type!r} "
+            f"(loss types: {', '.join(SUPPORTED_LOSS_TYPES)})"
+        )
     if args.sage_guide != "none" and args.beta == 0.0:
         raise ValueError(
             f"sage_guide={args.sage_guide!r} acts through the KL term: set beta > 0, "
@@ -320,4 +368,9 @@ def _check_model(model, aux_loss_enabled: bool) -> None:
                 f"after the LM head ({key}={getattr(text_config, key)!r})"
             )
     if aux_loss_enabled:
-        raise ValueError("SAGEGRPOTrainer does not add the MoE load-balancing loss; set router_aux_loss_coef=0")
+        balance = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+        if balance is None or not all(hasattr(model, name) for name in ("num_experts", "num_experts_per_tok")):
+            raise ValueError(
+                f"SAGEGRPOTrainer finds no load-balancing loss for {type(model).__name__} (its module's "
+                f"load_balancing_loss_func, num_experts, num_experts_per_tok); set router_aux_loss_coef=0"
+            )

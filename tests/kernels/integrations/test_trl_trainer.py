@@ -237,13 +237,11 @@ def test_training_steps_with_branch_guide(tiny_lm_dir, tmp_path):
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(use_adaptive_entropy=True),
-        dict(off_policy_mask_threshold=0.5),
         dict(sage_guide="bogus"),
         dict(beta=0.0),
         dict(sapo_temperature_neg=0.0),
     ],
-    ids=["adaptive_entropy", "off_policy_mask", "bad_guide", "guide_without_kl", "sapo_temperature"],
+    ids=["bad_guide", "guide_without_kl", "sapo_temperature"],
 )
 def test_unsupported_options_raise(tiny_lm_dir, tmp_path, overrides):
     with pytest.raises(ValueError):
