@@ -31,6 +31,7 @@ def loss_op_args(problem, config):
         ref_logp=problem["ref_logp"],
         is_weights=None,
         log_q=None,
+        sampling_logp=None,
     )
     return (*tensors.flat(), num_items, floats, ints)
 
@@ -152,7 +153,7 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
 
 def test_boundary_records_round_trip_their_flat_form():
     problem = make_problem(B=2, L=5, V=200, D=32, seed=6)
-    tensors = boundary.LossTensors.from_flat(loss_op_args(problem, LossConfig())[:10])
+    tensors = boundary.LossTensors.from_flat(loss_op_args(problem, LossConfig())[: len(boundary.LossTensors._fields)])
     assert tensors.flat()[4] is tensors.mask and boundary.LossTensors.from_flat(tensors.flat()) == tensors
     flags = boundary.BackwardFlags(0.7, entropy_grad=False, need_hidden=True, need_weight=False, need_bias=True)
     assert flags._asdict() == dict(
@@ -164,9 +165,11 @@ def test_boundary_records_round_trip_their_flat_form():
     positional = [a.name for a in schema.arguments if not a.kwarg_only]
     assert positional == ["grad_loss", *boundary.TwoPassSaved._fields]
     loss_schema = torch.ops.sage_kernels.triton_sage_loss.default._schema
-    assert [a.name for a in loss_schema.arguments][:10] == list(boundary.LossTensors._fields)
+    assert [a.name for a in loss_schema.arguments][: len(boundary.LossTensors._fields)] == list(
+        boundary.LossTensors._fields
+    )
     assert len(loss_schema.returns) == len(boundary.TwoPassOutputs._fields)
     local = torch.ops.sage_kernels.triton_sage_loss_local.default._schema
     assert len(local.returns) == len(boundary.LocalOutputs._fields)
-    with pytest.raises(ValueError, match="LossTensors has 10 fields, got 9"):
+    with pytest.raises(ValueError, match="LossTensors has 11 fields, got 9"):
         boundary.LossTensors.from_flat(tensors.flat()[:9])
