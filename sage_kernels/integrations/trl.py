@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import sys
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -101,23 +102,24 @@ class SAGEGRPOConfig(GRPOConfig):
 
 
 @dataclass
-class HiddenStatesOutput(ModelOutput):
-    """What the model returns when called with ``sage_hidden_states=True``."""
+class HeadOutput(ModelOutput):
+    """What the model returns when called with ``sage_head=fn``: fn's result and the MoE
+    load-balancing loss (None unless ``output_router_logits=True``)."""
 
-    hidden_states: Optional[torch.Tensor] = None
-    weight: Optional[torch.Tensor] = None
-    bias: Optional[torch.Tensor] = None
+    result: Optional[object] = None
     aux_loss: Optional[torch.Tensor] = None
 
 
-def add_hidden_states_head(model) -> None:
-    """Let ``model(..., sage_hidden_states=True)`` return the backbone's last hidden states and the
-    LM head, without computing logits. Called through the (possibly wrapped) model so DDP and PEFT
-    see an ordinary forward."""
+def add_fused_head(model) -> None:
+    """Let ``model(..., sage_head=fn)`` return ``fn(last hidden states, LM head weight, bias)``
+    without computing logits. fn runs inside the model's forward, so that under DeepSpeed ZeRO-3
+    (whose parameters are materialized only in their owning module's forward) the head can be
+    gathered for it and the backward's gradient reduction hooks are armed. Called through the
+    (possibly wrapped) model so DDP, DeepSpeed and PEFT see an ordinary forward."""
     inner_forward = model.forward
 
-    def forward(self, *args, sage_hidden_states: bool = False, **kwargs):
-        if not sage_hidden_states:
+    def forward(self, *args, sage_head=None, **kwargs):
+        if sage_head is None:
             return inner_forward(*args, **kwargs)
         outputs = self.base_model(*args, use_cache=False, **kwargs)
         head = self.get_output_embeddings()
@@ -126,11 +128,37 @@ def add_hidden_states_head(model) -> None:
             balance = sys.modules[type(self).__module__].load_balancing_loss_func
             mask = kwargs.get("attention_mask")
             aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, mask)
-        return HiddenStatesOutput(
-            hidden_states=outputs.last_hidden_state, weight=head.weight, bias=head.bias, aux_loss=aux_loss
-        )
+        with _gathered(head.weight, head.bias) as gathered:
+            weight, bias = head.weight, head.bias
+            if gathered:  # views keep the full tensors alive for a backward that reads them after the release
+                weight = weight.view_as(weight)
+                bias = None if bias is None else bias.view_as(bias)
+            result = sage_head(outputs.last_hidden_state, weight, bias)
+        return HeadOutput(result=result, aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
+
+
+@contextmanager
+def _gathered(*params):
+    """Under DeepSpeed ZeRO-3, the full `params` for the block (yields True); otherwise nothing
+    to do (yields False)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    partitioned = [p for p in params if p is not None and hasattr(p, "ds_status")]
+    if not (is_deepspeed_zero3_enabled() and partitioned):
+        yield False
+        return
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    # tied embeddings may hold the weight available already; gathering it again would release it under them
+    wanted = list({id(p): p for p in partitioned if p.ds_status != ZeroParamStatus.AVAILABLE}.values())
+    if not wanted:
+        yield True
+        return
+    with deepspeed.zero.GatheredParameters(wanted):
+        yield True
 
 
 class SAGEGRPOTrainer(GRPOTrainer):
@@ -147,7 +175,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args=args, **kwargs)
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         _check_model(base, self.aux_loss_enabled)
-        add_hidden_states_head(base)
+        add_fused_head(base)
         # Validate the SAGE options now rather than at the first step.
         self._loss_config(num_items_in_batch=None)
 
@@ -183,23 +211,6 @@ class SAGEGRPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask & inputs["tool_mask"].bool()
         B, L = completion_ids.shape
-        with self.accelerator.autocast():
-            head = model(
-                input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
-                attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-                sage_hidden_states=True,
-                **(dict(output_router_logits=True) if self.aux_loss_enabled else {}),
-            )
-            # The LM head runs in the autocast dtype, as TRL's fused head does, unless told to stay in fp32.
-            device_type = head.weight.device.type
-            dtype = head.weight.dtype
-            if torch.is_autocast_enabled(device_type) and not self.args.cast_lm_head_to_fp32:
-                dtype = torch.get_autocast_dtype(device_type)
-        weight = head.weight.to(dtype)
-        bias = None if head.bias is None else head.bias.to(dtype)
-        # Position t predicts token t + 1: the last L + 1 positions but one predict the completion.
-        hidden = head.hidden_states[:, -L - 1 : -1].to(dtype)
-
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = None
@@ -214,36 +225,60 @@ class SAGEGRPOTrainer(GRPOTrainer):
         correcting = self.use_vllm and self.vllm_importance_sampling_correction
         if ratio is not None and (self.loss_type == "vespo" or correcting):
             is_weights = ratio.reshape(B, -1).expand(B, L)
-        out = fused_linear_sage_loss(
-            hidden,
-            weight,
-            completion_ids,
-            mask,
-            inputs["advantages"],
-            bias=bias,
-            old_logp=inputs.get("old_per_token_logps"),
-            ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
-            is_weights=is_weights,
-            # the off-policy mask's behaviour policy: the sampler's log-probs (vLLM's), else old_logp
-            sampling_logp=inputs.get("sampling_per_token_logps")
-            if self.off_policy_mask_threshold is not None
-            else None,
-            config=self._loss_config(num_items),
-            backend=self.args.sage_backend,
-        )
+        # the entropy bonus's coefficient (and gate): the previous optimizer step's, for its whole window
+        coef = self.entropy_coef if self._entropy_bonus_enabled else 0.0
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            coef = 0.0
+
+        def head_loss(hidden_states, weight, bias):
+            """Both fused calls, inside the model's forward (where ZeRO-3 has gathered the head)."""
+            # The LM head runs in the autocast dtype, as TRL's fused head does, unless told to stay in fp32.
+            device_type, dtype = weight.device.type, weight.dtype
+            if torch.is_autocast_enabled(device_type) and not self.args.cast_lm_head_to_fp32:
+                dtype = torch.get_autocast_dtype(device_type)
+            weight = weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+            # Position t predicts token t + 1: the last L + 1 positions but one predict the completion.
+            hidden = hidden_states[:, -L - 1 : -1].to(dtype)
+            with torch.autocast(device_type, enabled=False):  # the loss keeps its own precision rules
+                out = fused_linear_sage_loss(
+                    hidden,
+                    weight,
+                    completion_ids,
+                    mask,
+                    inputs["advantages"],
+                    bias=bias,
+                    old_logp=inputs.get("old_per_token_logps"),
+                    ref_logp=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
+                    is_weights=is_weights,
+                    # the off-policy mask's behaviour policy: the sampler's log-probs (vLLM's), else old_logp
+                    sampling_logp=inputs.get("sampling_per_token_logps")
+                    if self.off_policy_mask_threshold is not None
+                    else None,
+                    config=self._loss_config(num_items),
+                    backend=self.args.sage_backend,
+                )
+                kept = mask
+                if self.top_entropy_quantile < 1.0:
+                    kept = kept & self.get_high_entropy_mask(out.entropy, mask, 1 - self.top_entropy_quantile)
+                bonus = None
+                if coef != 0.0:  # a zero bonus adds nothing to the loss or the gradients: no second sweep
+                    bonus = self._entropy_bonus(hidden, weight, bias, completion_ids, kept, coef / accumulation)
+            return out, kept, bonus
+
+        with self.accelerator.autocast():
+            head = model(
+                input_ids=torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+                attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                sage_head=head_loss,
+                **(dict(output_router_logits=True) if self.aux_loss_enabled else {}),
+            )
+        out, kept, bonus = head.result
         # TRL scales every loss type but the token-count ones (whose divisor covers the window) for accumulation.
         loss = out.loss if self.loss_type in TOKEN_COUNT_LOSS_TYPES else out.loss / accumulation
-
+        if bonus is not None:
+            loss = loss + bonus
         if self._entropy_bonus_enabled:
-            kept = mask
-            if self.top_entropy_quantile < 1.0:
-                kept = kept & self.get_high_entropy_mask(out.entropy, mask, 1 - self.top_entropy_quantile)
-            # the coefficient (and gate) of the previous optimizer step, the same for its whole window
-            coef = self.entropy_coef
-            if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
-                coef = 0.0
-            if coef != 0.0:  # a zero bonus adds nothing to the loss or the gradients: no second sweep
-                loss = loss + self._entropy_bonus(hidden, weight, bias, completion_ids, kept, coef / accumulation)
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(out.loss.detach()).nanmean().item())
             if self.use_adaptive_entropy and mode == "train":
                 self._update_entropy_coef(out.entropy, kept)
