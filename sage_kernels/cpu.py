@@ -5,10 +5,11 @@ block's logits (h W^T + b) / T in a [rows, V] workspace, one fused pass per row 
 logp and the entropy, and, for training, one more fused pass turns the workspace into
 d(logits) in place before two matmuls add the block's share to the hidden, weight and
 bias gradients. The passes are the native operators of ``csrc/sage_cpu.cpp``
-(``torch.ops.sage_cpu``), compiled on first use and cached by torch's extension loader
-under a name with a digest of the source (`extension_name`: two sources never share a build);
-without a compiler, or with ``SAGE_CPU_NATIVE=0``, the same block loop runs on PyTorch
-operators (`_TorchBlocks`), after one warning line.
+(``torch.ops.sage_cpu``), compiled on first use by `native_build` (cached per package version,
+torch version and source digest; a bounded wait for another process's build, never a hang on a
+killed build's lock); without a compiler, when the build fails or stays locked past the bound, or
+with ``SAGE_CPU_NATIVE=0``, the same block loop runs on PyTorch operators (`_TorchBlocks`),
+after one warning line.
 
 The per-token stage (guide, KL, ratio, clipping, aggregation) is `reference.token_stage`
 itself, on [B, L] tensors, so every option has the reference's exact semantics;
@@ -30,14 +31,13 @@ call) and everything accumulates in float32.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from .native_build import build_extension, extension_name
 from .reference import token_stage
 from .spec import LossConfig, SageInputs, SageLossOutput
 
@@ -67,50 +67,6 @@ def native_ops():
         loaded = build_extension(_SOURCE, extension_name(_SOURCE, capability), _ISA_FLAGS.get(capability, []))
         _native_state["ops"] = torch.ops.sage_cpu if loaded else None
     return _native_state["ops"]
-
-
-def extension_name(source: Path, capability: str) -> str:
-    """The name the operator is built and cached under: the CPU capability and a digest of the source.
-    Torch caches an extension in one folder per name, shared by every checkout on the machine; with
-    one name, two checkouts whose sources differ rebuild that folder in turn, and a process can load
-    the other checkout's build (a source that is absent is named by its path, for the warning)."""
-    content = source.read_bytes() if source.is_file() else str(source).encode()
-    return f"sage_cpu_{capability.lower()}_{hashlib.sha256(content).hexdigest()[:12]}"
-
-
-def build_extension(source: Path, name: str, flags: list) -> bool:
-    """Compile and load `source` as the extension `name` (cached by torch).
-
-    False, after one warning line, when it cannot (no source, no compiler or ninja, a failed build)."""
-    if not source.is_file():
-        warnings.warn(
-            f"sage_kernels: native CPU operator unavailable ({source} not found: csrc/ ships with "
-            f"checkouts and wheels); using the slower chunked PyTorch path",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=["-O3", "-fopenmp", *flags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-        return True
-    except Exception as error:  # no compiler, no headers, a failed build: fall back, loudly once
-        lines = str(error).strip().splitlines() or [type(error).__name__]
-        reason = next((line for line in lines if "error" in line.lower()), lines[-1])[:200]
-        warnings.warn(
-            f"sage_kernels: native CPU operator unavailable ({reason}); using the slower chunked PyTorch path",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
 
 
 def _ops_for(native: Optional[bool]):

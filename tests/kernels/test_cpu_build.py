@@ -1,16 +1,26 @@
 """Building and choosing the CPU backend's operator: it builds here, a failed build falls back
-with one warning, and the environment switch and the block sizing do what they say."""
+with one warning, a killed build's lock is taken over, another process's build is waited on for a
+bounded time, and the environment switch and the block sizing do what they say.
+
+The lock tests build a one-line source (seconds, not the operator's minute) and run the waiting side
+in a subprocess under a timeout: before the lock of `native_build`, they hung forever."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import sage_kernels
 from sage_kernels import LossConfig, fused_linear_sage_loss
-from sage_kernels import cpu
+from sage_kernels import cpu, native_build
 
 
 def test_native_operator_builds_and_is_registered():
@@ -26,14 +36,20 @@ def test_the_build_is_cached_under_a_digest_of_its_source(tmp_path):
     first.write_text("int f() { return 1; }\n")
     moved.write_text("int f() { return 1; }\n")
     edited.write_text("int f() { return 2; }\n")
-    assert cpu.extension_name(first, "AVX2") == cpu.extension_name(moved, "AVX2")
-    assert cpu.extension_name(first, "AVX2") != cpu.extension_name(edited, "AVX2")
-    assert cpu.extension_name(first, "AVX2") != cpu.extension_name(first, "AVX512")
-    from torch.utils.cpp_extension import _get_build_directory
+    assert native_build.extension_name(first, "AVX2") == native_build.extension_name(moved, "AVX2")
+    assert native_build.extension_name(first, "AVX2") != native_build.extension_name(edited, "AVX2")
+    assert native_build.extension_name(first, "AVX2") != native_build.extension_name(first, "AVX512")
 
     assert cpu.native_ops() is not None
-    name = cpu.extension_name(cpu._SOURCE, torch.backends.cpu.get_cpu_capability())
-    assert (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    name = native_build.extension_name(cpu._SOURCE, torch.backends.cpu.get_cpu_capability())
+    assert (native_build.build_directory(name) / f"{name}.so").is_file()
+
+
+def test_the_build_folder_is_namespaced_by_the_versions(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = native_build.build_directory("sage_cpu_avx2_0123456789ab")
+    assert folder.parent.parent == tmp_path and folder.name == "sage_cpu_avx2_0123456789ab"
+    assert folder.parent.name.startswith(f"sage_kernels-{sage_kernels.__version__}-torch{torch.__version__}-py")
 
 
 def test_failed_build_warns_once_and_reports_the_compiler_error(tmp_path, monkeypatch):
@@ -42,7 +58,7 @@ def test_failed_build_warns_once_and_reports_the_compiler_error(tmp_path, monkey
     source.write_text("this is not C++;\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert cpu.build_extension(source, "sage_cpu_broken_for_test", []) is False
+        assert native_build.build_extension(source, "sage_cpu_broken_for_test", []) is False
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "\n" not in messages[0]
     assert "chunked PyTorch path" in messages[0] and "error" in messages[0].lower()
@@ -51,8 +67,167 @@ def test_failed_build_warns_once_and_reports_the_compiler_error(tmp_path, monkey
 def test_missing_source_warns_once(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert cpu.build_extension(tmp_path / "absent.cpp", "sage_cpu_absent_for_test", []) is False
+        assert native_build.build_extension(tmp_path / "absent.cpp", "sage_cpu_absent_for_test", []) is False
     assert [str(w.message).count("not found") for w in caught] == [1]
+
+
+_REPO = Path(__file__).resolve().parents[2]
+# holds the build lock of the extension argv[1] as a build does (torch's own lock file too) until a
+# line arrives on stdin, then releases both
+_HOLDER = """
+import sys
+from sage_kernels import native_build
+lock = native_build.BuildLock(native_build.build_directory(sys.argv[1]))
+assert lock.acquire(60)
+(lock.path.parent / "lock").touch()
+print("held", flush=True)
+sys.stdin.readline()
+(lock.path.parent / "lock").unlink()
+lock.release()
+"""
+_BUILDER = """
+import sys, warnings
+from pathlib import Path
+from sage_kernels import native_build
+warnings.simplefilter("always")
+print("built" if native_build.build_extension(Path(sys.argv[1]), sys.argv[2], []) else "fell back")
+"""
+
+
+def _env(tmp_path, wait_s) -> dict:
+    return {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), native_build.BUILD_WAIT_ENV: str(wait_s)}
+
+
+def _hold(tmp_path, name) -> subprocess.Popen:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, name],
+        cwd=_REPO,
+        env=_env(tmp_path, 60),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def _build(tmp_path, source, name, wait_s) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _BUILDER, str(source), name],
+        cwd=_REPO,
+        env=_env(tmp_path, wait_s),
+        capture_output=True,
+        text=True,
+        timeout=120,  # a regression hangs here
+    )
+
+
+def _tiny_source(tmp_path) -> Path:
+    source = tmp_path / "tiny.cpp"
+    source.write_text("int sage_build_lock_test() { return 1; }\n")
+    return source
+
+
+@pytest.mark.parametrize("left_by", ["a killed build", "a file alone"])
+def test_a_stale_lock_is_taken_over_and_the_build_proceeds(tmp_path, monkeypatch, left_by):
+    # the hang of issue 27: a build killed midway left torch's lock file, and every later first use
+    # waited on it forever
+    name = "sage_build_stale_test"
+    folder = Path(_env(tmp_path, 0)["TORCH_EXTENSIONS_DIR"])
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(folder))
+    if left_by == "a killed build":
+        holder = _hold(tmp_path, name)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    else:
+        native_build.build_directory(name).mkdir(parents=True)
+        (native_build.build_directory(name) / "lock").touch()
+    torch_lock = next(folder.glob(f"*/{name}/lock"))
+    result = _build(tmp_path, _tiny_source(tmp_path), name, wait_s=2)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["built"]
+    assert "took over the build lock of an interrupted build" in result.stderr
+    assert ("build of the native CPU operator (pid " in result.stderr) == (
+        left_by == "a killed build"
+    )  # the dead holder's record, if any
+    assert not torch_lock.exists() and (torch_lock.parent / f"{name}.so").is_file()
+    assert (torch_lock.parent / native_build.LOCK_FILE).read_text() == ""  # released
+
+
+def test_a_live_build_is_waited_on_then_the_build_proceeds(tmp_path):
+    name = "sage_build_wait_test"
+    holder = _hold(tmp_path, name)
+    builder = subprocess.Popen(
+        [sys.executable, "-c", _BUILDER, str(_tiny_source(tmp_path)), name],
+        cwd=_REPO,
+        env=_env(tmp_path, 100),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(120, builder.kill)  # a regression hangs on the lock
+    watchdog.start()
+    try:
+        waiting = next((line for line in builder.stderr if "waiting up to" in line), "")  # before any wait
+        holder.communicate("done\n", timeout=30)
+        out, err = builder.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+    assert "waiting up to 100 s for another build" in waiting and native_build.LOCK_FILE in waiting
+    assert f"pid {holder.pid} on" in waiting and native_build.BUILD_WAIT_ENV in waiting
+    assert builder.returncode == 0, err[-2000:]
+    assert out.split() == ["built"] and "interrupted build" not in err and "unavailable" not in err
+
+
+def test_a_build_still_locked_at_the_bound_falls_back_loudly_with_the_fallbacks_result(tmp_path):
+    # the operator itself, through the public API: the holder never finishes within the bound
+    name = native_build.extension_name(cpu._SOURCE, torch.backends.cpu.get_cpu_capability())
+    program = """
+import os, warnings
+import torch
+from sage_kernels import LossConfig, fused_linear_sage_loss
+warnings.simplefilter("always")
+gen = torch.Generator().manual_seed(0)
+hidden, weight = torch.randn(2, 9, 16, generator=gen), torch.randn(300, 16, generator=gen)
+args = (hidden, weight, torch.randint(0, 300, (2, 9), generator=gen), torch.ones(2, 9, dtype=torch.bool),
+        torch.randn(2, generator=gen))
+first = fused_linear_sage_loss(*args, config=LossConfig(beta=0.0), backend="cpu").loss
+os.environ["SAGE_CPU_NATIVE"] = "0"
+fallback = fused_linear_sage_loss(*args, config=LossConfig(beta=0.0), backend="cpu").loss
+print(bool(torch.equal(first, fallback)))
+"""
+    holder = _hold(tmp_path, name)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", program],
+            cwd=_REPO,
+            env=_env(tmp_path, 1),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        holder.communicate("done\n", timeout=30)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True"]
+    fallbacks = [line for line in result.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(fallbacks) == 1, result.stderr
+    assert f"still held after 1 s by pid {holder.pid} on" in fallbacks[0] and "stop it if it is stuck" in fallbacks[0]
+    assert f"{name}/{native_build.LOCK_FILE}" in fallbacks[0] and "chunked PyTorch path" in fallbacks[0]
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan"])
+def test_a_bad_wait_is_refused_naming_the_variable(monkeypatch, raw):
+    monkeypatch.setenv(native_build.BUILD_WAIT_ENV, raw)
+    with pytest.raises(ValueError, match=native_build.BUILD_WAIT_ENV):
+        native_build.build_wait_seconds()
+
+
+def test_the_wait_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv(native_build.BUILD_WAIT_ENV, raising=False)
+    assert native_build.build_wait_seconds() == native_build.DEFAULT_BUILD_WAIT_S
+    monkeypatch.setenv(native_build.BUILD_WAIT_ENV, "2.5")
+    assert native_build.build_wait_seconds() == 2.5
 
 
 def test_env_switch_selects_the_pytorch_blocks(monkeypatch):

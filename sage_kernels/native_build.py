@@ -1,0 +1,209 @@
+"""Building the CPU backend's native operator: where the build is cached and the lock around it.
+
+torch's extension loader guards a build with a file it creates and deletes when done, and waits on
+forever while that file exists: a build killed midway left it behind, and every later first use
+then hung without a word. Here the build runs under a lock of our own, an advisory ``flock`` that
+the kernel drops when its holder dies, so a file left behind proves nothing: a killed build is taken
+over (torch's leftover file removed, with a note), and a live holder, another process building the
+same operator, is waited on for at most `BUILD_WAIT_ENV` seconds, with a note naming the lock file.
+Past that bound, or when the build fails, the caller gets False after one warning line and runs the
+PyTorch block loop instead.
+
+Builds live in ``<TORCH_EXTENSIONS_DIR, else torch's default>/sage_kernels-<version>-torch<version>-
+py<XY>/<name>``, the name carrying a digest of the source and the CPU capability (`extension_name`):
+two versions, torch builds, sources or instruction sets never share (or rebuild in turn) one folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+#: seconds a first use waits for another process's build of the operator before falling back.
+BUILD_WAIT_ENV = "SAGE_CPU_BUILD_WAIT"
+#: a build takes one to two minutes on two busy cores; waiting longer than this means it is stuck.
+DEFAULT_BUILD_WAIT_S = 600.0
+#: our lock, beside torch's own ``lock`` in the build folder.
+LOCK_FILE = "sage_build.lock"
+_POLL_S = 0.1
+
+
+def extension_name(source: Path, capability: str) -> str:
+    """The name the operator is built and cached under: the CPU capability and a digest of the source.
+    Torch caches an extension in one folder per name, shared by every checkout on the machine; with
+    one name, two checkouts whose sources differ rebuild that folder in turn, and a process can load
+    the other checkout's build (a source that is absent is named by its path, for the warning)."""
+    content = source.read_bytes() if source.is_file() else str(source).encode()
+    return f"sage_cpu_{capability.lower()}_{hashlib.sha256(content).hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    """The folder the extension `name` is built in, namespaced by this package's and torch's versions
+    (torch's own default layout separates Python versions but not torch versions, and nothing at all
+    under TORCH_EXTENSIONS_DIR)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from . import __version__
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / f"sage_kernels-{__version__}-torch{torch.__version__}-{python}" / name
+
+
+def build_wait_seconds() -> float:
+    """The bound from `BUILD_WAIT_ENV` (seconds, 0 or more, ``inf`` to wait as long as it takes)."""
+    raw = os.environ.get(BUILD_WAIT_ENV)
+    if raw is None:
+        return DEFAULT_BUILD_WAIT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= 0:
+        raise ValueError(f"{BUILD_WAIT_ENV}={raw!r}: expected a number of seconds, 0 or more (or inf)")
+    return seconds
+
+
+class BuildLock:
+    """An exclusive lock on `directory`/`LOCK_FILE` that names its holder while it is held.
+
+    The file is never deleted (a process waiting on it would then lock a file nobody else sees):
+    it is emptied on release, so a record found in it on acquiring was left by a holder that died."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK_FILE
+        self.previous = ""  # the record of a holder that died holding it, once acquired
+        self._handle = None
+
+    def holder(self) -> str:
+        """Who holds it, as its holder recorded (pid, host, since when)."""
+        try:
+            return self.path.read_text().strip() or "a process that has not recorded itself yet"
+        except OSError:
+            return "an unknown process"
+
+    def acquire(self, wait_s: float) -> bool:
+        """Take the lock, waiting at most `wait_s` seconds (with one note) for its holder to finish."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        try:
+            acquired = self._wait(handle, wait_s)
+        except BaseException:
+            handle.close()
+            raise
+        if not acquired:
+            handle.close()
+            return False
+        handle.seek(0)
+        self.previous = handle.read().strip()
+        handle.truncate(0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n")
+        handle.flush()
+        self._handle = handle
+        return True
+
+    def _wait(self, handle, wait_s: float) -> bool:
+        import fcntl  # POSIX only; elsewhere the ImportError makes the build fall back, loudly
+
+        deadline, announced = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                if not announced:
+                    warnings.warn(
+                        f"sage_kernels: waiting up to {wait_s:g} s for another build of the native CPU "
+                        f"operator (lock {self.path}, held by {self.holder()}); {BUILD_WAIT_ENV} sets "
+                        f"the wait, SAGE_CPU_NATIVE=0 skips the operator",
+                        UserWarning,
+                        stacklevel=4,
+                    )
+                    announced = True
+                time.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
+
+    def release(self) -> None:
+        """Empty the record and drop the lock (closing the file releases the flock)."""
+        handle, self._handle = self._handle, None
+        handle.truncate(0)
+        handle.close()
+
+
+def build_extension(source: Path, name: str, flags: list, wait_s: Optional[float] = None) -> bool:
+    """Compile and load `source` as the extension `name` in `build_directory(name)`, under `BuildLock`.
+
+    `wait_s`: the most seconds to wait for another process's build (default: `build_wait_seconds`).
+    False, after one warning line, when it cannot (no source, no compiler or ninja, a failed build,
+    the lock still held at the bound)."""
+    if not source.is_file():
+        _warn_fallback(f"{source} not found: csrc/ ships with checkouts and wheels")
+        return False
+    wait_s = build_wait_seconds() if wait_s is None else wait_s
+    directory = build_directory(name)
+    lock = BuildLock(directory)
+    try:
+        if not lock.acquire(wait_s):
+            _warn_fallback(
+                f"its build lock {lock.path} is still held after {wait_s:g} s by {lock.holder()}, a live "
+                f"process: let its build finish, or stop it if it is stuck; {BUILD_WAIT_ENV} sets the wait"
+            )
+            return False
+        try:
+            _load(source, name, flags, directory, lock)
+        finally:
+            lock.release()
+        return True
+    except Exception as error:  # no compiler, no headers, a failed build: fall back, loudly once
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        _warn_fallback(next((line for line in lines if "error" in line.lower()), lines[-1])[:200])
+        return False
+
+
+def _load(source: Path, name: str, flags: list, directory: Path, lock: BuildLock) -> None:
+    """torch's build and load, once `lock` is held: any torch lock file there is a killed build's."""
+    from torch.utils.cpp_extension import load
+
+    torch_lock = directory / "lock"
+    if lock.previous or torch_lock.exists():
+        torch_lock.unlink(missing_ok=True)
+        warnings.warn(
+            f"sage_kernels: took over the build lock of an interrupted build of the native CPU operator "
+            f"({lock.previous or 'no record'}) in {directory}",
+            UserWarning,
+            stacklevel=4,
+        )
+    if not (directory / f"{name}.so").is_file():
+        warnings.warn(
+            f"sage_kernels: building the native CPU operator in {directory} (first use; about a minute)",
+            UserWarning,
+            stacklevel=4,
+        )
+    load(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=["-O3", "-fopenmp", *flags],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"sage_kernels: native CPU operator unavailable ({reason}); using the slower chunked PyTorch path",
+        RuntimeWarning,
+        stacklevel=4,
+    )
