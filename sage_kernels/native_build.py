@@ -172,15 +172,18 @@ def build_extension(source: Path, name: str, flags: list, wait_s: Optional[float
 
 
 def _load(source: Path, name: str, flags: list, directory: Path, lock: BuildLock) -> None:
-    """torch's build and load, once `lock` is held: any torch lock file there is a killed build's."""
+    """torch's build and load, once `lock` is held: a torch lock file there, or a record in ours, is
+    a killed build's, whose outputs may be cut short (a truncated library that ninja deems current)."""
     from torch.utils.cpp_extension import load
 
     torch_lock = directory / "lock"
     if lock.previous or torch_lock.exists():
-        torch_lock.unlink(missing_ok=True)
+        who = f"held by {lock.previous}" if lock.previous else "torch's lock file left behind"
+        for leftover in [torch_lock, *directory.glob("*.o"), *directory.glob("*.so")]:
+            leftover.unlink(missing_ok=True)
         warnings.warn(
-            f"sage_kernels: took over the build lock of an interrupted build of the native CPU operator "
-            f"({lock.previous or 'no record'}) in {directory}",
+            f"sage_kernels: took over from an interrupted build of the native CPU operator ({who}) in "
+            f"{directory}; rebuilding it",
             UserWarning,
             stacklevel=4,
         )
