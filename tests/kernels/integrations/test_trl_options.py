@@ -111,13 +111,13 @@ def test_adaptive_entropy_equals_trl(tiny_lm_dir, tmp_path, target):
 
 
 @pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory):
-    """A saved tiny Qwen3-MoE model (4 experts, 2 per token) with the test tokenizer."""
-    from conftest import build_tokenizer
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def tiny_moe_dir(tmp_path_factory, tiny_lm_dir):
+    """A saved tiny Qwen3-MoE model (4 experts, 2 per token) with the test tokenizer (tiny_lm_dir's:
+    not `conftest.build_tokenizer`, as every folder's conftest is imported under that one name)."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-qwen3-moe")
-    tokenizer = build_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,
