@@ -195,6 +195,7 @@ def compile_all() -> None:
             "ref_ptr",
             "isw_ptr",
             "log_q_ptr",
+            "sampling_ptr",
             "threshold_ptr",
             "inv_norm_ptr",
             "q_ptr",
@@ -229,6 +230,7 @@ def compile_all() -> None:
                 "vespo_k_neg",
                 "vespo_lambda_neg",
                 "kl_clamp",
+                "off_policy_threshold",
             )
         },
     )
@@ -256,11 +258,15 @@ def compile_all() -> None:
             HAS_REF=True,
             HAS_IS_WEIGHTS=everything,
             HAS_LOG_Q=everything,
+            HAS_SAMPLING=everything,
+            OFF_POLICY=everything,
             HAS_QUANTILE=everything,
             N_STATS=token_stage.N_ROW_STATS,
             BLOCK_L=1024,
         )
         absent = {} if everything else {"old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}
+        if not everything:
+            absent["sampling_ptr"] = None
         if loss_type in SEQUENCE_MEAN_LOSS_TYPES + ("luspo",):  # no token-count normaliser: no pointer
             absent["inv_norm_ptr"] = None
         compile_for_sm90(token_stage._token_stage_kernel, types, dict(flags, **absent), 4, 1)
