@@ -37,6 +37,7 @@ from typing import Optional
 
 import torch
 
+from .loss_types import LOSS_TYPES
 from .native_build import build_extension, extension_name
 from .reference import token_stage
 from .spec import LossConfig, SageInputs, SageLossOutput
@@ -194,7 +195,7 @@ def _per_token_grad_is_local(config: LossConfig) -> bool:
     return (
         config.importance_sampling == "token"
         and config.top_entropy_quantile == 1.0
-        and config.loss_type != "vespo"
+        and LOSS_TYPES[config.loss_type].token_local_gradient
         and config.off_policy_mask_threshold is None  # a row's mask needs all of its logp
     )
 

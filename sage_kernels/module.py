@@ -33,12 +33,8 @@ import torch
 from torch import nn
 
 from .function import fused_linear_sage_loss, logprobs_and_entropy
-from .spec import CLIPPED_LOSS_TYPES, LossConfig
-
-#: loss types Liger refuses at the sequence level.
-LIGER_TOKEN_ONLY_LOSS_TYPES = ("cispo", "sapo", "vespo")
-#: loss types whose divisor is the completion-token count (Liger's dapo normaliser).
-TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
+from .loss_types import LOSS_TYPES
+from .spec import LossConfig
 
 
 class SageMetrics(tuple):
@@ -144,7 +140,9 @@ class FusedLinearSAGELoss(nn.Module):
         with `ref_weight` / `ref_bias` (the policy's head when `ref_weight` is None).
         `vllm_is_ratio` ([B], [B, 1] or [B, T]) multiplies the PG term."""
         config = self.config
-        if config.importance_sampling == "sequence" and config.loss_type in LIGER_TOKEN_ONLY_LOSS_TYPES:
+        kind = LOSS_TYPES[config.loss_type]
+        # Liger refuses sequence-level ratios for the types that replace PPO's surrogate
+        if config.importance_sampling == "sequence" and not kind.clipped:
             raise ValueError(
                 f"Sequence-level importance sampling is not supported for loss_type="
                 f"{config.loss_type!r} (as in Liger); use importance_sampling_level='token'"
@@ -163,7 +161,7 @@ class FusedLinearSAGELoss(nn.Module):
             ref_per_token_logps = ref_input = None
             config = config.replace(beta=0.0)
         liger_divisor = num_items_in_batch is not None or config.num_items_in_batch is None
-        if config.loss_type in TOKEN_COUNT_LOSS_TYPES and liger_divisor:
+        if kind.normaliser == "given_tokens" and liger_divisor:  # Liger's dapo normaliser
             normaliser = _liger_dapo_normaliser(attention_mask, num_items_in_batch)
             config = config.replace(num_items_in_batch=normaliser)
         if ref_per_token_logps is None and ref_input is not None and config.beta != 0:
@@ -222,7 +220,7 @@ def _liger_clip_fraction(
     A = A[:, None] if A.dim() == 1 else A
     if config.loss_type == "cispo":
         clipped = (ratio > config.eps_high) & (A > 0)
-    elif config.loss_type not in CLIPPED_LOSS_TYPES:
+    elif not LOSS_TYPES[config.loss_type].clipped:
         clipped = torch.zeros_like(ratio, dtype=torch.bool)
     else:
         clipped = ((ratio < 1.0 - config.eps_low) & (A < 0)) | ((ratio > 1.0 + config.eps_high) & (A > 0))
@@ -259,7 +257,7 @@ def _liger_options(
         temperature=float(temperature),
         use_bias_correction_kl=bool(use_bias_correction_kl),
     )
-    if loss_type in CLIPPED_LOSS_TYPES:
+    if loss_type in LOSS_TYPES and LOSS_TYPES[loss_type].clipped:  # LossConfig names a bad loss_type
         options["delta_clip"] = delta
     if loss_type == "sapo":
         options.update(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from .guides import branch_guide
+from .loss_types import LOSS_TYPES
 from .ordered import ordered_sum
 from .spec import LossConfig, SageInputs, SageLossOutput
 
@@ -227,17 +228,14 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float, act
     return (entropy.detach() >= threshold) & active
 
 
-#: loss types averaged per sequence, then over sequences.
-SEQUENCE_MEAN_LOSS_TYPES = ("grpo", "sapo")
-
-
 def loss_normaliser(m: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """The divisor of Σ m·l for the token-sum loss types (bnpo, dr_grpo; dapo, cispo, vespo)."""
+    """The divisor of Σ m·l for the token-sum loss types (`LossType.normaliser`)."""
     B, L = m.shape
-    if config.loss_type == "bnpo":
+    normaliser = LOSS_TYPES[config.loss_type].normaliser
+    if normaliser == "call_tokens":
         return ordered_sum(m).clamp(min=1.0)
     # torch.full, not torch.tensor: a fill kernel, not a host-to-device copy (no sync on the hot path)
-    if config.loss_type == "dr_grpo":
+    if normaliser == "max_length":
         return torch.full((), float(B * (config.max_completion_length or L)), dtype=m.dtype, device=m.device)
     n = config.num_items_in_batch
     if n is None:
@@ -251,10 +249,11 @@ def aggregate(per_token_loss: torch.Tensor, m: torch.Tensor, config: LossConfig)
     """Reduce [B, L] per-token losses to the scalar loss of `config.loss_type`."""
     B, L = m.shape
     masked = per_token_loss * m
-    if config.loss_type in SEQUENCE_MEAN_LOSS_TYPES:
+    aggregation = LOSS_TYPES[config.loss_type].aggregation
+    if aggregation == "sequence_mean":
         row_means = ordered_sum(masked, -1) / ordered_sum(m, -1).clamp(min=1.0)
         return ordered_sum(row_means) / B
-    if config.loss_type == "luspo":
+    if aggregation == "sequence_sum":
         if config.luspo_include_padding:
             # every position of row b counts, weighted by the row's token count n_b: Σ_bt l n_b / (B L)
             return ordered_sum(per_token_loss * ordered_sum(m, -1, keepdim=True)) / (B * L)

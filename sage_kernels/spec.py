@@ -4,8 +4,8 @@ This is the one place where options and inputs are checked (``docs/loss.md``,
 "Bad input"). Every backend receives a `SageInputs` that has passed `validate_inputs`,
 so backends never re-check shapes, dtypes or devices.
 
-String options map to small integer codes in `KL_CODES`, `GUIDE_CODES`, `LOSS_TYPE_CODES`
-and `IS_LEVEL_CODES`: kernels take those codes as compile-time constants.
+String options map to small integer codes in `KL_CODES`, `GUIDE_CODES`, `IS_LEVEL_CODES` and
+the loss-type table's (`loss_types.py`): kernels take those codes as compile-time constants.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from typing import Optional
 
 import torch
 
+from .loss_types import LOSS_TYPES
+
 KL_CODES = {"k1": 1, "k2": 2, "k3": 3, "fk3": 4}
 GUIDE_CODES = {"none": 0, "branch": 1}
-LOSS_TYPE_CODES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3, "cispo": 4, "sapo": 5, "luspo": 6, "vespo": 7}
-#: loss types whose PG term is PPO's clipped surrogate (the others replace it: see docs/loss.md).
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 IS_LEVEL_CODES = {"token": 0, "sequence": 1}
 
 #: dtypes the fast backends accept for `hidden`, `weight` and `bias`; the reference also takes float64.
@@ -125,7 +124,7 @@ class LossConfig:
                 _require(isinstance(value, bool), item.name, "True or False", value)
         _require(self.kl in KL_CODES, "kl", f"one of {sorted(KL_CODES)}", self.kl)
         _require(self.guide in GUIDE_CODES, "guide", f"one of {sorted(GUIDE_CODES)}", self.guide)
-        _require(self.loss_type in LOSS_TYPE_CODES, "loss_type", f"one of {sorted(LOSS_TYPE_CODES)}", self.loss_type)
+        _require(self.loss_type in LOSS_TYPES, "loss_type", f"one of {sorted(LOSS_TYPES)}", self.loss_type)
         _require(
             self.importance_sampling in IS_LEVEL_CODES,
             "importance_sampling",
@@ -165,7 +164,7 @@ class LossConfig:
                 f"False for loss_type {self.loss_type!r} (it selects luspo's aggregation)",
                 self.luspo_include_padding,
             )
-        if self.loss_type not in CLIPPED_LOSS_TYPES:
+        if not LOSS_TYPES[self.loss_type].clipped:
             for name in ("delta_clip", "dual_clip_c"):
                 _require(
                     getattr(self, name) is None,

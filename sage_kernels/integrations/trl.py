@@ -46,11 +46,9 @@ from trl.trainer.utils import nanmax, nanmin
 
 from ..function import fused_linear_sage_loss
 from ..reference import vespo_weight
-from ..spec import CLIPPED_LOSS_TYPES, LOSS_TYPE_CODES, LossConfig
+from ..loss_types import LOSS_TYPES
+from ..spec import LossConfig
 
-SUPPORTED_LOSS_TYPES = tuple(LOSS_TYPE_CODES)
-#: loss types TRL divides by the generation batch's token count (already covering accumulation).
-TOKEN_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
 #: TRL's option names for the `LossConfig` fields they share.
 _SHARED_OPTIONS = (
     "sapo_temperature_pos",
@@ -214,7 +212,9 @@ class SAGEGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = None
-        if self.loss_type in TOKEN_COUNT_LOSS_TYPES:
+        # TRL divides these by the generation batch's token count (already covering accumulation)
+        given_count = LOSS_TYPES[self.loss_type].normaliser == "given_tokens"
+        if given_count:
             # TRL's dapo divisor: the generation batch's token count, per process and accumulation window.
             num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
@@ -275,7 +275,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
             )
         out, kept, bonus = head.result
         # TRL scales every loss type but the token-count ones (whose divisor covers the window) for accumulation.
-        loss = out.loss if self.loss_type in TOKEN_COUNT_LOSS_TYPES else out.loss / accumulation
+        loss = out.loss if given_count else out.loss / accumulation
         if bonus is not None:
             loss = loss + bonus
         if self._entropy_bonus_enabled:
@@ -361,7 +361,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
         if self.loss_type == "cispo":
             clipped = ((out.ratio > self.epsilon_high) & (A > 0)).float()
             metrics["cispo_clip_ratio"].append(global_mean((clipped * m).sum(), m.sum()))
-        if self.loss_type not in CLIPPED_LOSS_TYPES:
+        if not LOSS_TYPES[self.loss_type].clipped:
             return
         ratio = out.ratio if self.args.delta is None else out.ratio.clamp(max=self.args.delta)
         if self.importance_sampling_level == "sequence":
@@ -382,10 +382,9 @@ class SAGEGRPOTrainer(GRPOTrainer):
 
 def _check_supported(args: SAGEGRPOConfig) -> None:
     """Reject the TRL options this trainer does not implement, before any model is loaded."""
-    if args.loss_type not in SUPPORTED_LOSS_TYPES:
+    if args.loss_type not in LOSS_TYPES:
         raise ValueError(
-            f"SAGEGRPOTrainer does not support loss_type={args.loss_type!r} "
-            f"(loss types: {', '.join(SUPPORTED_LOSS_TYPES)})"
+            f"SAGEGRPOTrainer does not support loss_type={args.loss_type!r} (loss types: {', '.join(LOSS_TYPES)})"
         )
     if args.sage_guide != "none" and args.beta == 0.0:
         raise ValueError(

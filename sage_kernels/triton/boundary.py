@@ -21,7 +21,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LOSS_TYPE_CODES, LossConfig, SageInputs
+from ..loss_types import LOSS_TYPE_CODES
+from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LossConfig, SageInputs
 from . import token_stage as stage
 from .stages import stage as timed
 from .sweep_fwd import compact_rows, host_row_count

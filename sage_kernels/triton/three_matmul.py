@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..loss_types import LOSS_TYPES, LossType
 from ..spec import LossConfig
 from . import token_stage
 from .boundary import GradsWanted, LossTensors, RowOrder
@@ -64,10 +65,6 @@ from .tiles import new_buffer, tiles_for
 
 #: paths taken by the loss forward, by name ("three-matmul", "two-pass"): tests read it.
 PATHS_TAKEN: Counter = Counter()
-#: loss types whose per-token gradient is local (each a per-token mean or a token sum with a
-#: normaliser that depends on the mask alone); new loss types join once shown to be local. luspo
-#: stays out also because its luspo_include_padding form needs the padded rows this path skips.
-LOCAL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 #: bytes of the fp32 logits workspace while N needs at most `MAX_CHUNKS` chunks (about 0.6% of
 #: the naive loss's memory at N = 16k on a 152k vocabulary).
 WORKSPACE_BYTES = 384 * 2**20
@@ -86,9 +83,17 @@ def per_token_grad_is_local(config: LossConfig) -> bool:
     return (
         config.importance_sampling == "token"
         and config.top_entropy_quantile == 1.0
-        and config.loss_type in LOCAL_LOSS_TYPES
+        and _kernels_support(LOSS_TYPES[config.loss_type])
         and config.off_policy_mask_threshold is None  # a row's mask needs all of its logp
     )
+
+
+def _kernels_support(kind: LossType) -> bool:
+    """The loss types this path is shown exact for (new ones join once shown): a token-local
+    gradient of the clipped surrogate, averaged per row or summed over tokens with a normaliser
+    that depends on the mask alone. luspo stays out: its luspo_include_padding form needs the
+    padded rows this path skips."""
+    return kind.token_local_gradient and kind.clipped and kind.aggregation != "sequence_sum"
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})

@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 from ..reference import VESPO_LOG_W_MAX, VESPO_LOG_W_MIN
-from ..spec import KL_CODES, LOSS_TYPE_CODES
+from ..loss_types import LOSS_TYPE_CODES
+from ..spec import KL_CODES
 
 # The codes of `spec` as kernel constants (k3 is the kernel's default branch).
 KL_K1 = tl.constexpr(KL_CODES["k1"])

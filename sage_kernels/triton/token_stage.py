@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import SEQUENCE_MEAN_LOSS_TYPES, loss_normaliser
-from ..spec import KL_CODES, LOSS_TYPE_CODES, LossConfig
+from ..loss_types import LOSS_TYPES
+from ..reference import loss_normaliser
+from ..spec import KL_CODES, LossConfig
 from .tiles import interpreting, new_buffer
 from .token_math import LOSS_LUSPO, LOSS_VESPO, LOG_W_MAX, LOG_W_MIN, kl_and_slope, log_guide, policy_gradient
 
@@ -331,7 +332,7 @@ def batch_statistics(entropy: torch.Tensor, mask: torch.Tensor, config: LossConf
     """(inverse normaliser, entropy threshold): the 0-d inputs of the token stage that need the
     whole batch; either is None when `config` does not use it."""
     inv_norm = None
-    if config.loss_type not in SEQUENCE_MEAN_LOSS_TYPES + ("luspo",):
+    if LOSS_TYPES[config.loss_type].aggregation == "token_sum":
         inv_norm = (1.0 / loss_normaliser(mask.to(torch.float32), config)).to(torch.float32).reshape(())
     threshold = None
     if config.top_entropy_quantile < 1.0:
@@ -408,9 +409,9 @@ def token_stage(logp, entropy, tensors: LossTensors, config: LossConfig) -> Stag
         KL=KL_CODES[config.kl],
         BRANCH=config.guide == "branch",
         SEQUENCE=config.importance_sampling == "sequence",
-        LOSS=LOSS_TYPE_CODES[config.loss_type],
+        LOSS=LOSS_TYPES[config.loss_type].code,
         PADDED=config.luspo_include_padding,
-        PER_SEQUENCE_MEAN=config.loss_type in SEQUENCE_MEAN_LOSS_TYPES,
+        PER_SEQUENCE_MEAN=LOSS_TYPES[config.loss_type].aggregation == "sequence_mean",
         BIAS_CORRECTION=config.use_bias_correction_kl,
         HAS_DELTA=config.delta_clip is not None,
         HAS_DUAL=config.dual_clip_c is not None,

@@ -136,8 +136,7 @@ def compile_all() -> None:
     import triton
     import triton.language as tl
 
-    from sage_kernels.reference import SEQUENCE_MEAN_LOSS_TYPES
-    from sage_kernels.spec import CLIPPED_LOSS_TYPES, LOSS_TYPE_CODES
+    from sage_kernels.loss_types import LOSS_TYPES
     from sage_kernels.triton import sweep_bwd, sweep_fwd, three_matmul, token_stage
 
     dz_types = {"bf16": tl.bfloat16, "fp32": tl.float32}
@@ -247,12 +246,12 @@ def compile_all() -> None:
             KL=kl,
             BRANCH=not everything,
             SEQUENCE=everything,
-            LOSS=LOSS_TYPE_CODES[loss_type],
+            LOSS=LOSS_TYPES[loss_type].code,
             PADDED=everything and loss_type == "luspo",  # luspo_include_padding
-            PER_SEQUENCE_MEAN=loss_type in SEQUENCE_MEAN_LOSS_TYPES,
+            PER_SEQUENCE_MEAN=LOSS_TYPES[loss_type].aggregation == "sequence_mean",
             BIAS_CORRECTION=everything,
-            HAS_DELTA=everything and loss_type in CLIPPED_LOSS_TYPES,
-            HAS_DUAL=everything and loss_type in CLIPPED_LOSS_TYPES,
+            HAS_DELTA=everything and LOSS_TYPES[loss_type].clipped,
+            HAS_DUAL=everything and LOSS_TYPES[loss_type].clipped,
             HAS_KL_CLAMP=everything,
             HAS_OLD=everything,
             HAS_REF=True,
@@ -267,7 +266,7 @@ def compile_all() -> None:
         absent = {} if everything else {"old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}
         if not everything:
             absent["sampling_ptr"] = None
-        if loss_type in SEQUENCE_MEAN_LOSS_TYPES + ("luspo",):  # no token-count normaliser: no pointer
+        if LOSS_TYPES[loss_type].aggregation != "token_sum":  # no token-count normaliser: no pointer
             absent["inv_norm_ptr"] = None
         compile_for_sm90(token_stage._token_stage_kernel, types, dict(flags, **absent), 4, 1)
 
