@@ -3,8 +3,10 @@ advantages (with ``kl_in_reward``, of the reward minus beta times the KL to q pi
 `sage_train.reward_kl`) -> the fused SAGE loss -> the optimizer step.
 
 Normalisers. The loss of one optimizer step is that of the whole batch, over all micro-batches
-and ranks: grpo and dr_grpo weight each micro-batch by its share of the step's rows; bnpo and
-dapo divide by the step's completion-token count, all-reduced over ranks once per step. Each
+(TRL's with the step as one local batch and no accumulation) and ranks: grpo and dr_grpo weight
+each micro-batch by its share of the step's rows; dapo, cispo and vespo divide by the step's
+completion-token count, all-reduced over ranks once per step; bnpo divides by this rank's count
+and weights each rank equally (TRL's local-batch mean, averaged over processes). Each
 micro-batch's backward is then scaled by the world size and not by the accumulation steps, which
 undoes DeepSpeed's averaging, so the gradient does not depend on the micro-batch size.
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from sage_kernels.guides import RandomGuide
+from sage_kernels.loss_types import LOSS_TYPES
 
 from .advantages import group_advantages
 from .config import TrainConfig
@@ -377,26 +380,27 @@ def rollout_seed(seed: int, step: int, round_: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 1009 + round_ * 101 + rank) % (2**31)
 
 
-#: loss types divided by a count of completion tokens (`sage_kernels.reference.loss_normaliser`)
-TOKEN_COUNT_LOSS_TYPES = ("bnpo", "dapo", "cispo", "vespo")
-
-
 def step_loss_config(ctx: Context, batch: Batch):
     """The step's LossConfig and `row_share(rows)`, the factor of a micro-batch's loss.
 
     grpo, sapo, luspo and dr_grpo average over rows: a micro-batch counts for its rows over the
-    step's rows (prompts_per_step x group_size, the same on every step). bnpo, dapo, cispo and
-    vespo divide by a token count: the loss is given the step's completion-token count over all
-    ranks (one all-reduce, no host sync) and micro-batches add up as they are; bnpo, which would
-    divide by each call's own count, becomes dapo given that count.
+    step's rows (prompts_per_step x group_size, the same on every step). The token-count types
+    are given a count (a 0-d tensor: no host sync) and their micro-batches add up as they are:
+    dapo, cispo and vespo the step's count over all ranks (one all-reduce; TRL's global count);
+    bnpo this rank's count, each rank's loss weighted 1 / world (TRL divides each process's local
+    batch by its own count and averages the processes); bnpo, which would divide by each call's
+    own count, becomes dapo given that count.
     """
     base = loss_config(ctx.cfg)
-    if base.loss_type in TOKEN_COUNT_LOSS_TYPES:
+    normaliser = LOSS_TYPES[base.loss_type].normaliser
+    if normaliser == "given_tokens" or normaliser == "call_tokens":
         tokens = batch.completion_mask.sum().float()
-        if ctx.world > 1:
+        share = 1.0
+        if normaliser == "given_tokens" and ctx.world > 1:
             dist.all_reduce(tokens)
-        loss_type = "dapo" if base.loss_type == "bnpo" else base.loss_type
-        return base.replace(loss_type=loss_type, num_items_in_batch=tokens.clamp(min=1.0)), lambda rows: 1.0
+        if normaliser == "call_tokens":
+            base, share = base.replace(loss_type="dapo"), 1.0 / ctx.world
+        return base.replace(num_items_in_batch=tokens.clamp(min=1.0)), lambda rows: share
     total_rows = ctx.cfg.prompts_per_step * ctx.cfg.group_size
     return base, lambda rows: len(range(*rows.indices(batch.rows))) / total_rows
 
