@@ -47,9 +47,8 @@ def check_grading(grading: str) -> None:
 
 def answer_span(completion: str) -> str:
     """The part of `completion` that holds the answer, by the strict rule (module docstring)."""
-    start = completion.rfind(_BOXED)
-    if start >= 0:
-        return _brace_content(completion, start + len(_BOXED))
+    if _BOXED in completion:
+        return (last_boxed(completion) or "").strip()
     marks = list(_ANSWER_MARK.finditer(completion))
     if marks:
         return completion[marks[-1].end() :].split("\n", 1)[0].strip()
@@ -59,9 +58,8 @@ def answer_span(completion: str) -> str:
 def free_span(completion: str) -> tuple[str, bool]:
     """(the span, whether the answer was said explicitly: a box or a marker) by the free rule
     (module docstring); its first answer counts."""
-    start = completion.rfind(_BOXED)
-    if start >= 0:
-        return _brace_content(completion, start + len(_BOXED)), True
+    if _BOXED in completion:
+        return (last_boxed(completion) or "").strip(), True
     marks = list(_FREE_MARK.finditer(completion))
     if marks:
         return completion[marks[-1].end() :], True
@@ -97,8 +95,12 @@ def _ends_a_term(text: str) -> bool:
     return last.isdigit() or last == ")"
 
 
-def _brace_content(text: str, start: int) -> str:
-    """Text from `start` up to the brace closing the one just before it ("" if unclosed)."""
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` in `text` (braces balanced), or None (no box, or unclosed)."""
+    box = text.rfind(_BOXED)
+    if box < 0:
+        return None
+    start = box + len(_BOXED)
     depth = 1
     for i in range(start, len(text)):
         if text[i] == "{":
@@ -106,5 +108,5 @@ def _brace_content(text: str, start: int) -> str:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[start:i].strip()
-    return ""
+                return text[start:i]
+    return None

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..rewards import math_rewards
-from .answer import free_number, free_span
+from .answer import free_number, free_span, last_boxed
 from .base import Problem
 
 TEMPLATES = {
@@ -83,22 +83,6 @@ def data_root() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parent / "data" / "math"
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` in `text` (braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth = 0
-    for i in range(start + len("\\boxed"), len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + len("\\boxed{") : i]
-    return None
 
 
 def _gold(row: dict, where: str) -> str:

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from sage_train.tasks import get_task
-from sage_train.tasks.math import MathTask, last_boxed
+from sage_train.tasks.answer import last_boxed
+from sage_train.tasks.math import MathTask
 
 
 @pytest.mark.parametrize(
