@@ -4,7 +4,6 @@ scorer, the rollout engine, the learning-rate schedule and the guide computed ou
 from __future__ import annotations
 
 import copy
-import math
 import os
 from pathlib import Path
 from typing import Iterable
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from sage_kernels.guides import RandomGuide, TokenGuide
 
 from .config import ConfigError, TrainConfig
+from .lr_schedule import lr_schedule
 from .lora import AdapterDisabled, apply_lora, base_lm, is_lora, merged_named_weights
 from .packaged_models import model_directory
 from .policy import PolicyHead
@@ -35,7 +35,7 @@ def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: tor
         model=policy,
         optimizer=optimizer,
         config=ds_config,
-        lr_scheduler=lambda opt: lr_schedule(opt, cfg, total),
+        lr_scheduler=lambda opt: lr_schedule(opt, cfg.lr_schedule, cfg.warmup_steps, total),
     )
     reference = None
     if is_lora(model) and cfg.beta != 0:
@@ -201,22 +201,6 @@ def deepspeed_config(cfg: TrainConfig, world: int, accumulation: int, device: to
             f"'zero_stage' is {cfg.zero_stage}; make them agree (the trainer reads zero_stage)"
         )
     return config
-
-
-def lr_schedule(optimizer, cfg: TrainConfig, total_steps: int):
-    """Linear warmup over ``warmup_steps``, then constant, cosine to 0, or linear to 0."""
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        if cfg.lr_schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        if cfg.lr_schedule == "linear":
-            return max(0.0, 1 - progress)
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def make_guide(cfg: TrainConfig, rank: int):

@@ -20,6 +20,7 @@ from .checkpoint import folder_written_atomically
 from .tasks.chat import official_sft_completion
 from .config import ConfigError, TrainConfig
 from .lora import merge_lora
+from .lr_schedule import lr_schedule
 from .model import load_model_and_tokenizer, load_pretrained
 
 #: steps over which the warm start's loss is averaged for ``sft_target_loss``
@@ -128,13 +129,7 @@ def sft_warm_start(model, tokenizer, task, problems: list, cfg: TrainConfig) -> 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.sft_lr, weight_decay=cfg.sft_weight_decay)
 
-    def factor(step: int) -> float:
-        if step < cfg.sft_warmup_steps:
-            return (step + 1) / (cfg.sft_warmup_steps + 1)
-        progress = (step - cfg.sft_warmup_steps) / max(1, total - cfg.sft_warmup_steps)
-        return max(0.0, 1 - progress) if cfg.sft_lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    schedule = lr_schedule(optimizer, cfg.sft_lr_schedule, cfg.sft_warmup_steps, total)
     model.train()
     recent = []
     for step, indices in enumerate(batches, 1):

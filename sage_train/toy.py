@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_train.advantages import group_advantages
+from sage_train.lr_schedule import lr_schedule
 from sage_train.reward_kl import sequence_kl
 from sage_train.tasks import enumerable as E
 from sage_train.toy_report import compare, plot, sampled_report
@@ -248,8 +248,7 @@ def train(toy: Toy, step, theta0: torch.Tensor, target: torch.Tensor, *, sampled
     steps, lr = (o.sampled_steps, o.sampled_lr) if sampled else (o.steps, o.lr)
     theta = theta0.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([theta], lr=lr)
-    rate = (lambda i: 1.0) if sampled else (lambda i: 0.5 * (1 + math.cos(math.pi * i / steps)))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    schedule = lr_schedule(optimizer, "constant" if sampled else "cosine", 0, steps)
     seq = toy.seq_logp(theta)
     curve, tail = [[0, float(E.tv(seq, target).mean())]], []
     for i in range(1, steps + 1):
