@@ -28,7 +28,7 @@ from .spec import (
 )
 
 BACKENDS = ("reference", "cpu", "triton")
-_BACKEND_MODULES = {"reference": ".reference_backend", "cpu": ".cpu", "triton": ".triton"}
+_BACKEND_MODULES = {"reference": ".reference", "cpu": ".cpu", "triton": ".triton"}
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

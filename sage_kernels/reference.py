@@ -1,7 +1,8 @@
 """The SAGE loss of ``docs/loss.md`` in plain PyTorch: the oracle every backend is tested against.
 
 It materialises the [N, V] logits, so it is for tests, benchmarks ("naive") and small
-problems. Gradients come from autograd. Run it in float64 for a ground truth.
+problems. Gradients come from autograd. Run it in float64 for a ground truth. It is also
+``backend="reference"``: `sage_loss` and `logprobs_and_entropy`, the backend interface.
 
 The per-token stage (`token_stage`) is a function of the per-token log-probs and
 entropies only; the chunked CPU path reuses it (it is O(N) work) and differentiates it
@@ -284,4 +285,16 @@ def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutpu
         kl=per_token["kl"],
         ratio=per_token["ratio"],
         metrics=per_token["metrics"],
+    )
+
+
+# The backend interface `function.py` dispatches to (cpu.py and triton/ expose the same two names).
+sage_loss = reference_sage_loss
+
+
+def logprobs_and_entropy(hidden2d, weight, token_ids_flat, bias, temperature):
+    """`reference_logprobs_and_entropy` in float64 for float64 inputs, else accumulated in float32."""
+    dtype = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
+    return reference_logprobs_and_entropy(
+        hidden2d, weight, token_ids_flat, bias=bias, temperature=temperature, dtype=dtype
     )
