@@ -297,16 +297,6 @@ _pool_pid: int | None = None
 _pool_lock = threading.Lock()
 
 
-def configure_grader(processes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> GradingPool:
-    """(Re)create the shared grading pool. processes: default min(4, CPUs)."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is not None and _pool_pid == os.getpid():
-            _pool.close()
-        _pool, _pool_pid = GradingPool(processes or _default_processes(), timeout_s), os.getpid()
-        return _pool
-
-
 def _default_processes() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
