@@ -32,6 +32,12 @@ def test_only_sage_packages_at_the_top_level(wheel_names):
     assert top == {"sage_kernels", "sage_train", "sage_bench"}
 
 
+def test_the_wheel_version_is_the_package_version(wheel):
+    import sage_kernels
+
+    assert wheel.name.startswith(f"sage_rl-{sage_kernels.__version__}-")
+
+
 def test_packaged_configs_and_math_sets_ship(wheel_names):
     assert "sage_train/configs/tiny-cpu.yaml" in wheel_names
     shipped = {Path(name).name for name in wheel_names if name.startswith("sage_train/tasks/data/math/")}
