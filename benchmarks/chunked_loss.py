@@ -51,7 +51,7 @@ def _chunk_loss_and_grads(h, weight, ids, w_tok, adv, old, ref, *, beta, eps_low
     return (w_tok * loss_tok).sum(), dz @ weight, (dz.t() @ h).float()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _chunk_fns(compiled: bool):
     fns = (_chunk_loss, _chunk_loss_and_grads)
     return tuple(torch.compile(f, dynamic=True) for f in fns) if compiled else fns

@@ -11,13 +11,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_module(module: str, argv: list[str], timeout_s: Optional[float] = None) -> int:
+def run_module(module: str, argv: list[str], timeout_s: float | None = None) -> int:
     """`python -m module *argv` with the repository importable; its exit code (124: timed out)."""
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     try:
@@ -46,7 +46,7 @@ def run_parts(
     argv: list[str],
     parts: list[str],
     rows_path: Path,
-    timeout_s: Optional[float],
+    timeout_s: float | None,
     render: Callable[[list[dict]], object],
 ) -> list[dict]:
     """Run `python -m module` once per part (`argv` with ``--paths PART --part``), each appending its

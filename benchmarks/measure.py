@@ -18,8 +18,8 @@ import platform
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -57,7 +57,7 @@ class PeakMemory:
         except OSError:
             self.base = None
 
-    def stop(self) -> Optional[int]:
+    def stop(self) -> int | None:
         if self.device == "cuda":
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.base
@@ -110,7 +110,7 @@ def _quantile(sorted_values: list, q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (pos - low)
 
 
-def relative_error(actual: Optional[torch.Tensor], expected: torch.Tensor) -> Optional[float]:
+def relative_error(actual: torch.Tensor | None, expected: torch.Tensor) -> float | None:
     """max |actual - expected| / max |expected|: the gradient measure of tests/kernels/tolerances.py."""
     if actual is None:
         return None
@@ -157,7 +157,7 @@ def _cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     root = Path(__file__).resolve().parent.parent
 
     def git(*args):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -31,8 +31,8 @@ GEMM_CHUNK_TOKENS = 2048
 class Provider:
     name: str
     loss: Callable[[Inputs], torch.Tensor]
-    guide: Optional[str]  # the guide of its loss, for the float64 check; None: no loss (gemm-floor)
-    unavailable: Callable[[str], Optional[str]]
+    guide: str | None  # the guide of its loss, for the float64 check; None: no loss (gemm-floor)
+    unavailable: Callable[[str], str | None]
     ours: bool = False
 
 
@@ -54,7 +54,7 @@ def _sage(backend: str, guide: str):
     return loss
 
 
-def _backend_missing(backend: str, device: str) -> Optional[str]:
+def _backend_missing(backend: str, device: str) -> str | None:
     """Why `backend` of sage_kernels cannot run on `device`, or None."""
     if backend == "triton" and device != "cuda":
         return "needs a CUDA device"
@@ -69,7 +69,7 @@ def _backend_missing(backend: str, device: str) -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _liger_module(compiled: bool):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -100,7 +100,7 @@ def _liger(compiled: bool):
     return loss
 
 
-def _liger_missing(device: str) -> Optional[str]:
+def _liger_missing(device: str) -> str | None:
     try:
         importlib.import_module("liger_kernel.chunked_loss")
     except Exception as error:
@@ -142,7 +142,7 @@ def _chunked(x: Inputs) -> torch.Tensor:
     return chunked_grpo_loss(x.hidden, x.weight, x.token_ids, x.mask, x.advantages, x.old_logp, x.ref_logp, **settings)
 
 
-def _always(device: str) -> Optional[str]:
+def _always(device: str) -> str | None:
     return None
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Optional
 
 PEERS = ("naive", "torch-compile-chunked", "liger (best)", "liger-compiled", "liger-eager", "gemm-floor")
 
@@ -37,7 +36,7 @@ def _point_key(row: dict) -> tuple:
     return row["shape"], row["n"], row["dtype"], row["mask_fraction"], row["mode"]
 
 
-def _fmt(value: Optional[float], spec: str) -> str:
+def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
@@ -93,7 +92,7 @@ def _by_point(rows: list[dict]) -> dict:
     return points
 
 
-def _ratio(ours: dict, peer: Optional[dict]) -> str:
+def _ratio(ours: dict, peer: dict | None) -> str:
     if peer is None:
         return "—"
     time = ours["ms_p50"] / peer["ms_p50"]
@@ -168,7 +167,7 @@ def markdown(rows: list[dict], command: str, ours_names: list[str]) -> str:
     )
 
 
-def plot(rows: list[dict], path: str) -> Optional[str]:
+def plot(rows: list[dict], path: str) -> str | None:
     """Time and peak memory against N, one row of panels per (shape, dtype, mask, mode)."""
     try:
         import matplotlib

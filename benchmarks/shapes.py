@@ -80,7 +80,7 @@ class Inputs:
     old_logp: torch.Tensor
     ref_logp: torch.Tensor
 
-    def rows(self, count: int) -> "Inputs":
+    def rows(self, count: int) -> Inputs:
         """The first `count` rows (completions): the slice used for the float64 error."""
         return Inputs(
             self.hidden[:count],
@@ -88,7 +88,7 @@ class Inputs:
             *(t[:count] for t in (self.token_ids, self.mask, self.advantages, self.old_logp, self.ref_logp)),
         )
 
-    def to(self, dtype: torch.dtype) -> "Inputs":
+    def to(self, dtype: torch.dtype) -> Inputs:
         """A detached copy with hidden and weight in `dtype` (per-token tensors unchanged)."""
         return Inputs(
             self.hidden.detach().to(dtype),

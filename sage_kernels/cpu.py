@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -70,7 +69,7 @@ def native_ops():
     return _native_state["ops"]
 
 
-def _ops_for(native: Optional[bool]):
+def _ops_for(native: bool | None):
     """The block operators: native (True: required), PyTorch (False), or by `NATIVE_ENV` (None)."""
     if native is None:
         native = os.environ.get(NATIVE_ENV, "1") != "0" and native_ops() is not None
@@ -134,7 +133,7 @@ def block_rows(total_rows: int, valid_rows: int, vocab: int, hidden_size: int) -
     return max(1, min(valid_rows, below_limit, budget // vocab))
 
 
-def _as_float32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _as_float32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().to(torch.float32).contiguous()
 
 
@@ -312,7 +311,7 @@ class SageCpuLoss(torch.autograd.Function):
         return (*scaled, None, None, None, None)
 
 
-def sage_loss(inputs: SageInputs, config: LossConfig, native: Optional[bool] = None) -> SageLossOutput:
+def sage_loss(inputs: SageInputs, config: LossConfig, native: bool | None = None) -> SageLossOutput:
     """The loss of docs/loss.md on the CPU. `native`: True requires the csrc operator, False runs the
     PyTorch block loop, None (the backend interface) uses the operator unless ``SAGE_CPU_NATIVE=0``."""
     side: dict = {}
@@ -336,7 +335,7 @@ def sage_loss(inputs: SageInputs, config: LossConfig, native: Optional[bool] = N
     )
 
 
-def logprobs_and_entropy(hidden2d, weight, token_ids_flat, bias, temperature, native: Optional[bool] = None):
+def logprobs_and_entropy(hidden2d, weight, token_ids_flat, bias, temperature, native: bool | None = None):
     """Float32 log-prob of each token and entropy of its row, block by block, without gradient."""
     n = hidden2d.shape[0]
     sweep = _Sweep(hidden2d, weight, bias, token_ids_flat, None, temperature, _ops_for(native), n)

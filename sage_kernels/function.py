@@ -12,7 +12,6 @@ inputs. Each backend keeps its own autograd Function beside its kernels:
 from __future__ import annotations
 
 import importlib
-from typing import Optional
 
 import torch
 
@@ -51,13 +50,13 @@ def fused_linear_sage_loss(
     mask: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    bias: Optional[torch.Tensor] = None,
-    old_logp: Optional[torch.Tensor] = None,
-    ref_logp: Optional[torch.Tensor] = None,
-    is_weights: Optional[torch.Tensor] = None,
-    log_q: Optional[torch.Tensor] = None,
-    sampling_logp: Optional[torch.Tensor] = None,
-    config: Optional[LossConfig] = None,
+    bias: torch.Tensor | None = None,
+    old_logp: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+    log_q: torch.Tensor | None = None,
+    sampling_logp: torch.Tensor | None = None,
+    config: LossConfig | None = None,
     backend: str = "auto",
     **options,
 ) -> SageLossOutput:
@@ -114,7 +113,7 @@ def logprobs_and_entropy(
     weight: torch.Tensor,
     token_ids: torch.Tensor,
     *,
-    bias: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:

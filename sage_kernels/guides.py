@@ -30,7 +30,6 @@ import math
 import torch
 
 from .ordered import ordered_sum
-
 from .spec import LossConfig
 
 #: the guide's bounds and branch constants, written once: `LossConfig`'s defaults (the official values)

@@ -8,7 +8,6 @@ a backend may take) reads a record here. Adding a loss type touches this table a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ class LossType:
     code: int
     clipped: bool
     aggregation: str
-    normaliser: Optional[str] = None
+    normaliser: str | None = None
     sequence_weight: bool = False
 
     @property

@@ -27,7 +27,6 @@ Where Liger's semantics differ from TRL's (which `LossConfig` follows), `forward
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 from torch import nn
@@ -68,12 +67,12 @@ class FusedLinearSAGELoss(nn.Module):
         epsilon_low: float = 0.2,
         epsilon_high: float = 0.2,
         loss_type: str = "dapo",
-        max_completion_length: Optional[int] = None,
+        max_completion_length: int | None = None,
         importance_sampling_level: str = "token",
         sapo_temperature_pos: float = 1.0,
         sapo_temperature_neg: float = 1.05,
         temperature: float = 1.0,
-        delta: Optional[float] = None,
+        delta: float | None = None,
         use_bias_correction_kl: bool = False,
         vespo_k_pos: float = 2.0,
         vespo_lambda_pos: float = 3.0,
@@ -82,7 +81,7 @@ class FusedLinearSAGELoss(nn.Module):
         *,
         backend: str = "auto",
         **options,
-    ) -> "FusedLinearSAGELoss":
+    ) -> FusedLinearSAGELoss:
         """A module computing what ``LigerFusedLinearGRPOLoss(...)`` computes with the same arguments.
 
         `compiled` and `chunk_size` are Liger's execution knobs (torch.compile of its loss maths,
@@ -125,13 +124,13 @@ class FusedLinearSAGELoss(nn.Module):
         selected_token_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         advantages: torch.Tensor,
-        bias: Optional[torch.Tensor] = None,
-        ref_per_token_logps: Optional[torch.Tensor] = None,
-        old_per_token_logps: Optional[torch.Tensor] = None,
-        ref_input: Optional[torch.Tensor] = None,
-        ref_weight: Optional[torch.Tensor] = None,
-        ref_bias: Optional[torch.Tensor] = None,
-        vllm_is_ratio: Optional[torch.Tensor] = None,
+        bias: torch.Tensor | None = None,
+        ref_per_token_logps: torch.Tensor | None = None,
+        old_per_token_logps: torch.Tensor | None = None,
+        ref_input: torch.Tensor | None = None,
+        ref_weight: torch.Tensor | None = None,
+        ref_bias: torch.Tensor | None = None,
+        vllm_is_ratio: torch.Tensor | None = None,
         num_items_in_batch=None,
     ):
         """Liger's arguments: `_input` [B, T, D] hidden states, `lin_weight` [V, D], the sampled

@@ -24,7 +24,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -141,7 +140,7 @@ class BuildLock:
         handle.close()
 
 
-def build_extension(source: Path, name: str, flags: list, wait_s: Optional[float] = None) -> bool:
+def build_extension(source: Path, name: str, flags: list, wait_s: float | None = None) -> bool:
     """Compile and load `source` as the extension `name` in `build_directory(name)`, under `BuildLock`.
 
     `wait_s`: the most seconds to wait for another process's build (default: `build_wait_seconds`).

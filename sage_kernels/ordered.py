@@ -11,8 +11,6 @@ fixed by the shape alone. Below `SERIAL_ELEMENTS` it is exactly `Tensor.sum`.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -22,7 +20,7 @@ SERIAL_ELEMENTS = 32768
 GROUP = 64
 
 
-def ordered_sum(x: torch.Tensor, dim: Optional[int] = None, keepdim: bool = False) -> torch.Tensor:
+def ordered_sum(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
     """``x.sum()`` (dim None) or ``x.sum(-1, keepdim)`` (dim -1), in an order fixed by the shape."""
     if dim is None:
         return ordered_sum(x.reshape(-1), -1)

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import math
 
-from typing import Optional
-
 import torch
 
 from .guides import branch_guide
@@ -39,7 +37,7 @@ from .spec import LossConfig, SageInputs, SageLossOutput
 
 
 def logits_of(
-    hidden2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], temperature: float, dtype: torch.dtype
+    hidden2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, dtype: torch.dtype
 ) -> torch.Tensor:
     """z = (h W^T + b) / T in `dtype` (the [N, V] tensor the fast paths never build)."""
     z = hidden2d.to(dtype) @ weight.to(dtype).t()

@@ -14,7 +14,6 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Optional
 
 import torch
 
@@ -96,14 +95,14 @@ class LossConfig:
     loss_type: str = "grpo"
     eps_low: float = 0.2
     eps_high: float = 0.2
-    delta_clip: Optional[float] = None
-    dual_clip_c: Optional[float] = None
+    delta_clip: float | None = None
+    dual_clip_c: float | None = None
     importance_sampling: str = "token"
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
     temperature: float = 1.0
-    max_completion_length: Optional[int] = None
-    num_items_in_batch: Optional[object] = field(default=None, compare=False)
+    max_completion_length: int | None = None
+    num_items_in_batch: object | None = field(default=None, compare=False)
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     vespo_k_pos: float = 2.0
@@ -112,8 +111,8 @@ class LossConfig:
     vespo_lambda_neg: float = 2.0
     use_bias_correction_kl: bool = False
     luspo_include_padding: bool = False
-    kl_clamp: Optional[float] = None
-    off_policy_mask_threshold: Optional[float] = None
+    kl_clamp: float | None = None
+    off_policy_mask_threshold: float | None = None
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
@@ -202,7 +201,7 @@ class LossConfig:
             else:
                 _require(_is_number(n) and n > 0, "num_items_in_batch", "None or a number > 0", n)
 
-    def replace(self, **options) -> "LossConfig":
+    def replace(self, **options) -> LossConfig:
         """A copy with `options` changed; unknown names raise TypeError naming them."""
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
@@ -213,7 +212,7 @@ class LossConfig:
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossConfig))
 
 
-def resolve_config(config: Optional[LossConfig], options: dict) -> LossConfig:
+def resolve_config(config: LossConfig | None, options: dict) -> LossConfig:
     """`config` (or the defaults) with keyword `options` applied."""
     if config is not None and not isinstance(config, LossConfig):
         raise TypeError(f"config must be a LossConfig or None, got {type(config).__name__}")
@@ -235,16 +234,16 @@ class SageInputs:
 
     hidden: torch.Tensor
     weight: torch.Tensor
-    bias: Optional[torch.Tensor]
+    bias: torch.Tensor | None
     token_ids: torch.Tensor
     mask: torch.Tensor
     advantages: torch.Tensor
-    old_logp: Optional[torch.Tensor]
-    ref_logp: Optional[torch.Tensor]
-    is_weights: Optional[torch.Tensor]
-    log_q: Optional[torch.Tensor]
-    loss_mask: Optional[torch.Tensor] = None
-    sampling_logp: Optional[torch.Tensor] = None
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    is_weights: torch.Tensor | None
+    log_q: torch.Tensor | None
+    loss_mask: torch.Tensor | None = None
+    sampling_logp: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -291,7 +290,7 @@ def _check_tensor(name: str, value, *, ndim=None, device=None, float_=False) -> 
         raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
 
 
-def _check_finite(name: str, value: torch.Tensor, where: Optional[torch.Tensor] = None) -> None:
+def _check_finite(name: str, value: torch.Tensor, where: torch.Tensor | None = None) -> None:
     """Report non-finite values. On CPU: ValueError now. On CUDA: an asynchronous device
     assertion, so no host-device sync is added to the hot path (it fails at the next sync)."""
     if where is None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -14,8 +14,8 @@ import torch.distributed as dist
 from sage_kernels.guides import RandomGuide, TokenGuide
 
 from .config import ConfigError, TrainConfig
-from .lr_schedule import lr_schedule
 from .lora import AdapterDisabled, apply_lora, base_lm, is_lora, merged_named_weights
+from .lr_schedule import lr_schedule
 from .packaged_models import model_directory
 from .policy import PolicyHead
 from .rollout import make_engine

@@ -30,9 +30,9 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -57,7 +57,7 @@ def tag_of(step: int) -> str:
     return f"{TAG_PREFIX}{step:06d}"
 
 
-def step_of(path: Path) -> Optional[int]:
+def step_of(path: Path) -> int | None:
     digits = path.name[len(TAG_PREFIX) :]
     return int(digits) if path.name.startswith(TAG_PREFIX) and digits.isdigit() else None
 
@@ -280,7 +280,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _full_disk(error: BaseException, path: Path) -> Optional[int]:
+def _full_disk(error: BaseException, path: Path) -> int | None:
     """The free bytes where `path` lies when `error` reads as a full disk (torch reports ENOSPC as an
     iostream error, hence the free space too), else None."""
     existing = next(p for p in (path, *path.parents) if p.exists())
@@ -315,7 +315,7 @@ def _write_failure(error: Exception, root: Path, tag: str) -> str:
     return f"checkpoint {tag} could not be written to {root}: {error}; {previous}"
 
 
-def latest_complete_name(root: Path) -> Optional[str]:
+def latest_complete_name(root: Path) -> str | None:
     latest = root / "latest"
     try:
         name = latest.read_text().strip()
@@ -324,7 +324,7 @@ def latest_complete_name(root: Path) -> Optional[str]:
     return name if name and (root / name / MANIFEST).is_file() else None
 
 
-def verify(path: Path, world: int) -> Optional[str]:
+def verify(path: Path, world: int) -> str | None:
     """Why checkpoint folder `path` cannot be resumed by `world` processes, or None when its
     manifest matches the files on disk (what a truncation or a half-copied folder breaks)."""
     try:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -175,27 +175,27 @@ class RunOptions:
     # token guide and (eps, sigma) of the random one anneal from *_max to *_min within each of
     # guide_num_cycles cycles over `steps` optimizer steps, the *_max bounds times guide_decay_rate
     # per cycle; None takes the official value (presets.py)
-    guide_alpha_max: Optional[float] = None
-    guide_alpha_min: Optional[float] = None
-    guide_sigma_max: Optional[float] = None
-    guide_sigma_min: Optional[float] = None
-    guide_eps_max: Optional[float] = None
-    guide_eps_min: Optional[float] = None
-    guide_num_cycles: Optional[int] = None
-    guide_decay_rate: Optional[float] = None
-    guide_normalization: Optional[str] = None  # the token guide's: "minmax", "rank" or "zscore"
+    guide_alpha_max: float | None = None
+    guide_alpha_min: float | None = None
+    guide_sigma_max: float | None = None
+    guide_sigma_min: float | None = None
+    guide_eps_max: float | None = None
+    guide_eps_min: float | None = None
+    guide_num_cycles: int | None = None
+    guide_decay_rate: float | None = None
+    guide_normalization: str | None = None  # the token guide's: "minmax", "rank" or "zscore"
 
     # SAGE's objective through the reward (reward_kl.py; presets *-exact, grpo-kl-in-reward): at
     # generation, beta times each completion's KL to q * pi_ref (k1: sum of log pi_old - log pi_ref
     # - log q) comes off its reward before the group advantages, and the loss's beta is 0
-    kl_in_reward: Optional[bool] = None
+    kl_in_reward: bool | None = None
     kl_in_reward_length_normalized: bool = False  # that KL averaged over the completion's tokens, not summed
 
     # DAPO's batch shaping
-    dynamic_sampling: Optional[bool] = None
+    dynamic_sampling: bool | None = None
     dynamic_sampling_max_rounds: int = 3
-    overlong_filter: Optional[bool] = None
-    scale_rewards: Optional[bool] = None  # advantages (r - mean) / (std + 1e-4); False: r - mean
+    overlong_filter: bool | None = None
+    scale_rewards: bool | None = None  # advantages (r - mean) / (std + 1e-4); False: r - mean
 
     # engine
     zero_stage: int = 0
@@ -235,9 +235,9 @@ class RunOptions:
 
 
 def _loss_option_fields() -> list:
-    """(name, Optional[type], None) for each key of `LOSS_KEYS`: None takes the preset's value."""
+    """(name, type | None, None) for each key of `LOSS_KEYS`: None takes the preset's value."""
     hints = typing.get_type_hints(LossConfig)
-    return [(name, Optional[hints[name]], field(default=None)) for name in LOSS_KEYS]
+    return [(name, hints[name] | None, field(default=None)) for name in LOSS_KEYS]
 
 
 #: the run's keys: `RunOptions` and one key per loss option (the loss's own list, not a copy of it)
@@ -255,7 +255,7 @@ _HINTS = typing.get_type_hints(TrainConfig)
 
 
 def _type_name(hint) -> str:
-    if typing.get_origin(hint) is typing.Union:
+    if isinstance(hint, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(hint))
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
@@ -263,7 +263,7 @@ def _type_name(hint) -> str:
 def _coerce(key: str, value):
     """`value` checked against the type of field `key` (ints accepted where floats are)."""
     hint = _HINTS[key]
-    allowed = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else (hint,)
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for kind in allowed:
         if kind is type(None) and value is None:
             return None

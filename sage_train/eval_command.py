@@ -24,17 +24,23 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from . import evaluate
+from .eval_models import (
+    ModelSpec,
+    build_engine,
+    check_models,
+    check_prompt_lengths,
+    fingerprints,
+    in_prompt_format,
+    resolve_models,
+    trained_config,
+)
+from .eval_records import COMPLETIONS_FILE, RECORDS_FILE, RecordWriter, check_fingerprints, check_sampling, read_records
 from .evaluate import check_ks, evaluate_engine, markdown_table, write_outputs
-from .eval_models import ModelSpec, build_engine, check_models, check_prompt_lengths, fingerprints
-from .eval_models import in_prompt_format, resolve_models, trained_config
-from .eval_records import COMPLETIONS_FILE, RECORDS_FILE, RecordWriter, check_fingerprints, check_sampling
-from .eval_records import read_records
 from .rollout.base import SamplingParams
-
 
 #: the official SAGE evaluation (`--protocol official`): defaults of the options it sets
 OFFICIAL = {
@@ -365,7 +371,7 @@ def average_table(results: dict, ks: list) -> str:
     return "\n".join(lines)
 
 
-def _device(requested: Optional[str]) -> str:
+def _device(requested: str | None) -> str:
     if requested:
         return requested
     import torch

@@ -7,8 +7,8 @@ format, and no longer than --max-prompt-tokens (a 30 MB problem line must not re
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from . import config_files
 from .model_files import check_model, fingerprint
@@ -26,7 +26,7 @@ class ModelSpec:
 
     label: str
     path: str
-    run_config: Optional[dict]
+    run_config: dict | None
 
 
 def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:

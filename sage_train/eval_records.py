@@ -8,8 +8,8 @@ has since been retrained or replaced are refused, not reused."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 RECORDS_FILE = "records.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"

@@ -25,14 +25,13 @@ import contextlib
 import dataclasses
 import json
 import statistics
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
 
 from .checkpoint import write_atomically
-from .rollout.base import RolloutEngine, SamplingParams, derive_seed
 from .rewards import grade
+from .rollout.base import RolloutEngine, SamplingParams, derive_seed
 from .tasks.base import Problem, Task
-
 
 # ----------------------------------------------------------------------------- the estimator
 
@@ -110,7 +109,7 @@ def sample_seed(seed: int, problem_id: str, chunk: int) -> int:
 
 
 def evaluate_engine(
-    engine: Optional[RolloutEngine],
+    engine: RolloutEngine | None,
     task: Task,
     problems: Sequence[Problem],
     *,
@@ -118,10 +117,10 @@ def evaluate_engine(
     ks: Sequence[int],
     sampling: SamplingParams,
     seeds: Sequence[int],
-    problems_per_call: Optional[int] = None,
-    samples_per_call: Optional[int] = None,
-    done: Optional[Mapping[tuple[int, str], dict]] = None,
-    on_record: Optional[Callable[[dict, list[str], list[float]], None]] = None,
+    problems_per_call: int | None = None,
+    samples_per_call: int | None = None,
+    done: Mapping[tuple[int, str], dict] | None = None,
+    on_record: Callable[[dict, list[str], list[float]], None] | None = None,
     progress=None,
 ) -> dict:
     """Sample `n` completions per problem and seed, grade them with `task`, estimate pass@k.

@@ -14,7 +14,6 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Optional
 
 #: weight files transformers loads (safetensors, or a PyTorch pickle it reads with weights_only)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -54,7 +53,7 @@ def check_model(name_or_path: str, what: str) -> None:
             raise ModelFilesError(f"{what}: {file} {problem}")
 
 
-def safetensors_problem(file: Path) -> Optional[str]:
+def safetensors_problem(file: Path) -> str | None:
     """Why `file` is not a whole safetensors file (its header, and the data it promises), or None."""
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -86,7 +85,7 @@ def _check_hub_name(name: str, what: str) -> None:
         ) from None
 
 
-def fingerprint(name_or_path: str, skip: Optional[Path] = None) -> str:
+def fingerprint(name_or_path: str, skip: Path | None = None) -> str:
     """sha256 of a model directory: every file under it (its relative path and bytes, files reached
     through links included, hidden ones and the folder `skip` left out). For a hub name, the files of
     its cached snapshot, whose revision the name alone does not fix."""

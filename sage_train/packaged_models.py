@@ -32,7 +32,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from .config import ConfigError
 
@@ -75,7 +74,7 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "sage" / "models"
 
 
-def gguf_source(model: str, gguf_file: str = "") -> Optional[tuple[Path, str]]:
+def gguf_source(model: str, gguf_file: str = "") -> tuple[Path, str] | None:
     """(the GGUF file, its cache folder's name) that `model` / `gguf_file` name, or None for an
     ordinary model (tiny, a hub name, an HF directory). Raises ConfigError naming the key."""
     if model in NAMED_MODELS:

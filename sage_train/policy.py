@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -48,7 +47,7 @@ class PolicyHead(nn.Module):
         completion_ids,
         prompt_length: int,
         temperature: float,
-        loss_inputs: Optional[dict] = None,
+        loss_inputs: dict | None = None,
     ):
         lm = base_lm(self.lm)  # under LoRA: the LM whose layers carry the (possibly disabled) adapter
         hidden = decoder_of(lm)(

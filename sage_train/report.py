@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Optional
 
 from .distributed import RunError
 
@@ -73,7 +72,7 @@ class MetricsLog:
     rows up to the checkpoint's step (``history``), so the file reads like an uninterrupted run's; a
     half-written last line (a kill mid-write) is dropped and said so."""
 
-    def __init__(self, path: Path, *, resume_step: Optional[int] = None):
+    def __init__(self, path: Path, *, resume_step: int | None = None):
         self.path = Path(path)
         kept = []
         if resume_step is not None and self.path.is_file():
@@ -258,7 +257,7 @@ def reward_trend(rows: list[dict], fraction: float = 0.1) -> dict:
     }
 
 
-def plot_metrics(rows: list[dict], path: Path, evals: Optional[dict] = None) -> Optional[Path]:
+def plot_metrics(rows: list[dict], path: Path, evals: dict | None = None) -> Path | None:
     """One figure: first pass@k before and after RL (``evals``: {"before": eval_before.json's
     content, "after": ...}; held-out first), then a panel per entry of `PLOT_PANELS` against the
     step. None without rows."""

@@ -27,8 +27,6 @@ schedule (`sage_kernels.guides`).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from sage_kernels.guides import RandomGuide, TokenGuide, branch_guide
@@ -53,7 +51,7 @@ def generation_log_q(cfg, guide, old_logp: torch.Tensor, entropy: torch.Tensor, 
 def sequence_kl(
     old_logp: torch.Tensor,
     ref_logp: torch.Tensor,
-    log_q: Optional[torch.Tensor],
+    log_q: torch.Tensor | None,
     mask: torch.Tensor,
     *,
     length_normalized: bool = False,

@@ -34,15 +34,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .tasks.base import Problem, Task
 
 
-def grade(task: "Task", completions: Sequence[str], problem: "Problem") -> list[float]:
+def grade(task: Task, completions: Sequence[str], problem: Problem) -> list[float]:
     """The task's own scores of the completions of one problem (batched when the task can)."""
     score_batch = getattr(task, "score_batch", None)
     if score_batch is not None:

@@ -48,15 +48,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint, report
-from .build import build_engines, build_rollout, chat_prompted, make_guide, policy_and_reference
-from .build import rollout_model_path
+from .build import build_engines, build_rollout, chat_prompted, make_guide, policy_and_reference, rollout_model_path
 from .config import TrainConfig
 from .distributed import InterruptFlag, RunError, init_distributed, reduce_rows, seed_everything
 from .evaluate import evaluate_engine, mean_pass_at_k
@@ -68,7 +67,7 @@ from .step import Context, rl_step
 from .tasks import get_task
 
 
-def train(cfg: TrainConfig, on_step: Optional[Callable[[int, dict], None]] = None) -> dict:
+def train(cfg: TrainConfig, on_step: Callable[[int, dict], None] | None = None) -> dict:
     """Run `cfg` to the end (or to an interruption); returns the summary.
 
     on_step(step, row) is called on rank 0 after each logged step (tests use it to interrupt).
@@ -154,7 +153,7 @@ def run_locked(cfg: TrainConfig, inputs: Inputs, on_step, rank: int, world: int,
     return summary if rank == 0 else {}
 
 
-def evaluate_once(ctx: Context, path: Path) -> Optional[dict]:
+def evaluate_once(ctx: Context, path: Path) -> dict | None:
     """pass@1 and pass@k per split of ``eval_splits``, computed once (a resumed run reads the file).
 
     "train" samples the first ``eval_problems`` RL prompts, "test" as many held-out problems (of

@@ -186,7 +186,7 @@ class RunLock:
         self.path, self.rank, self.fd = Path(run_dir) / f"{owner}.lock", rank, None
         self.owner, self.option = owner, option
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         error = None
         if self.rank == 0:
             try:

@@ -17,11 +17,11 @@ import torch
 
 from .build import chat_prompted, with_lora
 from .checkpoint import folder_written_atomically
-from .tasks.chat import official_sft_completion
 from .config import ConfigError, TrainConfig
 from .lora import merge_lora
 from .lr_schedule import lr_schedule
 from .model import load_model_and_tokenizer, load_pretrained
+from .tasks.chat import official_sft_completion
 
 #: steps over which the warm start's loss is averaged for ``sft_target_loss``
 SFT_WINDOW = 50

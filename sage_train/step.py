@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ class Context:
 
     cfg: TrainConfig
     engine: object  # the DeepSpeed engine wrapping PolicyHead(policy)
-    reference: Optional[Callable]  # PolicyHead(frozen reference), the adapter-disabled engine, or None
+    reference: Callable | None  # PolicyHead(frozen reference), the adapter-disabled engine, or None
     rollout: object  # the rollout engine
     tokenizer: object
     task: object
@@ -60,7 +60,7 @@ class Context:
     rank: int
     world: int
     device: torch.device
-    generation: Optional["Generation"] = None  # the rollouts the current optimizer steps learn from
+    generation: Generation | None = None  # the rollouts the current optimizer steps learn from
     nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
     stop: str = ""  # why the run must stop (set by `check_finite_steps`)
 
@@ -77,8 +77,8 @@ class Generation:
     batch: Batch
     advantages: torch.Tensor
     old_logp: torch.Tensor
-    ref_logp: Optional[torch.Tensor]
-    is_weights: Optional[torch.Tensor]
+    ref_logp: torch.Tensor | None
+    is_weights: torch.Tensor | None
     order: torch.Tensor  # the shuffled rows; step first_step + i takes its i-th part
     metrics: dict  # the rollouts' metrics, logged with each of its steps
 
@@ -237,7 +237,7 @@ def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: B
     }
 
 
-def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, log_q, is_weights=None) -> "LossTotals":
+def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, log_q, is_weights=None) -> LossTotals:
     """``num_iterations`` optimizer steps on the batch, each accumulated over micro-batches.
     `log_q` is None, a tensor [B, L], or a guide called with the current policy's log-probs of
     each micro-batch (`PolicyHead`).
@@ -277,7 +277,7 @@ def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, lo
     return totals
 
 
-def nonfinite_step(ctx: Context, step_loss: torch.Tensor) -> Optional[str]:
+def nonfinite_step(ctx: Context, step_loss: torch.Tensor) -> str | None:
     """At the accumulation boundary, before the optimizer step: why that step must be skipped (a
     non-finite loss, or gradient norm, on any rank), or None. One host sync per optimizer step.
     The gradient norm is checked here for a plain torch optimizer (ZeRO stage 0 in float32), which
@@ -383,13 +383,11 @@ def rollout_seed(seed: int, step: int, round_: int, rank: int) -> int:
 def step_loss_config(ctx: Context, batch: Batch):
     """The step's LossConfig and `row_share(rows)`, the factor of a micro-batch's loss.
 
-    grpo, sapo, luspo and dr_grpo average over rows: a micro-batch counts for its rows over the
-    step's rows (prompts_per_step x group_size, the same on every step). The token-count types
-    are given a count (a 0-d tensor: no host sync) and their micro-batches add up as they are:
-    dapo, cispo and vespo the step's count over all ranks (one all-reduce; TRL's global count);
-    bnpo this rank's count, each rank's loss weighted 1 / world (TRL divides each process's local
-    batch by its own count and averages the processes); bnpo, which would divide by each call's
-    own count, becomes dapo given that count.
+    grpo, sapo, luspo and dr_grpo: a micro-batch counts for its rows over the step's rows
+    (prompts_per_step x group_size). The token-count types get a count (0-d: no host sync) and
+    micro-batches add up: dapo, cispo and vespo the step's over all ranks (one all-reduce); bnpo,
+    which would divide by each call's own count, becomes dapo given this rank's count, each rank
+    weighted 1 / world (TRL: each process's local-batch mean, averaged over processes).
     """
     base = loss_config(ctx.cfg)
     normaliser = LOSS_TYPES[base.loss_type].normaliser

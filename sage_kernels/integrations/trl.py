@@ -36,7 +36,6 @@ import sys
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 from accelerate.utils import is_peft_model
@@ -45,8 +44,8 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import nanmax, nanmin
 
 from ..function import fused_linear_sage_loss
-from ..reference import vespo_weight
 from ..loss_types import LOSS_TYPES
+from ..reference import vespo_weight
 from ..spec import LossConfig
 
 #: TRL's option names for the `LossConfig` fields they share.
@@ -88,7 +87,7 @@ class SAGEGRPOConfig(GRPOConfig):
     sage_q_min: float = field(default=_DEFAULTS.q_min, metadata={"help": "Lower clamp of q."})
     sage_q_max: float = field(default=_DEFAULTS.q_max, metadata={"help": "Upper clamp of q."})
     sage_kl: str = field(default=_DEFAULTS.kl, metadata={"help": "KL estimator: 'k1', 'k2' or 'k3'."})
-    sage_dual_clip_c: Optional[float] = field(default=None, metadata={"help": "PPO dual clip (> 1)."})
+    sage_dual_clip_c: float | None = field(default=None, metadata={"help": "PPO dual clip (> 1)."})
     sage_backend: str = field(default="auto", metadata={"help": "Fused loss backend."})
     # TRL >= 1 defaults to True; the official SAGE code has no ratio-weighted KL, so the default
     # here is the loss's own (False). Set it to True for TRL's default behaviour.
@@ -104,8 +103,8 @@ class HeadOutput(ModelOutput):
     """What the model returns when called with ``sage_head=fn``: fn's result and the MoE
     load-balancing loss (None unless ``output_router_logits=True``)."""
 
-    result: Optional[object] = None
-    aux_loss: Optional[torch.Tensor] = None
+    result: object | None = None
+    aux_loss: torch.Tensor | None = None
 
 
 def add_fused_head(model) -> None:
@@ -163,7 +162,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose loss is the fused SAGE loss. Takes `GRPOTrainer`'s arguments; `args`
     must be a `SAGEGRPOConfig`."""
 
-    def __init__(self, model, reward_funcs, args: Optional[SAGEGRPOConfig] = None, **kwargs):
+    def __init__(self, model, reward_funcs, args: SAGEGRPOConfig | None = None, **kwargs):
         if args is not None and not isinstance(args, SAGEGRPOConfig):
             raise TypeError(f"args must be a SAGEGRPOConfig, got {type(args).__name__}")
         if args is None:

@@ -29,8 +29,6 @@ the config has no such key, as in verl).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..function import logprobs_and_entropy
@@ -181,7 +179,7 @@ def compute_policy_loss_sage(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     config=None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ):
     """verl's policy-loss signature: the SAGE PG term, aggregated with `loss_agg_mode`.
 
@@ -222,7 +220,7 @@ def compute_policy_loss_sage_sapo(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "seq-mean-token-mean",
     config=None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ):
     """verl's policy-loss signature: the sapo PG term (docs/loss.md) as verl's ``"sapo"`` aggregates it.
 

@@ -16,7 +16,8 @@ new option needs no change here. Also here: the rows in the order the kernels ta
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,8 +35,8 @@ _CODE_TABLES = {
     "importance_sampling": IS_LEVEL_CODES,
 }
 #: how each declared field type travels: in the float list or in the int list.
-_FLOAT_TYPES = ("float", "Optional[float]", "Optional[object]")
-_INT_TYPES = ("str", "bool", "Optional[int]")
+_FLOAT_TYPES = ("float", "float | None", "object | None")
+_INT_TYPES = ("str", "bool", "int | None")
 _FIELDS = dataclasses.fields(LossConfig)
 FLOAT_FIELDS = tuple(f.name for f in _FIELDS if f.type in _FLOAT_TYPES)
 INT_FIELDS = tuple(f.name for f in _FIELDS if f.type in _INT_TYPES)
@@ -46,7 +47,7 @@ _ABSENT = -1.0
 TEMPERATURE = FLOAT_FIELDS.index("temperature")
 ENTROPY_COEF = FLOAT_FIELDS.index("entropy_coef")
 
-MaybeTensor = Optional[Tensor]
+MaybeTensor = Tensor | None
 
 
 def _checked(cls, values: Sequence):
@@ -225,7 +226,7 @@ def pack_config(config: LossConfig):
     return floats, ints, n if isinstance(n, torch.Tensor) else None
 
 
-def unpack_config(floats: list[float], ints: list[int], num_items: Optional[Tensor]) -> LossConfig:
+def unpack_config(floats: list[float], ints: list[int], num_items: Tensor | None) -> LossConfig:
     """The `LossConfig` that `pack_config` packed."""
     options = {name: None if value == _ABSENT else value for name, value in zip(FLOAT_FIELDS, floats)}
     types = {f.name: f.type for f in _FIELDS}
@@ -284,6 +285,6 @@ def row_order(mask: Tensor) -> RowOrder:
     return RowOrder(flat_mask, rows, count, n, exact and n == flat_mask.numel())
 
 
-def none_as_empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+def none_as_empty(t: Tensor | None, like: Tensor) -> Tensor:
     # operators return distinct tensors, never None: an empty one stands for "not computed".
     return like.new_empty((0,)) if t is None else t

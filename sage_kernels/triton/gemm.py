@@ -24,7 +24,7 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(device: torch.device, dtype: torch.dtype, accumulate: bool) -> bool:
     """Whether ``mm`` (or, with `accumulate`, ``addmm`` into its own fp32 output) with
     ``out_dtype=float32`` runs on `device` for `dtype` operands and gives the right numbers."""

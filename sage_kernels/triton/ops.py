@@ -31,8 +31,6 @@ nothing.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -252,7 +250,7 @@ _sage_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("sage_kernels::triton_logprobs_entropy", mutates_args=())
 def _logprobs_entropy_op(
-    hidden2d: Tensor, weight: Tensor, bias: Optional[Tensor], token_ids: Tensor, temperature: float
+    hidden2d: Tensor, weight: Tensor, bias: Tensor | None, token_ids: Tensor, temperature: float
 ) -> tuple[Tensor, Tensor]:
     return scoring_forward(hidden2d, weight, token_ids, bias, temperature)
 
@@ -301,7 +299,7 @@ def sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutput:
 
 
 def logprobs_and_entropy(
-    hidden2d: Tensor, weight: Tensor, token_ids_flat: Tensor, bias: Optional[Tensor], temperature: float
+    hidden2d: Tensor, weight: Tensor, token_ids_flat: Tensor, bias: Tensor | None, temperature: float
 ) -> tuple[Tensor, Tensor]:
     """logp and entropy [N] in float32 for every row of `hidden2d` (no gradient)."""
     _check_device(hidden2d)

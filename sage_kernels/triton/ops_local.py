@@ -9,8 +9,16 @@ from torch import Tensor
 
 from ..spec import METRIC_NAMES, LossConfig
 from . import token_stage as stage
-from .boundary import GradsWanted, LocalOutputs, LossTensors, MaybeTensor, metrics_vector, none_as_empty, row_order
-from .boundary import unpack_config
+from .boundary import (
+    GradsWanted,
+    LocalOutputs,
+    LossTensors,
+    MaybeTensor,
+    metrics_vector,
+    none_as_empty,
+    row_order,
+    unpack_config,
+)
 from .three_matmul import fused_loss
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from typing import Optional
 
 import torch
 
-_recorder: Optional["StageRecorder"] = None
+_recorder: StageRecorder | None = None
 
 
 class StageRecorder:

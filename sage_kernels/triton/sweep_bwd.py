@@ -44,8 +44,6 @@ when the weight is frozen, the hidden-state gradient when hidden needs none.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -173,7 +171,7 @@ def sweep_backward(
     need_weight: bool,
     need_bias: bool,
     need_hidden: bool = True,
-    rows_to_do: Optional[int] = None,
+    rows_to_do: int | None = None,
     rows_are_identity: bool = False,
 ):
     """(grad_hidden or None, grad_weight or None, grad_bias or None) in the input dtypes.

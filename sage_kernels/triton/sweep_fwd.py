@@ -24,8 +24,6 @@ O(N x splits) combine finishes the job.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -173,7 +171,7 @@ def sweep_forward(
     rows: torch.Tensor,
     count: torch.Tensor,
     temperature: float,
-    rows_to_do: Optional[int] = None,
+    rows_to_do: int | None = None,
 ):
     """lse, logp and entropy [N] in float32 for the valid rows (`rows[:count]`).
 

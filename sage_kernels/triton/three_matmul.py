@@ -48,7 +48,7 @@ later blocks only read entries that no store has reached.
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -219,9 +219,9 @@ class FusedResult(NamedTuple):
     logp: torch.Tensor
     entropy: torch.Tensor
     stage: token_stage.StageOutputs
-    grad_hidden: Optional[torch.Tensor]
-    grad_weight: Optional[torch.Tensor]
-    grad_bias: Optional[torch.Tensor]
+    grad_hidden: torch.Tensor | None
+    grad_weight: torch.Tensor | None
+    grad_bias: torch.Tensor | None
 
 
 def _weight_accumulator_dtype(dtype: torch.dtype, n_rows: int, hidden_size: int) -> torch.dtype:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..reference import VESPO_LOG_W_MAX, VESPO_LOG_W_MIN
 from ..loss_types import LOSS_TYPE_CODES
+from ..reference import VESPO_LOG_W_MAX, VESPO_LOG_W_MIN
 from ..spec import KL_CODES
 
 # The codes of `spec` as kernel constants (k3 is the kernel's default branch).

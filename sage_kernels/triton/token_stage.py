@@ -36,7 +36,7 @@ from ..loss_types import LOSS_TYPES
 from ..reference import loss_normaliser
 from ..spec import KL_CODES, LossConfig
 from .tiles import interpreting, new_buffer
-from .token_math import LOSS_LUSPO, LOSS_VESPO, LOG_W_MAX, LOG_W_MIN, kl_and_slope, log_guide, policy_gradient
+from .token_math import LOG_W_MAX, LOG_W_MIN, LOSS_LUSPO, LOSS_VESPO, kl_and_slope, log_guide, policy_gradient
 
 if TYPE_CHECKING:
     from .boundary import LossTensors

@@ -17,9 +17,10 @@ compares like with like and gives weights of 1 where the engine and the trainer 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,9 @@ class SamplingParams:
     min_p: float = 0.0
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
-    seed: Optional[int] = None
+    seed: int | None = None
     max_prompt_tokens: int = 0
-    prompt_seeds: Optional[tuple[int, ...]] = None
+    prompt_seeds: tuple[int, ...] | None = None
     logprobs: bool = True  # completions carry log-probs (evaluation needs none)
 
     @property
@@ -57,7 +58,7 @@ def derive_seed(seed: int, *parts) -> int:
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
-def prompt_seeds(params: SamplingParams, count: int) -> list[Optional[int]]:
+def prompt_seeds(params: SamplingParams, count: int) -> list[int | None]:
     """The seed of each of the call's `count` prompts (see `SamplingParams`)."""
     if params.prompt_seeds is not None:
         if len(params.prompt_seeds) != count:
@@ -83,7 +84,7 @@ class Completion:
     prompt_ids: list[int]
     completion_ids: list[int]
     text: str
-    logprobs: Optional[list[float]] = None
+    logprobs: list[float] | None = None
     finish_reason: str = "stop"
     meta: dict = field(default_factory=dict)
 

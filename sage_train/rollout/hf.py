@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList

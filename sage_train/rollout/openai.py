@@ -9,7 +9,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ..distributed import zero3_gathered
 from .base import Completion, SamplingParams, prompt_seeds
@@ -50,8 +50,8 @@ class OpenAIServerEngine:
         model: str,
         tokenizer,
         *,
-        base_model: Optional[str] = None,
-        shared_dir: Optional[str] = None,
+        base_model: str | None = None,
+        shared_dir: str | None = None,
         timeout_s: float = 600.0,
         adapter_name: str = "policy",
     ):
@@ -67,7 +67,7 @@ class OpenAIServerEngine:
         if base_model is not None:
             self.check_base(base_model)
 
-    def _request(self, path: str, body: Optional[dict] = None) -> dict:
+    def _request(self, path: str, body: dict | None = None) -> dict:
         """POST `body` (GET without one) and the JSON reply; a refused request raises naming the server."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.base_url + path, data=data, headers={"Content-Type": "application/json"})

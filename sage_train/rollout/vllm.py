@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -52,7 +52,7 @@ def _import_vllm():
     return vllm
 
 
-def executor_backend() -> Optional[str]:
+def executor_backend() -> str | None:
     """vLLM's ``distributed_executor_backend``: "external_launcher" inside a torch.distributed job
     (training: one engine per process, sharing the trainer's process group), else None, vLLM's
     default executor (``sage-eval`` run as a plain command, with no RANK or WORLD_SIZE to join)."""
@@ -91,7 +91,7 @@ def logprobs_mode_for(temperature: float) -> str:
     return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
 
 
-def sampling_options(params: SamplingParams, seed: Optional[int] = None) -> dict:
+def sampling_options(params: SamplingParams, seed: int | None = None) -> dict:
     """vLLM ``SamplingParams`` keywords for ours, drawn with `seed`. top_k is passed only when set:
     vLLM's own default is "off" in every supported version (the value meaning off moved from -1
     to 0 across them)."""
@@ -111,7 +111,7 @@ def sampling_options(params: SamplingParams, seed: Optional[int] = None) -> dict
     return options
 
 
-def to_vllm_sampling(vllm, params: SamplingParams, seed: Optional[int] = None):
+def to_vllm_sampling(vllm, params: SamplingParams, seed: int | None = None):
     """vLLM's SamplingParams for ours (`sampling_options`)."""
     return vllm.SamplingParams(**sampling_options(params, seed))
 
@@ -131,8 +131,8 @@ class VLLMEngine:
         tokenizer,
         *,
         gpu_memory_utilization: float = 0.3,
-        max_model_len: Optional[int] = None,
-        max_num_batched_tokens: Optional[int] = 4096,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = 4096,
         dtype: str = "bfloat16",
         seed: int = 0,
         enable_sleep_mode: bool = True,

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 from .answer import answer_span, check_grading, free_number
 from .base import Problem

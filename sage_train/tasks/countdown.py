@@ -33,8 +33,9 @@ from __future__ import annotations
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar
 
 from .answer import answer_span, check_grading, free_span
 from .base import Problem
@@ -105,12 +106,12 @@ class CountdownTask:
             ),
         }
 
-    def _draw(self, rng: random.Random) -> tuple[str, Callable[[], Optional[Problem]]]:
+    def _draw(self, rng: random.Random) -> tuple[str, Callable[[], Problem | None]]:
         numbers = [rng.randint(1, self.max_number) for _ in range(self.numbers)]
         # The split follows the numbers alone, so the solver runs only for the wanted split.
         return str(sorted(numbers)), lambda: self._build(numbers, rng)
 
-    def _build(self, numbers: list[int], rng: random.Random) -> Optional[Problem]:
+    def _build(self, numbers: list[int], rng: random.Random) -> Problem | None:
         reachable = solve(numbers, self.use_all)
         targets = sorted(v for v in reachable if 1 <= v <= self.max_target and v not in numbers)
         if not targets:  # rare unless max_target is tiny: the sampler skips this draw
@@ -166,7 +167,7 @@ def free_expression(completion: str) -> str:
     return runs[0].replace("×", "*").replace("÷", "/").strip()
 
 
-def evaluate_expression(text: str, numbers: list[int], use_all: bool = False) -> Optional[int]:
+def evaluate_expression(text: str, numbers: list[int], use_all: bool = False) -> int | None:
     """The value of `text` under the rules with the given numbers, or None if it breaks one."""
     if len(text) > _MAX_EXPRESSION_CHARS or text.strip() == "":
         return None
@@ -187,7 +188,7 @@ class _Invalid(Exception):
     """The expression is malformed or breaks a rule."""
 
 
-def _tokenize(text: str) -> Optional[list[str]]:
+def _tokenize(text: str) -> list[str] | None:
     tokens, position, end = [], 0, len(text.rstrip())
     while position < end:
         match = _TOKEN.match(text, position)
@@ -214,7 +215,7 @@ class _Parser:
             raise _Invalid
         return value
 
-    def _peek(self) -> Optional[str]:
+    def _peek(self) -> str | None:
         return self.tokens[self.position] if self.position < len(self.tokens) else None
 
     def _take(self) -> str:
@@ -255,7 +256,7 @@ class _Parser:
         return value
 
 
-def _apply(op: str, a: int, b: int) -> Optional[int]:
+def _apply(op: str, a: int, b: int) -> int | None:
     """a op b on integers; None for a division that is not exact."""
     if op == "+":
         return a + b

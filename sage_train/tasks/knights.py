@@ -31,8 +31,9 @@ from __future__ import annotations
 import functools
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar
 
 from .answer import answer_span, check_grading, free_span
 from .base import Problem
@@ -131,7 +132,7 @@ def consistent_assignments(statements: list[tuple]) -> list[tuple[bool, ...]]:
     return [tuple(bool(b >> i & 1) for i in range(people)) for b in range(1 << people) if consistent >> b & 1]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _knight_columns(people: int) -> tuple[tuple[int, ...], int]:
     """Per person, the assignments where they are a knight (as bits); and all assignments."""
     columns = tuple(sum(1 << b for b in range(1 << people) if b >> i & 1) for i in range(people))
@@ -179,7 +180,7 @@ def free_knights_span(completion: str) -> str:
     return next((line for line in completion.splitlines() if _PAIR.search(line)), "")
 
 
-def parse_assignment(text: str, people: int) -> Optional[tuple[bool, ...]]:
+def parse_assignment(text: str, people: int) -> tuple[bool, ...] | None:
     """The roles `text` (an answer span) assigns to the `people` persons, or None if it does not
     assign each exactly one role, or names someone else."""
     roles: dict[int, bool] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from .base import Problem
 
@@ -38,7 +38,7 @@ def sample_problems(
     split: str,
     n: int | None,
     seed: int,
-    draw: Callable[[random.Random], tuple[str, Callable[[], Optional[Problem]]]],
+    draw: Callable[[random.Random], tuple[str, Callable[[], Problem | None]]],
 ) -> list[Problem]:
     """Up to `n` distinct problems of `split`, drawn with `draw(rng) -> (split_key, build)`.
 

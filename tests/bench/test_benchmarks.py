@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-
 from sage_bench import loss as bench
 from sage_bench import report
 from sage_bench.chunked_loss import chunked_grpo_loss
 from sage_bench.shapes import Point, make_inputs
+
 from sage_kernels import fused_linear_sage_loss
 
 PROVIDERS = ["naive", "liger-eager", "gemm-floor", "sage-cpu", "sage-triton"]

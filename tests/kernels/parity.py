@@ -11,11 +11,10 @@ leaves that need no gradient.
 from __future__ import annotations
 
 import torch
-
-from sage_kernels import fused_linear_sage_loss
-from sage_kernels import cpu
-from sage_kernels.spec import METRIC_NAMES, validate_inputs
 from tolerances import assert_close, assert_grad_close
+
+from sage_kernels import cpu, fused_linear_sage_loss
+from sage_kernels.spec import METRIC_NAMES, validate_inputs
 
 F64 = torch.float64
 PER_TOKEN = ("logp", "entropy", "q", "kl", "ratio")

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import sage_kernels
-from sage_kernels import LossConfig, fused_linear_sage_loss
-from sage_kernels import cpu, native_build
+from sage_kernels import LossConfig, cpu, fused_linear_sage_loss, native_build
 
 
 def test_native_operator_builds_and_is_registered():

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import math
 
+import parity
 import pytest
 import torch
+from alloc import AllocationRecorder
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerances import assert_close
 
-import parity
-from alloc import AllocationRecorder
-from sage_kernels import LossConfig, logprobs_and_entropy
-from sage_kernels import cpu
+from sage_kernels import LossConfig, cpu, logprobs_and_entropy
 from sage_kernels.reference import reference_logprobs_and_entropy
 from sage_kernels.spec import validate_inputs
-from tolerances import assert_close
 
 PATHS = ("native", "torch")
 

@@ -9,13 +9,13 @@ An -inf in `bias` (or `weight`) is refused by name in `spec.validate_inputs`, on
 
 from __future__ import annotations
 
+import parity
 import pytest
 import torch
+from test_cpu_loss import make_case
 
-import parity
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
 from sage_kernels.reference import logits_of, reference_logprobs_and_entropy
-from test_cpu_loss import make_case
 
 PATHS = {"reference": ("reference", None), "native": ("cpu", True), "torch": ("cpu", False)}
 F32_MIN = torch.finfo(torch.float32).min

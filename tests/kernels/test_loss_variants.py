@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import math
 
+import parity
 import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-
-import parity
-from sage_kernels import LossConfig
 from test_reference import stage
 from test_triton_loss import make_problem
+
+from sage_kernels import LossConfig
 
 F64 = torch.float64
 B, L = 4, 9

@@ -8,17 +8,17 @@ then every backend is held against the reference on padded batches, gradients in
 
 from __future__ import annotations
 
+import parity
 import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-
-import parity
-from sage_kernels import LossConfig, fused_linear_sage_loss
-from sage_kernels.triton.three_matmul import PATHS_TAKEN
 from test_loss_variants import FAR, far_batch, liger_loss, max_rel_err
 from test_reference import stage
 from test_triton_loss import make_problem
+
+from sage_kernels import LossConfig, fused_linear_sage_loss
+from sage_kernels.triton.three_matmul import PATHS_TAKEN
 
 F64 = torch.float64
 BETA = 0.1  # liger_loss's

@@ -7,14 +7,14 @@ are then held against the float64 reference with rows on both sides of the thres
 
 from __future__ import annotations
 
+import parity
 import pytest
 import torch
-
-import parity
-from sage_kernels import LossConfig, fused_linear_sage_loss
-from sage_kernels.reference import off_policy_keep
 from test_reference import stage
 from test_triton_loss import make_problem
+
+from sage_kernels import LossConfig, fused_linear_sage_loss
+from sage_kernels.reference import off_policy_keep
 
 F64 = torch.float64
 

@@ -10,10 +10,8 @@ poisoned with NaN, against `backend="reference"` in float64 with the tolerances 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from alloc import AllocationRecorder
 from test_triton_loss import DEVICE, check_against_reference, make_problem, run
 from test_triton_ops import loss_op_args

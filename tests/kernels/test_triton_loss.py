@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 
+import parity
 import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-import parity
 from sage_kernels import LossConfig
 from sage_kernels.reference import reference_logprobs_and_entropy
 from sage_kernels.triton import tiles

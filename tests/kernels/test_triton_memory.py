@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from alloc import AllocationRecorder
+from test_triton_loss import DEVICE, make_problem
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from alloc import AllocationRecorder
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
 from sage_kernels.spec import validate_inputs
 from sage_kernels.triton import boundary, ops, tiles
 from sage_kernels.triton.tiles import interpreting
-from test_triton_loss import DEVICE, make_problem
 
 B, L, V, D = 4, 128, 1024, 24
 LIMIT = B * L * V // 16

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_triton_loss import DEVICE, make_problem
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_kernels.triton import boundary
-from test_triton_loss import DEVICE, make_problem
 
 COMPILE_BACKEND = "inductor" if DEVICE.type == "cuda" else "aot_eager"
 

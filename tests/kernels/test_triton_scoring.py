@@ -12,11 +12,11 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from tolerances import assert_close
 
 from sage_kernels import logprobs_and_entropy
 from sage_kernels.reference import reference_logprobs_and_entropy
 from sage_kernels.triton import tiles
-from tolerances import assert_close
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F64 = torch.float64

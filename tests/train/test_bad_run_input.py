@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import TINY_RUN
 
 from sage_train.cli import train_main
 from sage_train.config import ConfigError, RunOptions, build, parse_args, resolve, save_yaml
-
-from conftest import TINY_RUN
 
 
 def snapshot(folder: Path) -> dict:

@@ -145,6 +145,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_packaged_deepspeed_files_merge_and_must_agree_with_zero_stage(stage):
     import torch
+
     from sage_train.build import deepspeed_config
 
     cfg = resolve(build({"zero_stage": stage, "deepspeed_config": f"ds-zero{stage}"}))

@@ -5,6 +5,7 @@ import contextlib
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from sage_train.build import derived_max_model_len
 from sage_train.config import ConfigError
@@ -16,7 +17,6 @@ from sage_train.rollout.hf import HFEngine
 from sage_train.run import evaluate_once, run_prompts
 from sage_train.step import Context, collect_groups
 from sage_train.tasks import get_task
-from tiny_models import tiny_model
 
 
 class CountingEngine(HFEngine):

@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 import yaml
+from tiny_models import tiny_model
 
 from sage_train.eval_command import main
 from sage_train.evaluate import evaluate_engine, pass_at_k
 from sage_train.model import build_char_tokenizer, load_pretrained
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.tasks import get_task
-from tiny_models import tiny_model
 
 TASK_OPTIONS = {"digits": 1}  # "3+4=" -> "7": a tiny model learns the few eval problems quickly
 LIMIT = 4

@@ -11,10 +11,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_models import tiny_model
 
 from sage_train.cli import eval_main
 from sage_train.model import build_char_tokenizer
-from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

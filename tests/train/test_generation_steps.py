@@ -4,6 +4,8 @@ and the token guide reads the current policy's log-probs inside the loss forward
 
 import pytest
 import torch
+from test_microbatch import completions
+from tiny_models import tiny_model
 
 from sage_kernels import LossConfig
 from sage_kernels.guides import TokenGuide
@@ -11,8 +13,6 @@ from sage_train import report
 from sage_train.model import build_char_tokenizer
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.run import train
-from test_microbatch import completions
-from tiny_models import tiny_model
 
 
 def test_one_generation_feeds_two_optimizer_steps(tiny_config, distributed):

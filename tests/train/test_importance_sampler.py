@@ -7,6 +7,7 @@ weight of a token would be the probability mass the cut kept (< 1 at uncertain p
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from sage_train.config import ConfigError
 from sage_train.model import build_char_tokenizer
@@ -15,7 +16,6 @@ from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import Completion
 from sage_train.rollout.hf import HFEngine
 from sage_train.step import rollout_correction
-from tiny_models import tiny_model
 
 
 def peaked_model(tokenizer, seed):

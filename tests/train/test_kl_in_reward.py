@@ -4,6 +4,7 @@ its presets, and `sage-train --algorithm=sage-branch-exact` on the tiny model.""
 import pytest
 import torch
 import yaml
+from conftest import TINY_RUN
 
 from sage_kernels.guides import RandomGuide, TokenGuide, branch_guide
 from sage_train import report, step
@@ -11,8 +12,6 @@ from sage_train.cli import train_main
 from sage_train.config import ConfigError
 from sage_train.presets import loss_config
 from sage_train.reward_kl import generation_log_q, sequence_kl, shaped_rewards
-
-from conftest import TINY_RUN
 
 
 def tensors(seed: int = 0, rows: int = 6, length: int = 5):

@@ -11,14 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sage_train import checkpoint, report
+from sage_train.build import build_engines, with_lora
 from sage_train.lora import AdapterDisabled, is_lora
 from sage_train.model import load_model_and_tokenizer
-from sage_train.rollout import SamplingParams, make_engine
-from sage_train.tasks import get_task
-from sage_train.build import build_engines, with_lora
 from sage_train.policy import PolicyHead, make_batch, score
+from sage_train.rollout import SamplingParams, make_engine
 from sage_train.run import train
 from sage_train.step import Context, policy_update, rollout_correction
+from sage_train.tasks import get_task
 
 pytest.importorskip("peft")
 

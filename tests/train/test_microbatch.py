@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
-
-from sage_train.model import build_char_tokenizer
 from tiny_models import tiny_model
-from sage_train.rollout import Completion
+
 from sage_train.build import build_engines
+from sage_train.model import build_char_tokenizer
 from sage_train.policy import make_batch, score
+from sage_train.rollout import Completion
 from sage_train.step import Context, policy_update
 
 

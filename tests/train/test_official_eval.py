@@ -7,12 +7,12 @@ import json
 
 import pytest
 import yaml
+from tiny_models import tiny_model
 
 from sage_train.eval_command import build_parser, main, prompt_format, resolve_models
 from sage_train.model import build_char_tokenizer
 from sage_train.tasks import get_task
 from sage_train.tasks.chat import OFFICIAL_CHAT_TEMPLATE
-from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from sage_train.config import ConfigError
 from sage_train.lora import apply_lora
@@ -21,7 +22,6 @@ from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.hf import HFEngine
 from sage_train.rollout.openai import OpenAIServerEngine
-from tiny_models import tiny_model
 
 LIFETIME_S = 300
 

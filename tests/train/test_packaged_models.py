@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from tiny_gguf import write_tiny_gguf  # the gguf package is in the [dev] extra
 
 from sage_train import packaged_models
 from sage_train.cli import eval_main
@@ -19,7 +20,6 @@ from sage_train.packaged_models import NamedModel, model_directory
 from sage_train.policy import PolicyHead, make_batch
 from sage_train.rollout.base import Completion
 from sage_train.run_dir import check_inputs
-from tiny_gguf import write_tiny_gguf  # the gguf package is in the [dev] extra
 
 
 @pytest.fixture

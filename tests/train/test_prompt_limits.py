@@ -1,9 +1,10 @@
 """The hf engine's prompt left-truncation (``max_prompt_length``) and stop strings (``stop``), on a
 tiny real model: the tokens kept, and where a completion ends."""
 
+from tiny_models import tiny_model
+
 from sage_train.model import build_char_tokenizer
 from sage_train.rollout import SamplingParams, make_engine
-from tiny_models import tiny_model
 
 DIGITS = tuple("0123456789")
 

@@ -1,12 +1,12 @@
 """The hf rollout engine on a tiny real transformers model, and the tokenizer the package builds."""
 
 import torch
+from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sage_train.model import build_char_tokenizer
-from tiny_models import tiny_model
-from sage_train.rollout import SamplingParams, make_engine
 from sage_train.policy import PolicyHead, make_batch, score
+from sage_train.rollout import SamplingParams, make_engine
 
 
 def test_char_tokenizer_round_trips_and_reloads(tmp_path):

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from conftest import TINY_RUN
 
 from sage_train import checkpoint, report
 from sage_train.cli import train_main
@@ -28,8 +29,6 @@ from sage_train.config import ConfigError, build, resolve
 from sage_train.distributed import RunError
 from sage_train.run import train
 from sage_train.run_dir import LOCK_FILE, RunLock
-
-from conftest import TINY_RUN
 
 REPO = Path(__file__).resolve().parents[2]
 #: the shared runs: 6 steps, checkpoints every 2 (all kept)
@@ -508,12 +507,13 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
     """ref_logp - logp = +100 on one token of the batch: the loss is inf and the gradient non-finite.
     The optimizer step is skipped (weights, optimizer state and LR schedule untouched), said so in
     the metrics; the next batch, finite, is applied."""
+    from tiny_models import tiny_model
+
     from sage_train.build import build_engines
     from sage_train.model import build_char_tokenizer
     from sage_train.policy import make_batch, score
     from sage_train.rollout import Completion
     from sage_train.step import Context, policy_update
-    from tiny_models import tiny_model
 
     tokenizer = build_char_tokenizer()
     cfg = tiny_config(algorithm="grpo", prompts_per_step=2, group_size=4, micro_batch_size=4, zero_stage=zero_stage)

@@ -4,10 +4,10 @@ trains with the tokenizer of the run it continues."""
 
 import string
 
+from tiny_models import tiny_model
 from transformers import AutoTokenizer
 
 from sage_train.model import build_char_tokenizer, load_pretrained
-from tiny_models import tiny_model
 
 TEXTS = [
     string.printable,

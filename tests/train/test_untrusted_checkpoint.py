@@ -14,7 +14,6 @@ from sage_train import checkpoint
 from sage_train.cli import train_main
 from sage_train.run import train
 
-
 STAGES = (0, 2, 3)
 
 
@@ -42,6 +41,7 @@ def checkpointed(tmp_path_factory, distributed):
 
     import yaml
     from conftest import TINY_RUN
+
     from sage_train.config import build, resolve
 
     root = tmp_path_factory.mktemp("untrusted")

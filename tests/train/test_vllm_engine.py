@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from sage_train.model import build_char_tokenizer
-from tiny_models import tiny_model
 from sage_train.rollout import SamplingParams, make_engine
 
 

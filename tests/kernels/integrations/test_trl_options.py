@@ -8,10 +8,10 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
+from test_trl_trainer import DEFAULTS, FAR, configure, loss_grads_metrics, make_batch, make_trainer  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from sage_kernels.integrations.trl import SAGEGRPOTrainer  # noqa: E402
-from test_trl_trainer import DEFAULTS, FAR, configure, loss_grads_metrics, make_batch, make_trainer  # noqa: E402
 
 
 def assert_same(results, metrics=()):
