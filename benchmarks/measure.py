@@ -16,12 +16,13 @@ import gc
 import os
 import platform
 import re
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from sage_train.environment import cpu_model, package_commit
 
 
 def _kib(path: str, field: str) -> int:
@@ -132,7 +133,7 @@ MACHINE_KEYS = ("cpu", "cores", "threads", "gpu", "torch", "python", "triton", "
 def machine(device: str) -> dict:
     """What the rows were measured on: processor, threads, accelerator, library versions, commit."""
     info = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
@@ -146,27 +147,5 @@ def machine(device: str) -> dict:
             info[package] = version(package.replace("_", "-"))
         except Exception:  # not installed: recorded as absent
             info[package] = None
-    info["commit"] = _git_commit()
+    info["commit"] = package_commit()
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        return re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).strip()
-    except (OSError, AttributeError):
-        return platform.processor() or platform.machine()
-
-
-def _git_commit() -> str | None:
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args):
-        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-        return done.stdout.strip()
-
-    try:
-        head = git("rev-parse", "--short=12", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("+dirty" if dirty else "")) or None

@@ -30,7 +30,7 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -226,23 +226,6 @@ def folder_written_atomically(folder: Path) -> Iterator[Path]:
         if isinstance(error, RunError):
             raise
         raise RunError(f"{folder} could not be written: {_why_not_written(error, folder)}") from None
-
-
-def on_rank0(rank: int, write: Callable[[], None]) -> None:
-    """`write()` on rank 0 only (a file the run writes once); its `RunError` is raised on every rank,
-    so that no rank waits forever at the next collective for one that has stopped."""
-    error = None
-    if rank == 0:
-        try:
-            write()
-        except RunError as caught:
-            error = str(caught)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        shared = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
-    if error:
-        raise RunError(error)
 
 
 def _remove_quietly(path: Path) -> None:

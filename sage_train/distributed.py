@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import socket
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -17,6 +18,24 @@ import torch.distributed as dist
 class RunError(RuntimeError):
     """The run cannot go on (a full disk, steps that stay non-finite); the message says why and what is
     kept. `sage-train` prints it as one line and exits 1."""
+
+
+def on_rank0(rank: int, action: Callable[[], object], error: type[Exception] = RunError) -> None:
+    """`action()` on rank 0 only (a file written once, a lock taken once); its `error` is raised on
+    every rank with rank 0's message, so that no rank waits forever at the next collective for one that
+    has stopped."""
+    message = None
+    if rank == 0:
+        try:
+            action()
+        except error as caught:
+            message = str(caught)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [message]
+        dist.broadcast_object_list(shared, src=0)
+        message = shared[0]
+    if message:
+        raise error(message)
 
 
 def init_distributed():

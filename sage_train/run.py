@@ -57,7 +57,7 @@ import torch.distributed as dist
 from . import checkpoint, report
 from .build import build_engines, build_rollout, chat_prompted, make_guide, policy_and_reference, rollout_model_path
 from .config import TrainConfig
-from .distributed import InterruptFlag, RunError, init_distributed, reduce_rows, seed_everything
+from .distributed import InterruptFlag, RunError, init_distributed, on_rank0, reduce_rows, seed_everything
 from .evaluate import evaluate_engine, mean_pass_at_k
 from .lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
@@ -172,7 +172,7 @@ def evaluate_once(ctx: Context, path: Path) -> dict | None:
         for split in cfg.eval_splits:
             split_task, problems = eval_set(cfg, ctx.task, ctx.tokenizer, ctx.train_problems, split)
             results[split] = pass_at_k_over_ranks(ctx, split_task, problems)
-    checkpoint.on_rank0(ctx.rank, lambda: checkpoint.write_atomically(path, json.dumps(results, indent=1) + "\n"))
+    on_rank0(ctx.rank, lambda: checkpoint.write_atomically(path, json.dumps(results, indent=1) + "\n"))
     return results
 
 
@@ -245,7 +245,7 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
             tokenizer.save_pretrained(staged)
 
     with gather:
-        checkpoint.on_rank0(rank, write)
+        on_rank0(rank, write)
     dist.barrier()
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import checkpoint, config_files
 from .build import check_batch_shape, deepspeed_config
 from .config import ConfigError, TrainConfig, plain_yaml, save_yaml
+from .distributed import on_rank0
 from .model_files import ModelFilesError, check_model
 from .packaged_models import gguf_source
 from .tasks import TASK_NAMES, get_task
@@ -187,18 +188,7 @@ class RunLock:
         self.owner, self.option = owner, option
 
     def __enter__(self) -> RunLock:
-        error = None
-        if self.rank == 0:
-            try:
-                self.acquire()
-            except ConfigError as caught:
-                error = str(caught)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            shared = [error]
-            dist.broadcast_object_list(shared, src=0)
-            error = shared[0]
-        if error:
-            raise ConfigError(error)
+        on_rank0(self.rank, self.acquire, ConfigError)
         return self
 
     def __exit__(self, *exc) -> None:
