@@ -1,10 +1,13 @@
 """Guide functions q > 0 for the SAGE anchor q * pi_ref, and their schedules.
 
-The branch guide is computed inside the loss from the policy's own entropy (option
-``guide="branch"``); `branch_guide` here is the same formula for callers who want q
-outside the loss. The token (surprisal) and random guides are computed outside the loss
-and passed to it as ``log_q``. All three are the official SAGE code's (github.com/tally0818/SAGE,
-commit c9b3b69), with its defaults:
+Every guide is a `Guide`: ``log_q(logp, entropy, mask)`` of a batch's sampled tokens (their
+log-probs and entropies under the policy, no gradient), ``step()`` once per optimizer step, and its
+state for checkpoints. `GUIDES` maps the trainer's ``guide`` names to them, and each guide's
+``loss_option`` is the loss's own ``guide`` option it runs with: the branch guide is computed inside
+the fused loss from the same forward's entropy (``guide="branch"``; its `log_q` is the same formula,
+for callers outside the loss, such as a KL in the reward); the token (surprisal) and random guides
+are computed outside it and passed as ``log_q`` (``guide="none"``). All three are the official SAGE
+code's (github.com/tally0818/SAGE, commit c9b3b69), with its defaults:
 
 - branch: q = clamp(1 + 0.3 * relu(H - 1.2), 0.6, 1.4), H the policy's entropy in nats.
 - token: s = -log pi(y) of each sampled token under the current policy; per row, over its valid
@@ -18,14 +21,16 @@ commit c9b3b69), with its defaults:
 (alpha, sigma) and (eps, sigma) follow `CosineAnnealingScheduler`: a half cosine from an upper to
 a lower bound within each of ``num_cycles`` cycles of ``max_steps // num_cycles`` steps, only the
 upper bounds multiplied by ``decay_rate`` at each new cycle. The value is read before stepping,
-and the guide steps once per optimizer step (the trainer calls `step`). Masked positions get
-q = 1 (log q = 0). Draws come from the guide's own seeded generator; `state_dict` holds the
-schedule's position and the generator, so a resumed run continues the same stream.
+and the guide steps once per optimizer step (the trainer calls `step`). Like the official code, the
+stochastic guides draw per call (per loss call: per micro-batch). Masked positions get q = 1
+(log q = 0). Draws come from the guide's own seeded generator; `state_dict` holds the schedule's
+position and the generator, so a resumed run continues the same stream.
 """
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -34,6 +39,30 @@ from .spec import LossConfig
 
 #: the guide's bounds and branch constants, written once: `LossConfig`'s defaults (the official values)
 _DEFAULTS = LossConfig()
+
+#: the official schedules, written once: each annealed value's (upper, lower) bound, and the cycles
+TOKEN_SCHEDULE = {"alpha": (0.3, 0.1), "sigma": (0.25, 0.1)}
+RANDOM_SCHEDULE = {"eps": (0.1, 0.0), "sigma": (0.15, 0.05)}
+NUM_CYCLES, DECAY_RATE = 8, 0.9
+
+
+class Guide(Protocol):
+    """q for the anchor q * pi_ref, fixed for the loss call it is drawn for."""
+
+    #: the loss's own ``guide`` option with this guide: "branch" (the loss computes q) or "none" (q is log_q)
+    loss_option: ClassVar[str]
+
+    def log_q(self, logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """log q [B, L] of the sampled tokens (0 where masked), from their log-probs and entropies."""
+
+    def schedule_values(self) -> dict[str, float]:
+        """The schedule's current values, as metrics ({} for an unscheduled guide)."""
+
+    def step(self) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def branch_guide(
@@ -46,6 +75,39 @@ def branch_guide(
 ) -> torch.Tensor:
     """q = clamp(1 + gamma * max(H - tau, 0), q_min, q_max), with H in nats. No gradient."""
     return (1.0 + gamma * (entropy.detach() - tau).clamp(min=0.0)).clamp(q_min, q_max)
+
+
+class BranchGuide:
+    """The branch guide as a `Guide`: `branch_guide` of the entropy, no schedule, no state. In the loss
+    it is computed by the kernels themselves (``loss_option`` "branch"), from the same forward."""
+
+    loss_option: ClassVar[str] = "branch"
+
+    def __init__(
+        self,
+        *,
+        gamma: float = _DEFAULTS.gamma,
+        tau: float = _DEFAULTS.tau,
+        q_min: float = _DEFAULTS.q_min,
+        q_max: float = _DEFAULTS.q_max,
+    ) -> None:
+        self.gamma, self.tau, self.q_min, self.q_max = gamma, tau, q_min, q_max
+
+    def log_q(self, logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q = branch_guide(entropy, gamma=self.gamma, tau=self.tau, q_min=self.q_min, q_max=self.q_max)
+        return torch.where(mask.bool(), q.log(), 0.0)
+
+    def schedule_values(self) -> dict[str, float]:
+        return {}
+
+    def step(self) -> None:
+        pass  # no schedule
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass  # stateless (a checkpoint from before branch runs had a guide object holds None)
 
 
 class CosineAnnealingScheduler:
@@ -66,8 +128,8 @@ class CosineAnnealingScheduler:
         ub_b: float,
         lb_b: float,
         *,
-        num_cycles: int = 8,
-        decay_rate: float = 0.9,
+        num_cycles: int = NUM_CYCLES,
+        decay_rate: float = DECAY_RATE,
     ) -> None:
         if not (isinstance(max_steps, int) and max_steps > 0):
             raise ValueError(f"max_steps must be a positive int, got {max_steps!r}")
@@ -102,11 +164,13 @@ class CosineAnnealingScheduler:
         self.ub_a, self.ub_b = float(state["ub_a"]), float(state["ub_b"])
 
 
-#: the token guide's normalisations of the surprisal to a weight in [0, 1]
+#: the token guide's normalisations of the surprisal to a weight in [0, 1]; the first is the official default
 NORMALIZATIONS = ("minmax", "rank", "zscore")
 
 
-def surprisal_weights(surprisal: torch.Tensor, mask: torch.Tensor, normalization: str = "minmax") -> torch.Tensor:
+def surprisal_weights(
+    surprisal: torch.Tensor, mask: torch.Tensor, normalization: str = NORMALIZATIONS[0]
+) -> torch.Tensor:
     """w in [0, 1], [B, L]: each row's surprisal normalised over that row's valid tokens only
     (module docstring); 0 at masked positions and on rows without a valid token. Float32."""
     if normalization not in NORMALIZATIONS:
@@ -143,98 +207,101 @@ def _quantile(ordered: torch.Tensor, count: torch.Tensor, p: float) -> torch.Ten
     return low + (high - low) * (position - below.float())
 
 
-class TokenGuide:
-    """The token (surprisal) guide: q = clamp(1 + alpha * w + sigma * w * xi, q_min, q_max).
+class ScheduledGuide:
+    """A stochastic guide whose two values (a strength and a noise scale) follow a
+    `CosineAnnealingScheduler` over ``max_steps``, drawing from its own seeded generator."""
 
-    ``guide(logp, mask) -> log_q`` [B, L] (0 where masked), `logp` the current policy's log-prob
-    of each sampled token (no gradient is taken); w from `surprisal_weights`. (alpha, sigma)
-    anneal from (alpha_max, sigma_max) to (alpha_min, sigma_min) by `CosineAnnealingScheduler`
-    over ``max_steps``; `step` once per optimizer step.
-    """
+    loss_option: ClassVar[str] = "none"
+    #: the metric names of the schedule's two values
+    value_names = ("guide/strength", "guide/sigma")
+
+    def __init__(self, max_steps, bounds, *, num_cycles, decay_rate, q_min, q_max, seed) -> None:
+        self.schedule = CosineAnnealingScheduler(max_steps, *bounds, num_cycles=num_cycles, decay_rate=decay_rate)
+        self.q_min, self.q_max = q_min, q_max
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def schedule_values(self) -> dict[str, float]:
+        return dict(zip(self.value_names, self.schedule.value()))
+
+    def step(self) -> None:
+        self.schedule.step()
+
+    def state_dict(self) -> dict:
+        return {"schedule": self.schedule.state_dict(), "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.schedule.load_state_dict(state["schedule"])
+        self.generator.set_state(state["generator"])
+
+
+class TokenGuide(ScheduledGuide):
+    """The token (surprisal) guide: q = clamp(1 + alpha * w + sigma * w * xi, q_min, q_max), w from
+    `surprisal_weights` of -logp (the current policy's log-prob of each sampled token). (alpha,
+    sigma) anneal from (alpha_max, sigma_max) to (alpha_min, sigma_min)."""
 
     def __init__(
         self,
         *,
         max_steps: int,
-        alpha_max: float = 0.3,
-        alpha_min: float = 0.1,
-        sigma_max: float = 0.25,
-        sigma_min: float = 0.1,
-        normalization: str = "minmax",
-        num_cycles: int = 8,
-        decay_rate: float = 0.9,
+        alpha_max: float = TOKEN_SCHEDULE["alpha"][0],
+        alpha_min: float = TOKEN_SCHEDULE["alpha"][1],
+        sigma_max: float = TOKEN_SCHEDULE["sigma"][0],
+        sigma_min: float = TOKEN_SCHEDULE["sigma"][1],
+        normalization: str = NORMALIZATIONS[0],
+        num_cycles: int = NUM_CYCLES,
+        decay_rate: float = DECAY_RATE,
         q_min: float = _DEFAULTS.q_min,
         q_max: float = _DEFAULTS.q_max,
         seed: int = 0,
     ) -> None:
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-        self.schedule = CosineAnnealingScheduler(
-            max_steps, alpha_max, alpha_min, sigma_max, sigma_min, num_cycles=num_cycles, decay_rate=decay_rate
+        bounds = (alpha_max, alpha_min, sigma_max, sigma_min)
+        super().__init__(
+            max_steps, bounds, num_cycles=num_cycles, decay_rate=decay_rate, q_min=q_min, q_max=q_max, seed=seed
         )
-        self.normalization, self.q_min, self.q_max = normalization, q_min, q_max
-        self.generator = torch.Generator().manual_seed(seed)
+        self.normalization = normalization
 
-    def __call__(self, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def log_q(self, logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         alpha, sigma = self.schedule.value()
         w = surprisal_weights(-logp.detach().float(), mask, self.normalization)
         xi = torch.randn(w.shape, generator=self.generator).to(w.device)
         q = (1.0 + alpha * w + sigma * w * xi).clamp(self.q_min, self.q_max)
         return torch.where(mask.bool(), q.log(), 0.0)
 
-    def step(self) -> None:
-        self.schedule.step()
 
-    def state_dict(self) -> dict:
-        return {"schedule": self.schedule.state_dict(), "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.schedule.load_state_dict(state["schedule"])
-        self.generator.set_state(state["generator"])
-
-
-class RandomGuide:
+class RandomGuide(ScheduledGuide):
     """The random guide, the control for where the anchor is reshaped: each valid token with
     probability eps gets q = clamp(1 + sigma * xi, q_min, q_max), xi ~ N(0, 1); the others q = 1.
-
-    ``guide(mask) -> log_q`` [B, L] (0 where masked). (eps, sigma) anneal from (eps_max,
-    sigma_max) to (eps_min, sigma_min) by `CosineAnnealingScheduler` over ``max_steps``; `step`
-    once per optimizer step.
-    """
+    It reads neither log-probs nor entropies. (eps, sigma) anneal from (eps_max, sigma_max) to
+    (eps_min, sigma_min)."""
 
     def __init__(
         self,
         *,
         max_steps: int,
-        eps_max: float = 0.1,
-        eps_min: float = 0.0,
-        sigma_max: float = 0.15,
-        sigma_min: float = 0.05,
-        num_cycles: int = 8,
-        decay_rate: float = 0.9,
+        eps_max: float = RANDOM_SCHEDULE["eps"][0],
+        eps_min: float = RANDOM_SCHEDULE["eps"][1],
+        sigma_max: float = RANDOM_SCHEDULE["sigma"][0],
+        sigma_min: float = RANDOM_SCHEDULE["sigma"][1],
+        num_cycles: int = NUM_CYCLES,
+        decay_rate: float = DECAY_RATE,
         q_min: float = _DEFAULTS.q_min,
         q_max: float = _DEFAULTS.q_max,
         seed: int = 0,
     ) -> None:
-        self.schedule = CosineAnnealingScheduler(
-            max_steps, eps_max, eps_min, sigma_max, sigma_min, num_cycles=num_cycles, decay_rate=decay_rate
+        bounds = (eps_max, eps_min, sigma_max, sigma_min)
+        super().__init__(
+            max_steps, bounds, num_cycles=num_cycles, decay_rate=decay_rate, q_min=q_min, q_max=q_max, seed=seed
         )
-        self.q_min, self.q_max = q_min, q_max
-        self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, mask: torch.Tensor) -> torch.Tensor:
+    def log_q(self, logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         eps, sigma = self.schedule.value()
         perturbed = torch.rand(mask.shape, generator=self.generator) < eps
         xi = torch.randn(mask.shape, generator=self.generator)
         q = torch.where(perturbed, 1.0 + sigma * xi, 1.0).clamp(self.q_min, self.q_max).to(mask.device)
         return torch.where(mask.bool(), q.log(), 0.0)
 
-    def step(self) -> None:
-        self.schedule.step()
 
-    def state_dict(self) -> dict:
-        return {"schedule": self.schedule.state_dict(), "generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.schedule.load_state_dict(state["schedule"])
-        self.generator.set_state(state["generator"])
+#: the guides by the trainer's ``guide`` name ("none": no guide, q = 1)
+GUIDES = {"branch": BranchGuide, "token": TokenGuide, "random": RandomGuide}

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sage_kernels.guides import RandomGuide, TokenGuide
+from sage_kernels.guides import BranchGuide, Guide, RandomGuide, TokenGuide
 
 from .config import ConfigError, TrainConfig
 from .lora import AdapterDisabled, apply_lora, base_lm, is_lora, merged_named_weights
@@ -203,18 +203,20 @@ def deepspeed_config(cfg: TrainConfig, world: int, accumulation: int, device: to
     return config
 
 
-def make_guide(cfg: TrainConfig, rank: int):
-    """The guide computed outside the loss (token, random), or None (branch lives in the loss).
-    Its schedule runs over the run's optimizer steps; its noise is seeded per rank."""
+def make_guide(cfg: TrainConfig, rank: int) -> Guide | None:
+    """The run's guide (`sage_kernels.guides.GUIDES[cfg.guide]`), or None for ``guide: none``.
+    A scheduled guide's schedule runs over the run's optimizer steps; its noise is seeded per rank."""
+    bounds = {"q_min": cfg.q_min, "q_max": cfg.q_max}
+    if cfg.guide == "branch":
+        return BranchGuide(gamma=cfg.gamma, tau=cfg.tau, **bounds)
     schedule = {
         "max_steps": cfg.steps,
         "sigma_max": cfg.guide_sigma_max,
         "sigma_min": cfg.guide_sigma_min,
         "num_cycles": cfg.guide_num_cycles,
         "decay_rate": cfg.guide_decay_rate,
-        "q_min": cfg.q_min,
-        "q_max": cfg.q_max,
         "seed": cfg.seed * 1009 + rank,
+        **bounds,
     }
     if cfg.guide == "token":
         return TokenGuide(

@@ -1,18 +1,18 @@
 """TrainConfig: one flat, typed config for a training run.
 
 Sources, later ones winning: the field defaults below, a YAML file (``--config FILE``, or
-the name of a packaged config such as ``tiny-cpu``), then ``--key=value`` overrides.
-Unknown keys and values of the wrong type fail with a message naming the key and the
-expected type. The loss options are the fields of `sage_kernels.LossConfig` (`LOSS_KEYS`), so a
-new loss option is a trainer key without a line here. Loss options left as None take the
-algorithm preset's value (`presets.py`); `resolve` fills them in, and the resolved config is what gets saved in
+the name of a packaged config such as ``tiny-cpu``), then ``--key=value`` overrides (`parse_args`;
+`load` takes them as a mapping). Unknown keys and values of the wrong type fail with a message
+naming the key and the expected type; ranges and cross-key rules are `config_rules.validate`'s.
+The loss options are the fields of `sage_kernels.LossConfig` (`LOSS_KEYS`), so a new loss option
+is a trainer key without a line here. Loss options left as None take the algorithm preset's value
+(`presets.py`); `resolve` fills them in, and the resolved config is what gets saved in
 ``runs/<name>/config.yaml`` and in every checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import types
 import typing
@@ -24,6 +24,7 @@ import yaml
 from sage_kernels import LossConfig
 
 from . import config_files
+from .config_rules import ConfigError, validate
 from .presets import LOSS_KEYS, PresetError, apply_preset
 
 DEFAULT_CONFIG = "tiny-cpu"
@@ -31,36 +32,6 @@ DEFAULT_CONFIG = "tiny-cpu"
 #: model recipe (LoRA, the tokenizer's chat template, answers of a few sentences), never tiny-cpu's
 #: settings for a character-level model trained from scratch (3000 SFT steps, 8 new tokens, no template)
 REAL_MODEL_CONFIG = "smollm2-arithmetic"
-#: the experiment loggers ``report_to`` may name (`sage_train.report`)
-LOGGERS = ("tensorboard", "wandb", "trackio")
-
-
-#: integer keys that must be positive, and those that may also be 0 (0: off / all / none)
-POSITIVE_KEYS = (
-    "steps prompts_per_step micro_batch_size num_iterations steps_per_generation max_new_tokens eval_samples "
-    "log_every save_every dynamic_sampling_max_rounds tiny_hidden_size tiny_layers tiny_heads tiny_kv_heads "
-    "tiny_intermediate_size tiny_max_positions sft_batch_size max_nonfinite_steps"
-).split()
-NON_NEGATIVE_KEYS = (
-    "sft_steps sft_max_tokens sft_epochs sft_warmup_steps sft_max_example_tokens cpu_threads train_problems "
-    "warmup_steps eval_problems eval_max_new_tokens max_prompt_length keep_checkpoints log_completions"
-).split()
-#: the keys that take one of a few values, and those values
-CHOICES = {
-    "zero_stage": (0, 1, 2, 3),
-    "lr_schedule": ("constant", "cosine", "linear"),
-    "rollout_engine": ("hf", "vllm", "openai"),
-    "sft_adapter": ("merge", "continue"),
-    "sft_lr_schedule": ("cosine", "linear"),
-    "sft_format": ("raw", "official"),
-    "tis_level": ("token", "sequence", "off"),
-    "loss_backend": ("auto", "reference", "cpu", "triton"),
-    "chat_template": ("", "tokenizer", "official"),
-}
-
-
-class ConfigError(ValueError):
-    """A config key is unknown or its value has the wrong type or range."""
 
 
 @dataclass
@@ -329,6 +300,14 @@ def parse_args(argv: list[str]) -> TrainConfig:
             continue
         _check_keys({key: None}, "the command line")
         overrides[key] = _override(key, text)
+    return load(config_file, overrides)
+
+
+def load(config_file: str | None, overrides: dict | None = None) -> TrainConfig:
+    """The checked, resolved TrainConfig of a YAML file or packaged config name (None: the default,
+    as `parse_args` chooses it) with `overrides` (keys to values) on top."""
+    overrides = dict(overrides or {})
+    _check_keys(overrides, "the overrides")
     if config_file is None:
         config_file = DEFAULT_CONFIG if overrides.get("model", "tiny") == "tiny" else REAL_MODEL_CONFIG
     values = read_yaml(config_file)
@@ -355,94 +334,6 @@ def build(values: dict) -> TrainConfig:
     config = TrainConfig(**{key: _coerce(key, value) for key, value in values.items()})
     validate(config)
     return config
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Ranges and cross-key rules, each failure naming the key and what was expected."""
-
-    def require(ok: bool, key: str, expected: str) -> None:
-        if not ok:
-            raise ConfigError(f"config key {key!r} must be {expected}, got {getattr(cfg, key)!r}")
-
-    for key, value in cfg.to_dict().items():  # NaN passes no range check below
-        require(not isinstance(value, float) or math.isfinite(value), key, "a finite number")
-
-    for key in POSITIVE_KEYS:
-        require(getattr(cfg, key) > 0, key, "a positive integer")
-    for key in NON_NEGATIVE_KEYS:
-        require(getattr(cfg, key) >= 0, key, "an integer >= 0")
-    for key, choices in CHOICES.items():
-        require(getattr(cfg, key) in choices, key, "one of " + ", ".join(map(repr, choices)))
-    require(cfg.group_size >= 2, "group_size", "at least 2 (advantages compare completions of one prompt)")
-    require(cfg.lr > 0 and cfg.sft_lr > 0, "lr" if cfg.lr <= 0 else "sft_lr", "> 0")
-    require(cfg.temperature > 0, "temperature", "> 0")
-    require(cfg.sft_target_loss >= 0, "sft_target_loss", ">= 0 (0: off)")
-    require(cfg.max_grad_norm >= 0, "max_grad_norm", ">= 0 (0: no clipping)")
-    require(cfg.eval_temperature > 0, "eval_temperature", "> 0")
-    require(0 < cfg.top_p <= 1, "top_p", "in (0, 1]")
-    require(cfg.top_k >= 0, "top_k", ">= 0 (0: off)")
-    require(0 <= cfg.min_p < 1, "min_p", "in [0, 1) (0: off)")
-    require(cfg.lora_rank >= 0, "lora_rank", "an integer >= 0 (0: off)")
-    require(cfg.sft_weight_decay >= 0, "sft_weight_decay", ">= 0")
-    require(cfg.lora_alpha > 0, "lora_alpha", "> 0")
-    require(0 <= cfg.lora_dropout < 1, "lora_dropout", "in [0, 1)")
-    require(
-        bool(cfg.lora_target_modules) and all(isinstance(m, str) and m for m in cfg.lora_target_modules),
-        "lora_target_modules",
-        "a non-empty list of module names",
-    )
-    require(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "in (0, 1]")
-    require(cfg.vllm_sync_bucket_mb > 0, "vllm_sync_bucket_mb", "a positive integer")
-    require(cfg.vllm_max_model_len >= 0, "vllm_max_model_len", "an integer >= 0 (0: derived)")
-    require(cfg.vllm_max_num_batched_tokens >= 0, "vllm_max_num_batched_tokens", "an integer >= 0 (0: vLLM's default)")
-    require(
-        cfg.rollout_engine != "openai" or cfg.openai_base_url != "",
-        "openai_base_url",
-        "the server's URL when rollout_engine is 'openai'",
-    )
-    require(
-        cfg.rollout_engine != "openai" or cfg.lora_rank > 0,
-        "lora_rank",
-        "> 0 with rollout_engine 'openai' (only adapters are synced to a remote server)",
-    )
-    require(
-        cfg.rollout_engine != "openai" or (cfg.model != "tiny" and cfg.sft_steps == 0),
-        "rollout_engine",
-        "'hf' or 'vllm' with model 'tiny' or a warm start (sft_steps > 0): the server serves `model` as it "
-        "is, not the weights the adapter would be trained on (warm-start in a run of its own and point "
-        "`model` at its runs/<name>/sft directory, served by the server)",
-    )
-    truncates = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0
-    require(
-        cfg.tis_level == "off" or cfg.rollout_engine == "hf" or cfg.temperature == 1.0 or not truncates,
-        "tis_level",
-        f"'off' with rollout_engine {cfg.rollout_engine!r}, temperature {cfg.temperature} and top_k / top_p / "
-        "min_p truncation: vLLM reports log-probs before truncation only at temperature 1 (raw), and its "
-        "temperature-scaled ones come after the cuts, which would bias every weight by the kept mass; "
-        "use temperature 1, no truncation, or tis_level 'off'",
-    )
-    require(cfg.tis_cap > 0, "tis_cap", "> 0")
-    require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
-    require(cfg.chat_template or not cfg.system_prompt, "system_prompt", "'' without a chat_template")
-    require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
-    plain = cfg.name not in ("", ".", "..") and "/" not in cfg.name and "\0" not in cfg.name  # and no link out:
-    inside = plain and cfg.run_dir.resolve().parent == Path(cfg.output_dir).resolve()
-    require(inside, "name", "a plain folder name inside output_dir (not '.' or '..')")
-    require(cfg.beta is None or cfg.beta >= 0, "beta", ">= 0 (0: no KL term)")
-    require(not (cfg.resume and cfg.overwrite), "overwrite", "false with resume (continue the run, or replace it)")
-    require(
-        isinstance(cfg.report_to, list) and set(cfg.report_to) <= set(LOGGERS),
-        "report_to",
-        f"a list of {', '.join(map(repr, LOGGERS))}",
-    )
-    head_dim, rest = divmod(cfg.tiny_hidden_size, cfg.tiny_heads)
-    require(rest == 0, "tiny_heads", f"a divisor of tiny_hidden_size={cfg.tiny_hidden_size}")
-    require(head_dim % 2 == 0, "tiny_heads", "such that tiny_hidden_size / tiny_heads is even (RoPE rotates pairs)")
-    require(cfg.tiny_heads % cfg.tiny_kv_heads == 0, "tiny_kv_heads", f"a divisor of tiny_heads={cfg.tiny_heads}")
-    for item in dataclasses.fields(RunOptions):  # last, so that the specific rules above speak first
-        value = getattr(cfg, item.name)
-        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        require(not numeric or value >= 0, item.name, ">= 0 (no run option is signed)")
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:

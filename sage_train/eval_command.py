@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -204,19 +205,70 @@ def resolve_tasks(args, models: Sequence[ModelSpec]) -> list[tuple[str, dict]]:
     return [(name, options.get(name, {})) for name in names]
 
 
-def main(argv=None) -> int:
-    """`sage-eval`: evaluate every model on every task; see the module docstring."""
-    args = build_parser().parse_args(argv)
+@dataclasses.dataclass
+class EvalSettings:
+    """What one sage-eval does, every default and check applied (`resolve_settings`)."""
+
+    models: list  # ModelSpec
+    tasks: list  # the tasks, plain
+    problems: dict  # task name -> its held-out problems
+    prompted: dict  # (model label, task name) -> the task in that model's prompt format
+    formats: dict  # model label -> (chat template, system prompt)
+    n: int
+    ks: list
+    seeds: list
+    limit: int | None
+    sampling: SamplingParams
+    engine: str
+    device: str | None
+    protocol: str
+    out: Path
+    problems_per_call: int
+    samples_per_call: int | None
+    save_completions: bool
+    progress: bool
+
+
+def options(**given) -> argparse.Namespace:
+    """sage-eval's options as its command line gives them (names with underscores), `given` set:
+    how code runs sage-eval without building a command line (`run_eval(resolve_settings(options(...)))`)."""
+    values = vars(build_parser().parse_args(["--model", ""]))
+    unknown = sorted(set(given) - set(values))
+    if unknown:
+        raise TypeError(f"unknown sage-eval option(s) {unknown}; known: {sorted(values)}")
+    return argparse.Namespace(**{**values, **given})
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The sage-eval command line of `args` (the options that differ from the defaults)."""
+    defaults = vars(options())
+    words = []
+    for key, value in vars(args).items():
+        flag = "--" + key.replace("_", "-")
+        if value == defaults[key]:
+            continue
+        if isinstance(value, bool):
+            words.append(flag)
+        elif isinstance(value, list):
+            words += [f"{flag} {shlex.quote(str(v))}" for v in value]
+        else:
+            words.append(f"{flag} {shlex.quote(str(value))}")
+    return " ".join(["sage-eval", *words])
+
+
+def resolve_settings(args: argparse.Namespace) -> EvalSettings:
+    """sage-eval's options (`build_parser`, or `options`) with the protocol's and the run directory's
+    defaults applied and every check passed; nothing is written. Bad options raise ValueError."""
     models = resolve_models(args.model)
     check_models(models)
     run_config = next((m.run_config for m in models if m.run_config is not None), {}) or {}
     official = args.protocol == "official"
     defaults = OFFICIAL if official else PLAIN
-    for key in ("temperature", "top_p", "top_k", "min_p", "n"):
-        if getattr(args, key) is None:
-            setattr(args, key, defaults[key])
-    if args.n < 1:
-        raise ValueError(f"--n must be >= 1, got {args.n}")
+    sampling_options = {key: getattr(args, key) for key in ("temperature", "top_p", "top_k", "min_p", "n")}
+    sampling_options = {key: defaults[key] if value is None else value for key, value in sampling_options.items()}
+    n = sampling_options.pop("n")
+    if n < 1:
+        raise ValueError(f"--n must be >= 1, got {n}")
     max_new_tokens = (
         args.max_new_tokens
         or (OFFICIAL["max_new_tokens"] if official else None)
@@ -232,9 +284,9 @@ def main(argv=None) -> int:
                 f"--system-prompt needs a chat template (--chat-template tokenizer or official); "
                 f"model {label!r} has none"
             )
-    powers_of_two = [2**i for i in range(args.n.bit_length())] + [args.n]
-    default_ks = sorted({1, args.n}) if official else powers_of_two
-    ks = check_ks(parse_ints(args.k, "--k") if args.k else default_ks, args.n)
+    powers_of_two = [2**i for i in range(n.bit_length())] + [n]
+    default_ks = sorted({1, n}) if official else powers_of_two
+    ks = check_ks(parse_ints(args.k, "--k") if args.k else default_ks, n)
     seeds = parse_ints(args.seeds, "--seeds")
     if not seeds:
         raise ValueError("--seeds is empty")
@@ -242,90 +294,113 @@ def main(argv=None) -> int:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
-    sampling = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        max_new_tokens=max_new_tokens,
-        stop=stop,
-    )
     from .tasks import get_task
 
-    tasks = [get_task(name, **options) for name, options in resolve_tasks(args, models)]
+    tasks = [get_task(name, **task_options) for name, task_options in resolve_tasks(args, models)]
     problems = {task.name: list(task.problems("test", args.limit, 0)) for task in tasks}
     prompted = {(m.label, t.name): in_prompt_format(t, m, formats[m.label]) for m in models for t in tasks}
     for (label, name), task in prompted.items():
         check_prompt_lengths(task, problems[name], next(m for m in models if m.label == label), args.max_prompt_tokens)
-    out = Path(args.out or (Path(args.model[0]) / "eval" if models[0].run_config is not None else "eval"))
-    weights = fingerprints(models, out)
+    return EvalSettings(
+        models=models,
+        tasks=tasks,
+        problems=problems,
+        prompted=prompted,
+        formats=formats,
+        n=n,
+        ks=ks,
+        seeds=seeds,
+        limit=args.limit,
+        sampling=SamplingParams(**sampling_options, max_new_tokens=max_new_tokens, stop=stop),
+        engine=args.engine,
+        device=args.device,
+        protocol=args.protocol,
+        out=Path(args.out or (Path(args.model[0]) / "eval" if models[0].run_config is not None else "eval")),
+        problems_per_call=args.problems_per_call,
+        samples_per_call=args.samples_per_call,
+        save_completions=args.save_completions,
+        progress=not args.no_progress,
+    )
+
+
+def main(argv=None) -> int:
+    """`sage-eval`: evaluate every model on every task; see the module docstring."""
+    return run_eval(resolve_settings(build_parser().parse_args(argv)))
+
+
+def run_eval(settings: EvalSettings) -> int:
+    """Evaluate every model on every task into ``settings.out`` (resuming from its records); returns
+    the exit status (130: interrupted, what finished is kept)."""
+    st, out = settings, settings.out
+    weights = fingerprints(st.models, out)
     done = read_records(out)  # nothing is written to `out` before every check has passed
     check_fingerprints(out, done, weights)
     out.mkdir(parents=True, exist_ok=True)
+    sampling = st.sampling
     check_sampling(
         out,
         {
-            "n": args.n,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k,
-            "min_p": args.min_p,
-            "max_new_tokens": max_new_tokens,
-            "stop": list(stop),
-            "engine": args.engine,
-            "prompt_format": {label: list(f) for label, f in formats.items()},
+            "n": st.n,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "max_new_tokens": sampling.max_new_tokens,
+            "stop": list(sampling.stop),
+            "engine": st.engine,
+            "prompt_format": {label: list(f) for label, f in st.formats.items()},
         },
     )
 
     config = {
-        "models": {m.label: m.path for m in models},
-        "tasks": [t.name for t in tasks],
-        "n": args.n,
-        "ks": ks,
-        "seeds": seeds,
-        "limit": args.limit,
-        "engine": args.engine,
-        "protocol": args.protocol,
-        "prompt_format": {label: {"chat_template": t, "system_prompt": s} for label, (t, s) in formats.items()},
-        "sampling": dataclasses.asdict(sampling) | {"n": args.n, "seed": None},
-        "problems_per_call": args.problems_per_call,
-        "samples_per_call": args.samples_per_call,
+        "models": {m.label: m.path for m in st.models},
+        "tasks": [t.name for t in st.tasks],
+        "n": st.n,
+        "ks": st.ks,
+        "seeds": st.seeds,
+        "limit": st.limit,
+        "engine": st.engine,
+        "protocol": st.protocol,
+        "prompt_format": {label: {"chat_template": t, "system_prompt": s} for label, (t, s) in st.formats.items()},
+        "sampling": dataclasses.asdict(sampling) | {"n": st.n, "seed": None},
+        "problems_per_call": st.problems_per_call,
+        "samples_per_call": st.samples_per_call,
     }
     results = {"config": config, "models": {}, "generated": 0, "resumed": 0}
-    writer = RecordWriter(out, args.save_completions, weights)
+    writer = RecordWriter(out, st.save_completions, weights)
     from tqdm.auto import tqdm
 
     bar = tqdm(
-        total=len(models) * len(seeds) * args.n * sum(map(len, problems.values())),
+        total=len(st.models) * len(st.seeds) * st.n * sum(map(len, st.problems.values())),
         unit="sample",
         desc="sage-eval",
-        disable=args.no_progress,
+        disable=not st.progress,
         dynamic_ncols=True,
     )
     try:
-        for model in models:
+        for model in st.models:
             engine = None  # loaded only if some problem of this model is not done yet
             results["models"][model.label] = {"path": model.path, "fingerprint": weights[model.label], "tasks": {}}
-            for plain_task in tasks:
-                task = prompted[model.label, plain_task.name]
+            for plain_task in st.tasks:
+                task = st.prompted[model.label, plain_task.name]
                 mine = {
                     (seed, pid): record
                     for (label, name, seed, pid), record in done.items()
                     if label == model.label and name == task.name
                 }
-                if engine is None and any((s, p.id) not in mine for s in seeds for p in problems[task.name]):
-                    engine = build_engine(args.engine, model.path, _device(args.device))
+                if engine is None and any((s, p.id) not in mine for s in st.seeds for p in st.problems[task.name]):
+                    engine = build_engine(st.engine, model.path, _device(st.device))
                 bar.set_postfix_str(f"{model.label} / {task.name}")
                 result = evaluate_engine(
                     engine,
                     task,
-                    problems[task.name],
-                    n=args.n,
-                    ks=ks,
+                    st.problems[task.name],
+                    n=st.n,
+                    ks=st.ks,
                     sampling=sampling,
-                    seeds=seeds,
-                    problems_per_call=args.problems_per_call,
-                    samples_per_call=args.samples_per_call,
+                    seeds=st.seeds,
+                    problems_per_call=st.problems_per_call,
+                    samples_per_call=st.samples_per_call,
                     done=mine,
                     on_record=writer.writer_for(model.label, task.name),
                     progress=bar,
@@ -349,9 +424,9 @@ def main(argv=None) -> int:
     if set(AVERAGED) <= set(config["tasks"]):
         for model in results["models"].values():
             model["average"] = {
-                k: sum(model["tasks"][t]["pass_at_k"][k]["mean"] for t in AVERAGED) / len(AVERAGED) for k in ks
+                k: sum(model["tasks"][t]["pass_at_k"][k]["mean"] for t in AVERAGED) / len(AVERAGED) for k in st.ks
             }
-        table += "\n\n" + average_table(results, ks)
+        table += "\n\n" + average_table(results, st.ks)
     write_outputs(out, results, table)
     print(table)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass_at_k.png'}")

@@ -30,9 +30,9 @@ class PolicyHead(nn.Module):
 
     forward(batch) scores the completion tokens: per-token log-probs and entropies from
     `logprobs_and_entropy`. forward(batch, loss_inputs) returns (loss, the whole
-    `fused_linear_sage_loss` output) instead; a callable ``loss_inputs["log_q"]`` (the token guide)
-    is first given the log-probs of these same hidden states, without gradient. Both run inside
-    this module's forward so that ZeRO-3 gathers the LM head.
+    `fused_linear_sage_loss` output) instead; a ``loss_inputs["guide"]`` (a `Guide`) is first given
+    the log-probs and entropies of these same hidden states, without gradient, and its log q goes
+    to the loss. Both run inside this module's forward so that ZeRO-3 gathers the LM head.
     """
 
     def __init__(self, lm: nn.Module, backend: str = "auto") -> None:
@@ -65,8 +65,10 @@ class PolicyHead(nn.Module):
                 temperature=temperature,
                 backend=self.backend,
             )
-        if callable(loss_inputs.get("log_q")):  # a guide of the current policy's log-probs (token guide)
-            logp, _ = logprobs_and_entropy(
+        loss_inputs = dict(loss_inputs)
+        guide = loss_inputs.pop("guide", None)
+        if guide is not None:  # the guide of the current policy's log-probs and entropies
+            logp, entropy = logprobs_and_entropy(
                 hidden.detach(),
                 head.weight,
                 completion_ids,
@@ -74,7 +76,7 @@ class PolicyHead(nn.Module):
                 temperature=temperature,
                 backend=self.backend,
             )
-            loss_inputs = {**loss_inputs, "log_q": loss_inputs["log_q"](logp, loss_inputs["mask"])}
+            loss_inputs["log_q"] = guide.log_q(logp, entropy, loss_inputs["mask"])
         output = fused_linear_sage_loss(
             hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend, **loss_inputs
         )

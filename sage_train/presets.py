@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 
 from sage_kernels import LossConfig
-from sage_kernels.guides import NORMALIZATIONS
+from sage_kernels.guides import DECAY_RATE, GUIDES, NORMALIZATIONS, NUM_CYCLES, RANDOM_SCHEDULE, TOKEN_SCHEDULE
 
 #: LossConfig fields the trainer sets itself: the sampling temperature, dr_grpo's normaliser
 #: (max_new_tokens) and the per-step token count; every other field is a config key.
@@ -67,13 +67,13 @@ LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name not i
 BASE = {
     **{name: getattr(LossConfig(), name) for name in LOSS_KEYS},
     "guide": "none",
-    "guide_alpha_max": 0.3,
-    "guide_alpha_min": 0.1,
-    "guide_eps_max": 0.1,
-    "guide_eps_min": 0.0,
-    "guide_num_cycles": 8,
-    "guide_decay_rate": 0.9,
-    "guide_normalization": "minmax",
+    "guide_alpha_max": TOKEN_SCHEDULE["alpha"][0],
+    "guide_alpha_min": TOKEN_SCHEDULE["alpha"][1],
+    "guide_eps_max": RANDOM_SCHEDULE["eps"][0],
+    "guide_eps_min": RANDOM_SCHEDULE["eps"][1],
+    "guide_num_cycles": NUM_CYCLES,
+    "guide_decay_rate": DECAY_RATE,
+    "guide_normalization": NORMALIZATIONS[0],
     "dynamic_sampling": False,
     "overlong_filter": False,
     "scale_rewards": True,
@@ -106,11 +106,11 @@ PRESETS = {
     "sage-random-exact": {"guide": "random", "kl_in_reward": True},
 }
 
-#: trainer-level guides: "branch" is computed inside the loss, "token" and "random" outside it.
-GUIDES = ("none", "branch", "token", "random")
+#: the trainer's ``guide`` names: no guide, or one of `sage_kernels.guides.GUIDES`
+GUIDE_NAMES = ("none", *GUIDES)
 
-#: the noise scale's (upper, lower) bounds of each guide computed outside the loss (official values)
-GUIDE_SIGMA = {"token": (0.25, 0.1), "random": (0.15, 0.05)}
+#: the noise scale's (upper, lower) bounds of each scheduled guide (official values)
+GUIDE_SIGMA = {"token": TOKEN_SCHEDULE["sigma"], "random": RANDOM_SCHEDULE["sigma"]}
 
 
 class PresetError(ValueError):
@@ -127,8 +127,8 @@ def apply_preset(cfg):
     values["guide_sigma_max"], values["guide_sigma_min"] = GUIDE_SIGMA.get(guide, GUIDE_SIGMA["token"])
     filled = {key: value for key, value in values.items() if getattr(cfg, key) is None}
     cfg = dataclasses.replace(cfg, **filled)
-    if cfg.guide not in GUIDES:
-        raise PresetError(f"config key 'guide' must be one of {list(GUIDES)}, got {cfg.guide!r}")
+    if cfg.guide not in GUIDE_NAMES:
+        raise PresetError(f"config key 'guide' must be one of {list(GUIDE_NAMES)}, got {cfg.guide!r}")
     check_guide_schedule(cfg)
     check_kl_in_reward(cfg)
     try:
@@ -166,7 +166,7 @@ def loss_config(cfg) -> LossConfig:
     """The `LossConfig` of a resolved TrainConfig (the normaliser is set per step by the trainer).
     With ``kl_in_reward`` the KL and the guide are in the reward: the loss gets beta 0, no guide."""
     options = {name: getattr(cfg, name) for name in LOSS_KEYS}
-    options["guide"] = "branch" if cfg.guide == "branch" else "none"  # token / random: log_q from outside
+    options["guide"] = GUIDES[cfg.guide].loss_option if cfg.guide in GUIDES else "none"
     if cfg.kl_in_reward:
         options["beta"], options["guide"] = 0.0, "none"
     return LossConfig(**options, temperature=cfg.temperature, max_completion_length=cfg.max_new_tokens)

@@ -29,23 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from sage_kernels.guides import RandomGuide, TokenGuide, branch_guide
+from sage_kernels.guides import Guide
 from sage_kernels.ordered import ordered_sum
 
 
-def generation_log_q(cfg, guide, old_logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor):
-    """log q [B, L] of the behaviour policy's completions (0 where masked), or None without a guide.
-
-    branch: `branch_guide` of the behaviour policy's entropy with the loss's gamma / tau / q_min /
-    q_max; token: the `TokenGuide` given the behaviour log-probs; random: the `RandomGuide`'s draw."""
-    if cfg.guide == "branch":
-        q = branch_guide(entropy, gamma=cfg.gamma, tau=cfg.tau, q_min=cfg.q_min, q_max=cfg.q_max)
-        return torch.where(mask, q.log(), 0.0)
-    if isinstance(guide, TokenGuide):
-        return guide(old_logp, mask)
-    if isinstance(guide, RandomGuide):
-        return guide(mask)
-    return None
+def generation_log_q(guide: Guide | None, old_logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor):
+    """log q [B, L] of the behaviour policy's completions (0 where masked), or None without a guide:
+    the guide given the behaviour policy's log-probs and entropies."""
+    return None if guide is None else guide.log_q(old_logp, entropy, mask)
 
 
 def sequence_kl(
@@ -70,7 +61,7 @@ def sequence_kl(
 def shaped_rewards(cfg, guide, rewards, old_logp, entropy, ref_logp, mask) -> tuple[torch.Tensor, dict]:
     """(rewards [G, n] minus beta times each completion's `sequence_kl`, metrics): what the group
     advantages are computed from under ``kl_in_reward``. Rows are the completions in group order."""
-    log_q = generation_log_q(cfg, guide, old_logp, entropy, mask)
+    log_q = generation_log_q(guide, old_logp, entropy, mask)
     kl = sequence_kl(old_logp, ref_logp, log_q, mask, length_normalized=cfg.kl_in_reward_length_normalized)
     penalty = (cfg.beta * kl).to(torch.float32).view(rewards.shape)
     tokens = mask.sum().clamp(min=1)

@@ -200,15 +200,7 @@ def pass_at_k_over_ranks(ctx: Context, task, problems: list) -> dict:
     cfg = ctx.cfg
     share = len(problems) // ctx.world
     ks = sorted({1, cfg.eval_samples})
-    sampling = SamplingParams(
-        temperature=cfg.eval_temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        min_p=cfg.min_p,
-        max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-        stop=tuple(cfg.stop),
-        max_prompt_tokens=cfg.max_prompt_length,
-    )
+    sampling = SamplingParams.for_evaluation(cfg)
     result = evaluate_engine(
         ctx.rollout,
         task,

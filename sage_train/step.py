@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sage_kernels.guides import RandomGuide
+from sage_kernels.guides import Guide
 from sage_kernels.loss_types import LOSS_TYPES
 
 from .advantages import group_advantages
@@ -56,7 +56,7 @@ class Context:
     tokenizer: object
     task: object
     train_problems: list
-    guide: object  # TokenGuide / RandomGuide, or None (branch: inside the loss)
+    guide: Guide | None  # `make_guide`'s; None for ``guide: none``
     rank: int
     world: int
     device: torch.device
@@ -98,12 +98,10 @@ def rl_step(ctx: Context, step: int) -> dict:
         **{name: value[rows] if isinstance(value, torch.Tensor) else value for name, value in vars(gen.batch).items()}
     )
 
-    # 5. the external guide, if any: the token guide is given the current policy's log-probs inside
-    # the loss forward (`PolicyHead`); the random guide is drawn here, once per step. With
-    # kl_in_reward the guide and the KL were in the reward at generation: the loss has neither.
-    log_q = None if cfg.kl_in_reward else ctx.guide
-    if isinstance(log_q, RandomGuide):
-        log_q = ctx.guide(batch.completion_mask)
+    # 5. the guide the loss calls (`PolicyHead`, per micro-batch, with the current policy's log-probs
+    # and entropies): none when the loss computes its own (branch) or, with kl_in_reward, when the
+    # guide and the KL were in the reward at generation and the loss has neither.
+    in_loss = ctx.guide is not None and ctx.guide.loss_option == "none" and not cfg.kl_in_reward
 
     # 6. the loss on hidden states + LM head, micro-batch by micro-batch, then the optimizer step
     totals = policy_update(
@@ -112,7 +110,7 @@ def rl_step(ctx: Context, step: int) -> dict:
         gen.advantages[rows],
         gen.old_logp[rows],
         None if gen.ref_logp is None or cfg.kl_in_reward else gen.ref_logp[rows],
-        log_q,
+        ctx.guide if in_loss else None,
         None if gen.is_weights is None else gen.is_weights[rows],
     )
 
@@ -132,7 +130,7 @@ def rl_step(ctx: Context, step: int) -> dict:
         "step_time": time.perf_counter() - start,
     }
     if ctx.guide is not None:
-        metrics["guide/strength"], metrics["guide/sigma"] = ctx.guide.schedule.value()
+        metrics.update(ctx.guide.schedule_values())
     return metrics
 
 
@@ -237,10 +235,9 @@ def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: B
     }
 
 
-def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, log_q, is_weights=None) -> LossTotals:
+def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, guide, is_weights=None) -> LossTotals:
     """``num_iterations`` optimizer steps on the batch, each accumulated over micro-batches.
-    `log_q` is None, a tensor [B, L], or a guide called with the current policy's log-probs of
-    each micro-batch (`PolicyHead`).
+    `guide` (a `Guide` or None) is called by the loss forward of each micro-batch (`PolicyHead`).
 
     The normalisers are the whole step's, over all micro-batches and ranks (module docstring),
     so the gradient does not depend on ``micro_batch_size``. The guide steps once per optimizer step.
@@ -257,7 +254,7 @@ def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, lo
                 "advantages": advantages[rows],
                 "old_logp": old_logp[rows],
                 "ref_logp": None if ref_logp is None else ref_logp[rows],
-                "log_q": log_q if log_q is None or callable(log_q) else log_q[rows],
+                "guide": guide,
                 "is_weights": None if is_weights is None else is_weights[rows],
                 "config": loss_cfg,
             }
@@ -341,17 +338,7 @@ def collect_groups(ctx: Context, step: int):
     with ctx.rollout.awake():  # the rounds of one step share one wake (vllm: one weight push)
         while True:
             problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, prompts)[ctx.rank :: ctx.world]
-            params = SamplingParams(
-                n=cfg.group_size,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                min_p=cfg.min_p,
-                max_new_tokens=cfg.max_new_tokens,
-                stop=tuple(cfg.stop),
-                seed=rollout_seed(cfg.seed, step, rounds, ctx.rank),
-                max_prompt_tokens=cfg.max_prompt_length,
-            )
+            params = SamplingParams.for_rollouts(cfg, rollout_seed(cfg.seed, step, rounds, ctx.rank))
             outputs = ctx.rollout.generate([ctx.task.prompt(p) for p in problems], params)
             for problem, completions in zip(problems, outputs):
                 scores = grade(ctx.task, [c.text for c in completions], problem)

@@ -25,7 +25,8 @@ Killing the study (Ctrl-C, SIGTERM) starts nothing more and stops the runs in fl
 checkpoint when in the RL loop); the same command then finishes the grid. One study at a time holds
 --out (study.lock): a second stops naming the first, having written nothing. With --jobs N, N worker
 processes run at once, one torch thread each; each run is `sage_train.run.train` of its sage-train
-command line, in a worker (so torch and DeepSpeed are imported once per worker, not once per run).
+config, in a worker (so torch and DeepSpeed are imported once per worker, not once per run); its
+log starts with the sage-train command line that reproduces it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -45,7 +47,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import ConfigError, parse_args, read_yaml
+from .config import ConfigError, TrainConfig, load, read_yaml
 from .study_report import ENV_FILE, START, write_report
 
 STUDY_KEYS = ("algorithms", "seeds", "baseline", "eval_n", "eval_problems", "train_config", "train", "endpoints")
@@ -77,8 +79,8 @@ class Study:
     def run_dir(self, arm: str, seed: int) -> Path:
         return self.out / "runs" / f"{arm}-s{seed}"
 
-    def train_args(self, arm: Arm | None, seed: int) -> list:
-        """The sage-train command line of (arm, seed); arm None is the seed's starting point."""
+    def train_overrides(self, arm: Arm | None, seed: int) -> dict:
+        """The training keys of (arm, seed) over `train_config`; arm None is the seed's starting point."""
         values = {**self.train, "seed": seed, "output_dir": str(self.out / "runs"), "resume": True}
         values.update(progress=False, report_to=[], plots=False)  # the study draws its own plots
         if arm is None:  # the warm start only: one RL step (steps must be > 0), no evaluation
@@ -87,7 +89,16 @@ class Study:
             start = self.run_dir(START, seed) / "sft"
             values.update(arm.overrides, algorithm=arm.algorithm, name=f"{arm.name}-s{seed}")
             values.update(model=str(start), sft_steps=0, eval_problems=0)
-        return ["--config", self.train_config] + [f"--{k}={_yaml_scalar(v)}" for k, v in values.items()]
+        return values
+
+    def train_config_of(self, arm: Arm | None, seed: int) -> TrainConfig:
+        """The checked, resolved config of (arm, seed)'s run."""
+        return load(self.train_config, self.train_overrides(arm, seed))
+
+    def train_command(self, arm: Arm | None, seed: int) -> str:
+        """The sage-train command line that reproduces (arm, seed)'s run (logged; the study calls `train`)."""
+        keys = " ".join(f"--{k}={shlex.quote(_yaml_scalar(v))}" for k, v in self.train_overrides(arm, seed).items())
+        return f"sage-train --config {shlex.quote(self.train_config)} {keys}"
 
 
 def _yaml_scalar(value) -> str:
@@ -200,7 +211,7 @@ def check_study(study: Study) -> None:
     check_endpoints(study)
     for arm in [None, *study.arms]:
         try:
-            parse_args(study.train_args(arm, study.seeds[0]))
+            study.train_config_of(arm, study.seeds[0])
         except ConfigError as error:
             raise StudyError(f"{arm.name if arm else 'the starting-point run'}: {error}") from None
 
@@ -248,7 +259,8 @@ def _run(study: Study, arm: Arm | None, seed: int) -> str:
         if not finished(run_dir):
             from .run import train
 
-            summary = train(parse_args(study.train_args(arm, seed)))
+            print(f"sage-study: {study.train_command(arm, seed)}", flush=True)
+            summary = train(study.train_config_of(arm, seed))
             if not finished(run_dir):
                 return f"sage-train {'stopped' if summary and summary.get('interrupted') else 'failed'} ({log_path})"
             record_environment(run_dir, "train")
@@ -274,16 +286,24 @@ def evaluate(study: Study, run_dir: Path, model: Path, seed: int) -> str:
     if eval_done(out, study):
         return "ok (reused)"
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    argv = ["--model", str(model), "--tasks", config.get("eval_task") or config["task"], "--no-progress"]
-    if not config.get("eval_task"):
-        argv += ["--task-options", json.dumps({config["task"]: config["task_options"]})]
-    argv += ["--n", str(study.eval_n), "--k", ",".join(map(str, range(1, study.eval_n + 1)))]
-    argv += ["--seeds", str(seed), "--limit", str(study.eval_problems), "--out", str(out)]
-    argv += ["--max-new-tokens", str(config.get("eval_max_new_tokens") or config["max_new_tokens"])]
-    argv += ["--temperature", str(config["eval_temperature"]), "--device", "cpu" if _cpu_only() else "cuda"]
-    from .eval_command import main as eval_main
+    from .eval_command import command_line, options, resolve_settings, run_eval
 
-    code = eval_main(argv)
+    args = options(
+        model=[str(model)],
+        tasks=config.get("eval_task") or config["task"],
+        task_options="{}" if config.get("eval_task") else json.dumps({config["task"]: config["task_options"]}),
+        n=study.eval_n,
+        k=",".join(map(str, range(1, study.eval_n + 1))),
+        seeds=str(seed),
+        limit=study.eval_problems,
+        out=str(out),
+        max_new_tokens=config.get("eval_max_new_tokens") or config["max_new_tokens"],
+        temperature=config["eval_temperature"],
+        device="cpu" if _cpu_only() else "cuda",
+        no_progress=True,
+    )
+    print(f"sage-study: {command_line(args)}", flush=True)
+    code = run_eval(resolve_settings(args))
     if code == 0 and eval_done(out, study):
         record_environment(run_dir, "eval")
         return "ok"

@@ -46,10 +46,43 @@ class SamplingParams:
     prompt_seeds: tuple[int, ...] | None = None
     logprobs: bool = True  # completions carry log-probs (evaluation needs none)
 
+    @classmethod
+    def for_rollouts(cls, cfg, seed: int) -> SamplingParams:
+        """A training run's rollouts (`cfg` a TrainConfig): ``group_size`` samples per prompt at the
+        training temperature, drawn from `seed`."""
+        return cls(
+            n=cfg.group_size,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=seed,
+            **_run_options(cfg),
+        )
+
+    @classmethod
+    def for_evaluation(cls, cfg) -> SamplingParams:
+        """A training run's own evaluation (`cfg` a TrainConfig): its eval temperature and length; the
+        evaluator sets n and the seeds."""
+        return cls(
+            temperature=cfg.eval_temperature,
+            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+            **_run_options(cfg),
+        )
+
     @property
     def truncates(self) -> bool:
         """Whether top-k, top-p or min-p cut the distribution sampled from."""
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _run_options(cfg) -> dict:
+    """The sampling keys a TrainConfig sets for rollouts and its evaluation alike."""
+    return {
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
+        "min_p": cfg.min_p,
+        "stop": tuple(cfg.stop),
+        "max_prompt_tokens": cfg.max_prompt_length,
+    }
 
 
 def derive_seed(seed: int, *parts) -> int:

@@ -43,23 +43,25 @@ def test_the_token_guide_reads_the_current_policys_log_probs():
     tokenizer = build_char_tokenizer()
     head = PolicyHead(tiny_model(tokenizer, seed=4, max_positions=64))
     batch = make_batch(completions(tokenizer, 4, seed=5), torch.device("cpu"), tokenizer.pad_token_id)
-    guide, seen = TokenGuide(max_steps=10, seed=0), {}
+    seen = {}
 
-    def recording_guide(logp, mask):
-        seen["logp"], seen["log_q"] = logp, guide(logp, mask)
-        return seen["log_q"]
+    class RecordingGuide(TokenGuide):
+        def log_q(self, logp, entropy, mask):
+            seen["logp"], seen["entropy"], seen["log_q"] = logp, entropy, super().log_q(logp, entropy, mask)
+            return seen["log_q"]
 
     mask = batch.completion_mask
     loss_inputs = {
         "mask": mask,
         "advantages": torch.ones(4),
         "old_logp": torch.zeros(mask.shape),
-        "log_q": recording_guide,
+        "guide": RecordingGuide(max_steps=10, seed=0),
         "ref_logp": torch.zeros(mask.shape),
         "config": LossConfig(beta=0.05),
     }
     _, out = head(**batch.model_inputs(slice(0, 4), 1.0), loss_inputs=loss_inputs)
-    current, _ = score(head, batch, 4, 1.0)
+    current, entropy = score(head, batch, 4, 1.0)
     torch.testing.assert_close(seen["logp"][mask], current[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(seen["entropy"][mask], entropy[mask], rtol=1e-5, atol=1e-5)
     q = seen["log_q"].exp()[mask]
     assert q.std() > 0 and out.metrics["sage/q_mean"].item() == pytest.approx(q.mean().item(), abs=1e-5)

@@ -6,7 +6,7 @@ import torch
 import yaml
 from conftest import TINY_RUN
 
-from sage_kernels.guides import RandomGuide, TokenGuide, branch_guide
+from sage_kernels.guides import BranchGuide, RandomGuide, TokenGuide, branch_guide
 from sage_train import report, step
 from sage_train.cli import train_main
 from sage_train.config import ConfigError
@@ -46,21 +46,28 @@ def config(**keys):
 
 
 def test_generation_guides_are_the_guides_own():
+    """Each run's guide (`make_guide`) gives the reward its q from the behaviour policy's log-probs
+    and entropies: the branch guide with the run's gamma / tau / bounds, the scheduled ones their draws."""
+    from sage_train.build import make_guide
+
     old, _, _, mask = tensors(1)
     entropy = torch.rand(old.shape, generator=torch.Generator().manual_seed(2)) * 3
     cfg = config(algorithm="sage-branch-exact", tau=0.8, gamma=0.5)
     q = branch_guide(entropy, gamma=0.5, tau=0.8, q_min=cfg.q_min, q_max=cfg.q_max)
-    torch.testing.assert_close(generation_log_q(cfg, None, old, entropy, mask), torch.where(mask, q.log(), 0.0))
-    assert generation_log_q(cfg, None, old, entropy, mask)[mask].gt(0).any()  # some entropies above tau
-    token = TokenGuide(max_steps=10, seed=3)
-    expected = TokenGuide(max_steps=10, seed=3)(old, mask)
+    branch = make_guide(cfg, rank=0)
+    assert isinstance(branch, BranchGuide)
+    torch.testing.assert_close(generation_log_q(branch, old, entropy, mask), torch.where(mask, q.log(), 0.0))
+    assert generation_log_q(branch, old, entropy, mask)[mask].gt(0).any()  # some entropies above tau
     cfg = config(algorithm="sage-token-exact")
-    torch.testing.assert_close(generation_log_q(cfg, token, old, entropy, mask), expected)
-    random = RandomGuide(max_steps=10, eps_max=0.5, seed=4)
-    expected = RandomGuide(max_steps=10, eps_max=0.5, seed=4)(mask)
-    cfg = config(algorithm="sage-random-exact")
-    torch.testing.assert_close(generation_log_q(cfg, random, old, entropy, mask), expected)
-    assert generation_log_q(config(algorithm="grpo-kl-in-reward"), None, old, entropy, mask) is None
+    expected = TokenGuide(max_steps=cfg.steps, seed=cfg.seed * 1009).log_q(old, entropy, mask)
+    torch.testing.assert_close(generation_log_q(make_guide(cfg, rank=0), old, entropy, mask), expected)
+    cfg = config(algorithm="sage-random-exact", guide_eps_max=0.5)
+    expected = RandomGuide(max_steps=cfg.steps, eps_max=0.5, seed=cfg.seed * 1009).log_q(old, entropy, mask)
+    got = generation_log_q(make_guide(cfg, rank=0), old, entropy, mask)
+    torch.testing.assert_close(got, expected)
+    assert (got[mask] != 0).any()
+    cfg = config(algorithm="grpo-kl-in-reward")
+    assert make_guide(cfg, rank=0) is None and generation_log_q(None, old, entropy, mask) is None
 
 
 def test_shaped_rewards_subtract_beta_times_the_kl():
@@ -69,7 +76,7 @@ def test_shaped_rewards_subtract_beta_times_the_kl():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     for normalized in (False, True):
         cfg = config(algorithm="sage-branch-exact", beta=0.2, kl_in_reward_length_normalized=normalized)
-        shaped, metrics = shaped_rewards(cfg, None, rewards, old, entropy, ref, mask)
+        shaped, metrics = shaped_rewards(cfg, BranchGuide(), rewards, old, entropy, ref, mask)
         kl = sequence_kl(old, ref, torch.full(old.shape, 1.24).log(), mask, length_normalized=normalized)
         torch.testing.assert_close(shaped, rewards - 0.2 * kl.float().view(2, 4))
         assert metrics["kl_in_reward/kl"].item() == pytest.approx(kl.mean().item(), rel=1e-9)

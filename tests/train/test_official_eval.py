@@ -113,3 +113,33 @@ def test_pooled_aime_and_bare_gold_parsing(math_data):
     assert get_task("amc23", gold_parsing="bare").score(completion, problem) == 0.0  # bare: a number only
     with pytest.raises(ValueError, match="gold_parsing"):
         get_task("amc23", gold_parsing="wrapped")
+
+
+def test_options_and_their_command_line_give_the_same_settings(chat_model, tmp_path):
+    """Code calls sage-eval through `options` (the study does); the command line it logs parses back
+    to the same options, and both resolve to the same settings."""
+    import shlex
+
+    from sage_train.eval_command import command_line, options, resolve_settings
+
+    args = options(
+        model=[str(chat_model)],  # a run directory: its config gives the length
+        tasks="arithmetic",
+        task_options='{"arithmetic": {"digits": 2}}',
+        n=4,
+        k="1,3",
+        seeds="5",
+        limit=3,
+        temperature=0.7,
+        out=str(tmp_path / "an eval"),
+        no_progress=True,
+    )
+    line = command_line(args)
+    assert line.startswith("sage-eval --model ") and "--n 4" in line and "'an eval'" not in line.split("--out")[0]
+    assert vars(build_parser().parse_args(shlex.split(line)[1:])) == vars(args)
+    settings = resolve_settings(args)
+    assert (settings.n, settings.ks, settings.seeds, settings.limit) == (4, [1, 3], [5], 3)
+    assert settings.sampling.temperature == 0.7 and settings.sampling.max_new_tokens == 3  # the run's
+    assert [len(p) for p in settings.problems.values()] == [3] and not settings.progress
+    with pytest.raises(TypeError, match="unknown sage-eval option"):
+        options(samples=3)

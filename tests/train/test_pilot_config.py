@@ -44,7 +44,7 @@ def test_study_decisive_trains_the_pilot_setting_on_fresh_seeds_with_its_registe
     ]
     pilot = parse_args(["--config", "pilot-premise"])
     for arm in study.arms:  # the training is the pilot's but for the seed, the arm and what the study sets
-        run = parse_args(study.train_args(arm, study.seeds[0]))
+        run = study.train_config_of(arm, study.seeds[0])
         differ = {f.name for f in dataclasses.fields(run) if getattr(run, f.name) != getattr(pilot, f.name)}
         assert differ - {"name", "seed", "output_dir", "resume", "progress", "report_to", "plots"} - {
             "model",
@@ -54,8 +54,21 @@ def test_study_decisive_trains_the_pilot_setting_on_fresh_seeds_with_its_registe
             "eval_samples",
             "algorithm",
         } <= {"beta", "guide", "tau", "kl_in_reward"}, (arm.name, differ)
-    resolved = {arm.name: parse_args(study.train_args(arm, 200)) for arm in study.arms}
+    resolved = {arm.name: study.train_config_of(arm, 200) for arm in study.arms}
     assert resolved["grpo-beta1.4x"].beta == 0.07 and resolved["grpo-no-kl"].beta == 0.0
     assert resolved["sage-branch"].guide == "branch" and resolved["sage-branch"].tau == 0.95
     exact = resolved["sage-branch-exact"]  # beta weighs the KL in the reward; the loss gets none
     assert exact.kl_in_reward and exact.beta == 0.05 and loss_config(exact).beta == 0.0
+
+
+def test_each_runs_logged_command_line_reproduces_its_config(tmp_path):
+    """The study calls `train` with a config; the command line it logs gives sage-train that same config."""
+    import shlex
+
+    from sage_train.study import parse_study
+
+    study = parse_study(["--config", "study-decisive", "--out", str(tmp_path / "a b")])  # a space to quote
+    for arm in [None, *study.arms]:
+        command = shlex.split(study.train_command(arm, 203))
+        assert command[0] == "sage-train"
+        assert parse_args(command[1:]) == study.train_config_of(arm, 203)
