@@ -1,7 +1,7 @@
 """Console entry points: `sage-train`, `sage-eval`, `sage-study` and `sage-bench`.
 
 Each parses its arguments, exits 2 with one line naming what is wrong on bad input, and hands
-the work to the module that owns it (`run.train`, `eval_command.run`, `study.main`, `sage_bench.cli`).
+the work to the module that owns it (`run.train`, `eval.command.main`, `study.grid.main`, `sage_bench.cli`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def train_usage() -> str:
 def eval_main(argv=None) -> int:
     """`sage-eval --model PATH_OR_RUN_DIR ... --tasks ...`; returns the exit status."""
     from .distributed import RunError
-    from .eval_command import main
+    from .eval.command import main
 
     try:
         return main(sys.argv[1:] if argv is None else argv)
@@ -73,7 +73,8 @@ def eval_main(argv=None) -> int:
 
 def study_main(argv=None) -> int:
     """`sage-study --algorithms ... --seeds ... --out DIR` (see `sage_train.study`); returns the exit status."""
-    from .study import StudyError, main
+    from .study.design import StudyError
+    from .study.grid import main
 
     try:
         return main(sys.argv[1:] if argv is None else argv)

@@ -58,7 +58,7 @@ from . import checkpoint, report
 from .build import build_engines, build_rollout, chat_prompted, make_guide, policy_and_reference, rollout_model_path
 from .config import TrainConfig
 from .distributed import InterruptFlag, RunError, init_distributed, on_rank0, reduce_rows, seed_everything
-from .evaluate import evaluate_engine, mean_pass_at_k
+from .eval.evaluate import evaluate_engine, mean_pass_at_k
 from .lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
 from .run_dir import Inputs, RunLock, check_inputs, held_out_problems, prepare_run_dir

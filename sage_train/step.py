@@ -41,8 +41,8 @@ from .policy import Batch, entropy_quantiles, make_batch, score
 from .presets import loss_config
 from .report import COMPLETIONS_FILE, write_completions
 from .reward_kl import shaped_rewards
-from .rewards import grade
 from .rollout import SamplingParams
+from .tasks.grading import grade
 
 
 @dataclass

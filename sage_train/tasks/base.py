@@ -1,6 +1,6 @@
 """What a verifiable task is: problems with gold answers, a prompt template and a verifier.
 
-Training (`sage_train.step`) and evaluation (`sage_train.evaluate`) both go through this interface, so
+Training (`sage_train.step`) and evaluation (`sage_train.eval.evaluate`) both go through this interface, so
 they build prompts and grade completions the same way.
 """
 

@@ -36,7 +36,7 @@ Options:
               official SAGE evaluation's user message), or a custom string containing "{question}".
     gold_parsing: "boxed" (default: the gold is wrapped in \\boxed{} before math-verify parses it,
               so the whole answer counts) or "bare" (parsed as it is, as the official evaluation
-              does, which reproduces its numbers; `sage_train.rewards.math_rewards`).
+              does, which reproduces its numbers; `sage_train.tasks.grading.math_rewards`).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..rewards import math_rewards
 from .answer import free_number, free_span, last_boxed
 from .base import Problem
+from .grading import math_rewards
 
 TEMPLATES = {
     "sage": "{question}\nPlease reason step by step, and put your final answer within \\boxed{}.",

@@ -1,4 +1,4 @@
-"""The crossed seeds x problems interval (sage_train/intervals.py): its coverage on simulated crossed
+"""The crossed seeds x problems interval (sage_train/study/intervals.py): its coverage on simulated crossed
 data with known components, the components recovered, the degenerate cases, the t quantile
 against closed forms, and the pass@k lookup table against the scalar estimator."""
 
@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from sage_train.evaluate import pass_at_k, pass_at_k_table
-from sage_train.intervals import crossed_anova, crossed_interval, t_cdf, t_interval, t_quantile
+from sage_train.eval.evaluate import pass_at_k, pass_at_k_table
+from sage_train.study.intervals import crossed_anova, crossed_interval, t_cdf, t_interval, t_quantile
 
 SEEDS, PROBLEMS, SIMULATIONS = 5, 512, 400
 

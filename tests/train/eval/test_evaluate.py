@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from sage_train.evaluate import check_ks, mean_pass_at_k, pass_at_k, summarize
+from sage_train.eval.evaluate import check_ks, mean_pass_at_k, pass_at_k, summarize
 
 
 def brute_force(n: int, c: int, k: int) -> float:

@@ -12,10 +12,10 @@ import torch
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_train.cli import study_main
-from sage_train.evaluate import pass_at_k
-from sage_train.intervals import crossed_interval
+from sage_train.eval.evaluate import pass_at_k
 from sage_train.step import LossTotals
-from sage_train.study_report import recompute
+from sage_train.study.intervals import crossed_interval
+from sage_train.study.report import recompute
 
 
 def test_loss_totals_count_the_tokens_the_guide_raises():

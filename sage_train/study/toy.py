@@ -11,16 +11,15 @@ sage-token: a deterministic token-dependent guide passed as log_q), five ways to
 (d), (e): the trainer's ``kl_in_reward`` (`sage_train.reward_kl`) in expectation and sampled,
     q recomputed from the current policy: toward the self-consistent optimum pi = pi*(q(pi)).
 
-`python -m sage_train.toy --out DIR` writes DIR/toy.json, DIR/curves.json (TV to the target along
-training) and plots, then runs the coverage toy (`sage_train.toy_coverage`, one policy table shared
-by 32 prompts) into DIR/coverage.json (docs/results/toy.md).
+`python -m sage_train.study.toy_command --out DIR` (= ``sage-study --toy``) writes DIR/toy.json,
+DIR/curves.json (TV to the target along training) and plots, then runs the coverage toy
+(`sage_train.study.toy_coverage`, one policy table shared by 32 prompts) into DIR/coverage.json
+(docs/results/toy.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -30,11 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
-from sage_train.advantages import group_advantages
-from sage_train.lr_schedule import lr_schedule
-from sage_train.reward_kl import sequence_kl
-from sage_train.tasks import enumerable as E
-from sage_train.toy_report import compare, plot, sampled_report
+
+from ..advantages import group_advantages
+from ..lr_schedule import lr_schedule
+from ..reward_kl import sequence_kl
+from . import enumerable as E
+from .toy_report import compare, sampled_report
 
 ALGORITHMS = ("grpo", "sage-branch", "sage-token")
 BACKEND = "reference"  # float64 and materialised logits: exact, and the tables are tiny
@@ -63,7 +63,7 @@ class Options:
     eval_every: int = 25
     hard: int = 1  # the last `hard` prompts have only rare correct answers
     # one logit table shared by the prompts, added to each prompt's pi_ref (the coverage toy,
-    # sage_train/toy_coverage.py); the prompts' pi_ref share a base table, each spread around it
+    # sage_train/study/toy_coverage.py); the prompts' pi_ref share a base table, each spread around it
     shared: bool = False
     spread: float = 0.5
     coverage: int = 32  # the prompts of the coverage toy run after this one (toy_coverage.py); 0: none
@@ -380,44 +380,3 @@ def parse(argv: list[str]) -> tuple[Path, Options]:
     if opts.vocab**opts.length > 4096:
         raise ValueError(f"--vocab ** --length must be <= 4096 to enumerate, got {opts.vocab**opts.length}")
     return out, opts
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m sage_train.toy --out DIR [--steps N] [--seeds N] ...`; returns the exit status."""
-    try:
-        out, opts = parse(sys.argv[1:] if argv is None else argv)
-    except ValueError as error:
-        print(f"sage-study --toy: {error}")
-        return 2
-    except SystemExit as done:  # --help
-        return int(done.code or 0)
-    # The tables are tiny: a second thread only adds synchronisation (about 15x slower on a busy machine).
-    torch.set_num_threads(1)
-    out.mkdir(parents=True, exist_ok=True)
-    from sage_train import toy_coverage, toy_report
-
-    command = "python -m sage_train.toy " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = run(opts)
-    result["command"] = command
-    result["files"] = ["toy.json", "curves.json"] + plot(result, out)
-    # The curves are most of the numbers: one compact line each, apart from the readable report.
-    lines = ",\n".join(f"{json.dumps(key)}: {json.dumps(curve)}" for key, curve in result.pop("curves").items())
-    (out / "curves.json").write_text("{\n" + lines + "\n}\n")
-    (out / "toy.json").write_text(json.dumps(result, indent=1) + "\n")
-    cmp = {way: f"{c['max_abs_pass_at_k_difference']:.2e}" for way, c in result["branch_vs_grpo"].items()}
-    print(
-        f"tv_exact_objective {result['tv_exact_objective']:.2e}  tv_reward_expected "
-        f"{result['tv_reward_expected']:.2e}  tv_kl_only_surrogate {result['tv_kl_only_surrogate']:.2e}\n"
-        f"sage-branch vs grpo, max |pass@k difference| {cmp}\nwrote {out / 'toy.json'} in {result['wall_seconds']:.0f}s"
-    )
-    if opts.coverage:
-        coverage = toy_coverage.run(opts)
-        coverage["command"] = command
-        coverage["files"] = ["coverage.json"] + toy_report.plot_coverage(coverage, out)
-        (out / "coverage.json").write_text(json.dumps(coverage, indent=1) + "\n")
-        print(f"wrote {out / 'coverage.json'} in {coverage['wall_seconds']:.0f}s")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,8 @@ from tiny_models import tiny_model
 from sage_train.cli import study_main
 from sage_train.model import build_char_tokenizer
 from sage_train.run_dir import RunLock
-from sage_train.study import evaluate, parse_study
+from sage_train.study.design import parse_study
+from sage_train.study.grid import evaluate
 
 ARGV = ["--algorithms", "grpo", "--seeds", "0", "--steps", "1", "--eval-n", "2", "--eval-problems", "2"]
 

@@ -6,7 +6,7 @@ import json
 
 from sage_train.config import parse_args, read_yaml
 from sage_train.presets import loss_config
-from sage_train.study import parse_study
+from sage_train.study.design import parse_study
 
 
 def test_pilot_premise_is_study_arithmetic_with_the_default_pool_and_grpo():
@@ -65,7 +65,7 @@ def test_each_runs_logged_command_line_reproduces_its_config(tmp_path):
     """The study calls `train` with a config; the command line it logs gives sage-train that same config."""
     import shlex
 
-    from sage_train.study import parse_study
+    from sage_train.study.design import parse_study
 
     study = parse_study(["--config", "study-decisive", "--out", str(tmp_path / "a b")])  # a space to quote
     for arm in [None, *study.arms]:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from sage_kernels.guides import branch_guide
-from sage_train.advantages import STD_EPS
+
+from ..advantages import STD_EPS
 
 DTYPE = torch.float64
 

@@ -9,7 +9,9 @@ import pytest
 import yaml
 from tiny_models import tiny_model
 
-from sage_train.eval_command import build_parser, main, prompt_format, resolve_models
+from sage_train.eval.command import main
+from sage_train.eval.models import resolve_models
+from sage_train.eval.settings import build_parser, prompt_format
 from sage_train.model import build_char_tokenizer
 from sage_train.tasks import get_task
 from sage_train.tasks.chat import OFFICIAL_CHAT_TEMPLATE
@@ -120,7 +122,7 @@ def test_options_and_their_command_line_give_the_same_settings(chat_model, tmp_p
     to the same options, and both resolve to the same settings."""
     import shlex
 
-    from sage_train.eval_command import command_line, options, resolve_settings
+    from sage_train.eval.settings import command_line, options, resolve_settings
 
     args = options(
         model=[str(chat_model)],  # a run directory: its config gives the length

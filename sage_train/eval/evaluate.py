@@ -8,7 +8,7 @@ pass@1 is therefore the mean of c/n. Each seed samples all n completions afresh;
 the sample standard deviation (ddof 1; 0 for one seed) are over seeds.
 
 `evaluate_engine` is the library entry (the trainer's before/after evaluation calls it);
-`sage-eval` (`sage_train.eval_command`) is the command around it:
+`sage-eval` (`sage_train.eval.command`) is the command around it:
 
     sage-eval --model runs/tiny --model runs/base/final --tasks math500,aime24,arithmetic \\
               --n 256 --k 1,2,4,8,16,32,64,128,256 --seeds 0,1,2 --out eval/
@@ -28,10 +28,10 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from .checkpoint import write_atomically
-from .rewards import grade
-from .rollout.base import RolloutEngine, SamplingParams, derive_seed
-from .tasks.base import Problem, Task
+from ..checkpoint import write_atomically
+from ..rollout.base import RolloutEngine, SamplingParams, derive_seed
+from ..tasks.base import Problem, Task
+from ..tasks.grading import grade
 
 # ----------------------------------------------------------------------------- the estimator
 

@@ -9,7 +9,7 @@ from tiny_models import tiny_model
 
 from sage_train.build import derived_max_model_len
 from sage_train.config import ConfigError
-from sage_train.evaluate import evaluate_engine
+from sage_train.eval.evaluate import evaluate_engine
 from sage_train.model import build_char_tokenizer
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import derive_seed

@@ -1,7 +1,6 @@
-"""`sage-eval`: the command around `sage_train.evaluate` (models, tasks, resumable records, outputs).
-
-See `sage_train.evaluate` for the estimator and the files written; `sage_train.cli.eval_main`
-is the console entry point (bad arguments exit 2 with one line).
+"""sage-eval's options and what they resolve to: the command line (`build_parser`), the same options
+from code (`options`) and back (`command_line`), and `resolve_settings`, which applies the protocol's
+and the run directory's defaults and every check before anything is written (`EvalSettings`).
 
 Prompt format. ``--chat-template`` ("" none, "tokenizer" the model's own, "official" the official
 SAGE base-model template) and ``--system-prompt`` (a name in `sage_train.tasks.chat.SYSTEM_PROMPTS`
@@ -24,24 +23,14 @@ import argparse
 import dataclasses
 import json
 import shlex
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..rollout.base import SamplingParams
 from . import evaluate
-from .eval_models import (
-    ModelSpec,
-    build_engine,
-    check_models,
-    check_prompt_lengths,
-    fingerprints,
-    in_prompt_format,
-    resolve_models,
-    trained_config,
-)
-from .eval_records import COMPLETIONS_FILE, RECORDS_FILE, RecordWriter, check_fingerprints, check_sampling, read_records
-from .evaluate import check_ks, evaluate_engine, markdown_table, write_outputs
-from .rollout.base import SamplingParams
+from .evaluate import check_ks
+from .models import ModelSpec, check_models, check_prompt_lengths, in_prompt_format, resolve_models, trained_config
+from .records import COMPLETIONS_FILE
 
 #: the official SAGE evaluation (`--protocol official`): defaults of the options it sets
 OFFICIAL = {
@@ -197,7 +186,7 @@ def resolve_tasks(args, models: Sequence[ModelSpec]) -> list[tuple[str, dict]]:
             if name == run_config.get("task") and name not in options:
                 options[name] = dict(run_config.get("task_options") or {})
     if args.protocol == "official":  # the math sets' official user message and bare gold parsing
-        from .tasks import SYNTHETIC_TASKS
+        from ..tasks import SYNTHETIC_TASKS
 
         for name in names:
             if name not in SYNTHETIC_TASKS:
@@ -294,7 +283,7 @@ def resolve_settings(args: argparse.Namespace) -> EvalSettings:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.max_prompt_tokens < 1:
         raise ValueError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
-    from .tasks import get_task
+    from ..tasks import get_task
 
     tasks = [get_task(name, **task_options) for name, task_options in resolve_tasks(args, models)]
     problems = {task.name: list(task.problems("test", args.limit, 0)) for task in tasks}
@@ -321,134 +310,3 @@ def resolve_settings(args: argparse.Namespace) -> EvalSettings:
         save_completions=args.save_completions,
         progress=not args.no_progress,
     )
-
-
-def main(argv=None) -> int:
-    """`sage-eval`: evaluate every model on every task; see the module docstring."""
-    return run_eval(resolve_settings(build_parser().parse_args(argv)))
-
-
-def run_eval(settings: EvalSettings) -> int:
-    """Evaluate every model on every task into ``settings.out`` (resuming from its records); returns
-    the exit status (130: interrupted, what finished is kept)."""
-    st, out = settings, settings.out
-    weights = fingerprints(st.models, out)
-    done = read_records(out)  # nothing is written to `out` before every check has passed
-    check_fingerprints(out, done, weights)
-    out.mkdir(parents=True, exist_ok=True)
-    sampling = st.sampling
-    check_sampling(
-        out,
-        {
-            "n": st.n,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "min_p": sampling.min_p,
-            "max_new_tokens": sampling.max_new_tokens,
-            "stop": list(sampling.stop),
-            "engine": st.engine,
-            "prompt_format": {label: list(f) for label, f in st.formats.items()},
-        },
-    )
-
-    config = {
-        "models": {m.label: m.path for m in st.models},
-        "tasks": [t.name for t in st.tasks],
-        "n": st.n,
-        "ks": st.ks,
-        "seeds": st.seeds,
-        "limit": st.limit,
-        "engine": st.engine,
-        "protocol": st.protocol,
-        "prompt_format": {label: {"chat_template": t, "system_prompt": s} for label, (t, s) in st.formats.items()},
-        "sampling": dataclasses.asdict(sampling) | {"n": st.n, "seed": None},
-        "problems_per_call": st.problems_per_call,
-        "samples_per_call": st.samples_per_call,
-    }
-    results = {"config": config, "models": {}, "generated": 0, "resumed": 0}
-    writer = RecordWriter(out, st.save_completions, weights)
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=len(st.models) * len(st.seeds) * st.n * sum(map(len, st.problems.values())),
-        unit="sample",
-        desc="sage-eval",
-        disable=not st.progress,
-        dynamic_ncols=True,
-    )
-    try:
-        for model in st.models:
-            engine = None  # loaded only if some problem of this model is not done yet
-            results["models"][model.label] = {"path": model.path, "fingerprint": weights[model.label], "tasks": {}}
-            for plain_task in st.tasks:
-                task = st.prompted[model.label, plain_task.name]
-                mine = {
-                    (seed, pid): record
-                    for (label, name, seed, pid), record in done.items()
-                    if label == model.label and name == task.name
-                }
-                if engine is None and any((s, p.id) not in mine for s in st.seeds for p in st.problems[task.name]):
-                    engine = build_engine(st.engine, model.path, _device(st.device))
-                bar.set_postfix_str(f"{model.label} / {task.name}")
-                result = evaluate_engine(
-                    engine,
-                    task,
-                    st.problems[task.name],
-                    n=st.n,
-                    ks=st.ks,
-                    sampling=sampling,
-                    seeds=st.seeds,
-                    problems_per_call=st.problems_per_call,
-                    samples_per_call=st.samples_per_call,
-                    done=mine,
-                    on_record=writer.writer_for(model.label, task.name),
-                    progress=bar,
-                )
-                results["generated"] += result.pop("generated")
-                results["resumed"] += result.pop("resumed")
-                results["models"][model.label]["tasks"][task.name] = result
-    except KeyboardInterrupt:
-        print(
-            f"\ninterrupted: finished problems are kept in {out / RECORDS_FILE}; rerun the same command to resume",
-            file=sys.stderr,
-        )
-        return 130
-    finally:
-        bar.close()
-        writer.close()
-    from .rewards import grading_stats
-
-    results["grading"] = grading_stats()  # math-verify timeouts (graded 0) are counted here
-    table = markdown_table(results)
-    if set(AVERAGED) <= set(config["tasks"]):
-        for model in results["models"].values():
-            model["average"] = {
-                k: sum(model["tasks"][t]["pass_at_k"][k]["mean"] for t in AVERAGED) / len(AVERAGED) for k in st.ks
-            }
-        table += "\n\n" + average_table(results, st.ks)
-    write_outputs(out, results, table)
-    print(table)
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'pass_at_k.png'}")
-    return 0
-
-
-def average_table(results: dict, ks: list) -> str:
-    """The unweighted mean of pass@k over `AVERAGED` (the official SAGE "Avg"), a row per model."""
-    lines = [
-        f"### average ({', '.join(AVERAGED)})",
-        "",
-        "| model | " + " | ".join(f"pass@{k}" for k in ks) + " |",
-        "|---|" + "---:|" * len(ks),
-    ]
-    for label, model in results["models"].items():
-        lines.append(f"| {label} | " + " | ".join(f"{100 * model['average'][k]:.1f}" for k in ks) + " |")
-    return "\n".join(lines)
-
-
-def _device(requested: str | None) -> str:
-    if requested:
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sage_train.rewards import GradingPool, grading_stats, math_reward, math_rewards
+from sage_train.tasks.grading import GradingPool, grading_stats, math_reward, math_rewards
 
 # How models write a final answer: a box inside prose, with text after it.
 STYLES = (
@@ -115,7 +115,7 @@ def process_gone(pid: int) -> bool:
 def test_a_stuck_worker_does_not_outlive_its_dead_parent():
     """The parent is killed while its worker is stuck in sympy: the worker's own alarm ends it."""
     code = (
-        "from sage_train.rewards import GradingPool\n"
+        "from sage_train.tasks.grading import GradingPool\n"
         "pool = GradingPool(processes=1, timeout_s=1.0)\n"
         "pool.grade([('\\\\boxed{1}', '1')])\n"
         "print(pool.pids()[0], flush=True)\n"

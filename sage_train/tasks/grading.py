@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .tasks.base import Problem, Task
+    from .base import Problem, Task
 
 
 def grade(task: Task, completions: Sequence[str], problem: Problem) -> list[float]:
@@ -138,7 +138,7 @@ class _Worker:
             [
                 sys.executable,
                 "-c",
-                f"from sage_train.rewards import _worker_main; "
+                f"from sage_train.tasks.grading import _worker_main; "
                 f"_worker_main({to_child_r}, {from_child_w}, {math.ceil(timeout_s) + 5})",
             ],
             pass_fds=(to_child_r, from_child_w),

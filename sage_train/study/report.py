@@ -6,7 +6,7 @@ held-out problem, ``counts[arm][str(seed)] = {"n": n, "correct": [c per problem]
 in one order (their ids in ``problems``) for every arm and seed. pass@k of a cell (seed, problem)
 is the unbiased estimate from its counts (`evaluate.pass_at_k`); an arm's pass@k is the mean over
 the seeds x problems matrix of these, with the crossed seeds x problems 95% interval
-(`sage_train.intervals`: both are random factors). A difference from the baseline is paired, per
+(`sage_train.study.intervals`: both are random factors). A difference from the baseline is paired, per
 cell: the arms of one seed start from the same model and every model sees the same problems; its
 interval is the crossed interval of the matrix of differences. `recompute(study.json)` rebuilds
 every interval from the stored counts. With one seed there is no interval (the seed-to-seed
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .environment import LIBRARIES, package_commit
-from .evaluate import pass_at_k_table
+from ..environment import LIBRARIES, package_commit
+from ..eval.evaluate import pass_at_k_table
+from ..report import read_metrics
 from .intervals import crossed_interval, t_interval
-from .report import read_metrics
 
 START = "start"  # the arm name of the starting point (the warm-started model, no RL)
 
@@ -125,7 +125,7 @@ def recompute(path) -> dict:
 def warm_starts(study, counts: dict) -> dict:
     """{str(seed): {"sft_steps", "pass_at_1", "pass_at_n"}}: each seed's warm start, as its sft/
     records it (`sft.WARM_START_FILE`; None if absent) and as the study evaluated it."""
-    from .sft import WARM_START_FILE
+    from ..sft import WARM_START_FILE
 
     result = {}
     for seed in study.seeds:
@@ -326,8 +326,8 @@ def markdown(report: dict, study) -> str:
     lines += [
         "",
         "95% intervals: crossed seeds x problems (two-way random-effects ANOVA, Satterthwaite degrees of "
-        "freedom; `sage_train/intervals.py`), recomputable from the counts in study.json "
-        "(`sage_train.study_report.recompute`). Differences are paired by seed and problem.",
+        "freedom; `sage_train/study/intervals.py`), recomputable from the counts in study.json "
+        "(`sage_train.study.report.recompute`). Differences are paired by seed and problem.",
         "",
         *_endpoint_lines(report["endpoints"]),
         "## Warm starts",

@@ -10,10 +10,10 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import config_files
-from .model_files import check_model, fingerprint
-from .packaged_models import gguf_source, model_directory
-from .rollout.base import RolloutEngine
+from .. import config_files
+from ..model_files import check_model, fingerprint
+from ..packaged_models import gguf_source, model_directory
+from ..rollout.base import RolloutEngine
 
 #: prompts longer than this many bytes per allowed token are refused without tokenizing them (no
 #: tokenizer packs that much text into its tokens on average)
@@ -74,10 +74,10 @@ def build_engine(kind: str, model_path: str, device: str) -> RolloutEngine:
     """A rollout engine sampling from the model at `model_path`: "hf" loads it with transformers
     on `device`; "vllm" hands the path to a vLLM engine that owns the GPU (no sleep mode: there is
     no training to share memory with)."""
-    from .rollout import make_engine
+    from ..rollout import make_engine
 
     if kind == "hf":
-        from .model import load_pretrained
+        from ..model import load_pretrained
 
         model, tokenizer = load_pretrained(model_path)
         model.to(device).eval()
@@ -97,7 +97,7 @@ def in_prompt_format(task, model: ModelSpec, prompt_format: tuple[str, str]):
         return task
     from transformers import AutoTokenizer
 
-    from .tasks.chat import ChatPromptTask
+    from ..tasks.chat import ChatPromptTask
 
     try:
         return ChatPromptTask(task, AutoTokenizer.from_pretrained(model.path), system, template)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sage_train.tasks import enumerable as E
+from . import enumerable as E
 
 COLOURS = {"grpo": "tab:blue", "sage-branch": "tab:red", "sage-token": "tab:green"}
 TITLES = {

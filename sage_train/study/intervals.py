@@ -17,7 +17,7 @@ ANOVA does. With the mean squares MS_seed, MS_problem, MS_residual of the two-wa
 each component truncated at zero (then its mean square drops out of var(mean)). The interval is
 mean +- t * sqrt(var(mean)) with Satterthwaite's degrees of freedom for that combination of mean
 squares. One seed (or one problem) leaves a component without an estimate: no interval then.
-Pure functions on numpy arrays; `sage_train.study_report` applies them to pass@k from counts.
+Pure functions on numpy arrays; `sage_train.study.report` applies them to pass@k from counts.
 """
 
 from __future__ import annotations
