@@ -55,20 +55,19 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, report
-from .build import build_engines, build_rollout, chat_prompted, make_guide, policy_and_reference, rollout_model_path
 from .config import TrainConfig
+from .context import RunContext, build_context
 from .distributed import InterruptFlag, RunError, init_distributed, on_rank0, reduce_rows, seed_everything
 from .eval.evaluate import evaluate_engine, mean_pass_at_k
 from .lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
-from .run_dir import Inputs, RunLock, check_inputs, held_out_problems, prepare_run_dir
-from .sft import initial_policy
-from .step import Context, rl_step
-from .tasks import get_task
+from .run_dir import RunLock, check_inputs, eval_set, prepare_run_dir
+from .step import rl_step
 
 
 def train(cfg: TrainConfig, on_step: Callable[[int, dict], None] | None = None) -> dict:
-    """Run `cfg` to the end (or to an interruption); returns the summary.
+    """Run `cfg` to the end (or to an interruption); returns the summary: build the run's context,
+    resume, evaluate before, the step loop, then finish (evaluate after, the final model, the summary).
 
     on_step(step, row) is called on rank 0 after each logged step (tests use it to interrupt).
     Bad input raises `ConfigError` before the run directory is touched; the directory is locked
@@ -78,35 +77,22 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict], None] | None = None) 
     rank, world, device = init_distributed()
     inputs = check_inputs(cfg, world)
     with RunLock(cfg.run_dir, rank):
-        return run_locked(cfg, inputs, on_step, rank, world, device, run_start)
+        if device.type == "cpu" and cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)  # tiny models run fastest on one thread per process
+        resume_from, skipped = prepare_run_dir(cfg, cfg.run_dir, rank, world)
+        seed_everything(cfg.seed + rank)
+        ctx = build_context(cfg, inputs, rank, world, device)
+        first_step = 1 + (checkpoint.load(ctx.engine, resume_from, skipped, ctx.guide) if resume_from else 0)
+        ctx.rollout.sync_weights(ctx.engine.module.lm)  # the engine starts from the policy being trained
+        eval_before = evaluate_once(ctx, cfg.run_dir / "eval_before.json")
+        step, finished = step_loop(ctx, first_step, on_step)
+        return finish(ctx, step, finished, eval_before, run_start)
 
 
-def run_locked(cfg: TrainConfig, inputs: Inputs, on_step, rank: int, world: int, device, run_start: float) -> dict:
-    if device.type == "cpu" and cfg.cpu_threads:
-        torch.set_num_threads(cfg.cpu_threads)  # tiny models run fastest on one thread per process
-    run_dir = cfg.run_dir
-    resume_from, skipped = prepare_run_dir(cfg, run_dir, rank, world)
-    seed_everything(cfg.seed + rank)
-
-    # models: the warm-started policy, and its frozen copy as the reference
-    task, train_problems, sft_task, sft_problems = inputs
-    model, tokenizer = initial_policy(cfg, sft_task, sft_problems, run_dir, rank, resumed=cfg.resume)
-    rollout_init = rollout_model_path(cfg, model, tokenizer, run_dir, rank)
-    model, reference_lm = policy_and_reference(cfg, model)
-
-    engine, reference = build_engines(cfg, model, reference_lm, world, device)
-    task = chat_prompted(cfg, task, tokenizer)
-    prompts = run_prompts(cfg, task, tokenizer, train_problems)  # read only to derive vLLM's context length
-    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world, prompts)
-    guide = make_guide(cfg, rank)
-    ctx = Context(cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device)
-
-    first_step = 1
-    if resume_from:
-        first_step = checkpoint.load(engine, resume_from, skipped, guide) + 1
-    rollout.sync_weights(engine.module.lm)  # the engine starts from the policy being trained
-    eval_before = evaluate_once(ctx, run_dir / "eval_before.json")
-
+def step_loop(ctx: RunContext, first_step: int, on_step) -> tuple[int, bool]:
+    """RL steps from `first_step` to the end, or to a stop signal agreed over ranks; metrics rows are
+    flushed before every checkpoint. Returns (the last step done, whether the run finished)."""
+    cfg, rank, run_dir = ctx.cfg, ctx.rank, ctx.cfg.run_dir
     log = None
     if rank == 0:
         log = report.MetricsLog(run_dir / "metrics.jsonl", resume_step=first_step - 1)
@@ -115,45 +101,53 @@ def run_locked(cfg: TrainConfig, inputs: Inputs, on_step, rank: int, world: int,
     interrupted = InterruptFlag()
     pending: list[tuple[int, dict]] = []
     step = first_step - 1
-    with interrupted:
-        for step in range(first_step, cfg.steps + 1):
-            pending.append((step, rl_step(ctx, step)))
-            bar.update(1)
-            last = step == cfg.steps
-            save = step % cfg.save_every == 0 or last
-            if step % cfg.log_every == 0 or save or ctx.stop:  # rows are flushed before any checkpoint
-                rows = reduce_rows(pending, device)
-                pending = []
-                if rank == 0:
-                    log.write(rows)
-                    bar.set_postfix_str(report.progress_postfix(rows[-1]))
-                    for row in rows:
-                        if on_step is not None:
-                            on_step(row["step"], row)
-                if ctx.stop:  # agreed over ranks: each step's skip decision is
-                    raise RunError(ctx.stop)
-                stop = interrupted.agreed(device)
-                if save or stop:
-                    checkpoint.save(engine, run_dir, step, cfg, guide, keep=cfg.keep_checkpoints)
-                if stop:
-                    break
-    bar.close()
-    finished = step == cfg.steps and not interrupted.is_set
+    try:
+        with interrupted:
+            for step in range(first_step, cfg.steps + 1):
+                pending.append((step, rl_step(ctx, step)))
+                bar.update(1)
+                save = step % cfg.save_every == 0 or step == cfg.steps
+                if step % cfg.log_every == 0 or save or ctx.stop:  # rows are flushed before any checkpoint
+                    rows = reduce_rows(pending, ctx.device)
+                    pending = []
+                    if rank == 0:
+                        log.write(rows)
+                        bar.set_postfix_str(report.progress_postfix(rows[-1]))
+                        for row in rows:
+                            if on_step is not None:
+                                on_step(row["step"], row)
+                    if ctx.stop:  # agreed over ranks: each step's skip decision is
+                        raise RunError(ctx.stop)
+                    stop = interrupted.agreed(ctx.device)
+                    if save or stop:
+                        checkpoint.save(ctx.engine, run_dir, step, cfg, ctx.guide, keep=cfg.keep_checkpoints)
+                    if stop:
+                        break
+    finally:
+        bar.close()
+        if log is not None:
+            log.close()
+    return step, step == cfg.steps and not interrupted.is_set
+
+
+def finish(ctx: RunContext, step: int, finished: bool, eval_before: dict | None, run_start: float) -> dict:
+    """Evaluate after and save the final model (a finished run), then the summary (rank 0's; {} on
+    the others)."""
+    cfg, run_dir = ctx.cfg, ctx.cfg.run_dir
     eval_after = evaluate_once(ctx, run_dir / "eval_after.json") if finished else None
     if finished:
-        save_final(engine, tokenizer, run_dir / "final", cfg, rank)
-    summary = None
-    if rank == 0:
-        log.close()
+        save_final(ctx.engine, ctx.tokenizer, run_dir / "final", cfg, ctx.rank)
+    summary = {}
+    if ctx.rank == 0:
         summary = write_summary(
             cfg, run_dir, step, eval_before, eval_after, time.time() - run_start, interrupted=not finished
         )
         print(report.format_summary(summary), flush=True)
     dist.barrier()
-    return summary if rank == 0 else {}
+    return summary
 
 
-def evaluate_once(ctx: Context, path: Path) -> dict | None:
+def evaluate_once(ctx: RunContext, path: Path) -> dict | None:
     """pass@1 and pass@k per split of ``eval_splits``, computed once (a resumed run reads the file).
 
     "train" samples the first ``eval_problems`` RL prompts, "test" as many held-out problems (of
@@ -176,25 +170,7 @@ def evaluate_once(ctx: Context, path: Path) -> dict | None:
     return results
 
 
-def eval_set(cfg: TrainConfig, task, tokenizer, train_problems: list, split: str) -> tuple:
-    """(task, problems) of a split: "train" and "test" evaluate (`evaluate_once`), "rl" is the RL pool."""
-    if split == "rl":
-        return task, train_problems
-    if split == "train":
-        return task, train_problems[: cfg.eval_problems]
-    if cfg.eval_task:
-        task = chat_prompted(cfg, get_task(cfg.eval_task), tokenizer)
-    return task, held_out_problems(cfg, task, train_problems)
-
-
-def run_prompts(cfg: TrainConfig, task, tokenizer, train_problems: list):
-    """Every prompt the run samples, lazily: the RL pool's, then each evaluation split's."""
-    for split in ["rl", *(cfg.eval_splits if cfg.eval_problems else [])]:
-        split_task, problems = eval_set(cfg, task, tokenizer, train_problems, split)
-        yield from (split_task.prompt(p) for p in problems)
-
-
-def pass_at_k_over_ranks(ctx: Context, task, problems: list) -> dict:
+def pass_at_k_over_ranks(ctx: RunContext, task, problems: list) -> dict:
     """pass@1 and pass@eval_samples of `problems`: this rank's equal share sampled in one generate
     call (`evaluate_engine`'s default), the counts gathered over ranks."""
     cfg = ctx.cfg

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, config_files
-from .build import check_batch_shape, deepspeed_config
+from .build import chat_prompted, check_batch_shape, deepspeed_config
 from .config import ConfigError, TrainConfig, plain_yaml, save_yaml
 from .distributed import on_rank0
 from .model_files import ModelFilesError, check_model
@@ -86,6 +86,24 @@ def held_out_problems(cfg: TrainConfig, task, train_problems: list) -> list:
     return problems
 
 
+def eval_set(cfg: TrainConfig, task, tokenizer, train_problems: list, split: str) -> tuple:
+    """(task, problems) of a split: "train" and "test" evaluate (`run.evaluate_once`), "rl" is the RL pool."""
+    if split == "rl":
+        return task, train_problems
+    if split == "train":
+        return task, train_problems[: cfg.eval_problems]
+    if cfg.eval_task:
+        task = chat_prompted(cfg, get_task(cfg.eval_task), tokenizer)
+    return task, held_out_problems(cfg, task, train_problems)
+
+
+def run_prompts(cfg: TrainConfig, task, tokenizer, train_problems: list):
+    """Every prompt the run samples, lazily: the RL pool's, then each evaluation split's."""
+    for split in ["rl", *(cfg.eval_splits if cfg.eval_problems else [])]:
+        split_task, problems = eval_set(cfg, task, tokenizer, train_problems, split)
+        yield from (split_task.prompt(p) for p in problems)
+
+
 def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
     """Everything `cfg` names that can be wrong: the batch shape for `world` processes, the
     DeepSpeed file, the tasks, the loggers' packages, the model. Raises `ConfigError` naming the key."""
@@ -132,7 +150,6 @@ def _check_what_the_model_meets(cfg: TrainConfig, task, sft_task, sft_problems: 
     examples (`sft.sft_examples` refuses a set that leaves none)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .build import chat_prompted
     from .model import build_char_tokenizer, build_tiny_model
     from .sft import sft_examples
 

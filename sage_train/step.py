@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from sage_kernels.guides import Guide
 from sage_kernels.loss_types import LOSS_TYPES
 
 from .advantages import group_advantages
 from .config import TrainConfig
+from .context import Generation, RunContext
 from .distributed import all_ranks
 from .importance import truncated_is_weights
 from .policy import Batch, entropy_quantiles, make_batch, score
@@ -45,45 +43,7 @@ from .rollout import SamplingParams
 from .tasks.grading import grade
 
 
-@dataclass
-class Context:
-    """What the step needs, built once by `train`."""
-
-    cfg: TrainConfig
-    engine: object  # the DeepSpeed engine wrapping PolicyHead(policy)
-    reference: Callable | None  # PolicyHead(frozen reference), the adapter-disabled engine, or None
-    rollout: object  # the rollout engine
-    tokenizer: object
-    task: object
-    train_problems: list
-    guide: Guide | None  # `make_guide`'s; None for ``guide: none``
-    rank: int
-    world: int
-    device: torch.device
-    generation: Generation | None = None  # the rollouts the current optimizer steps learn from
-    nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
-    stop: str = ""  # why the run must stop (set by `check_finite_steps`)
-
-
-@dataclass
-class Generation:
-    """One generation of rollouts, scored once, that feeds ``steps_per_generation`` optimizer steps.
-
-    Its rows are shuffled and dealt out in equal parts, one per step; the behaviour and reference
-    log-probs are those at generation time, so every step after the first is off-policy by the
-    updates before it, and the clipped ratio is active there (TRL's ``steps_per_generation``)."""
-
-    first_step: int
-    batch: Batch
-    advantages: torch.Tensor
-    old_logp: torch.Tensor
-    ref_logp: torch.Tensor | None
-    is_weights: torch.Tensor | None
-    order: torch.Tensor  # the shuffled rows; step first_step + i takes its i-th part
-    metrics: dict  # the rollouts' metrics, logged with each of its steps
-
-
-def rl_step(ctx: Context, step: int) -> dict:
+def rl_step(ctx: RunContext, step: int) -> dict:
     """One RL optimizer step (and, when it starts a generation, the rollouts of that generation);
     returns its metrics (tensors stay on the device, no host sync)."""
     cfg, start = ctx.cfg, time.perf_counter()
@@ -134,7 +94,7 @@ def rl_step(ctx: Context, step: int) -> dict:
     return metrics
 
 
-def generate(ctx: Context, first_step: int) -> Generation:
+def generate(ctx: RunContext, first_step: int) -> Generation:
     """The rollouts of the generation starting at `first_step`, graded, with their advantages and
     their behaviour / reference log-probs; its rows shuffled (seeded by the step, so identically
     on a resumed run)."""
@@ -186,7 +146,7 @@ def generate(ctx: Context, first_step: int) -> Generation:
     return Generation(first_step, batch, advantages, old_logp, ref_logp, is_weights, order.to(ctx.device), metrics)
 
 
-def check_finite_steps(ctx: Context, step: int, skipped: list[str]) -> None:
+def check_finite_steps(ctx: RunContext, step: int, skipped: list[str]) -> None:
     """Say which optimizer steps were skipped; after ``max_nonfinite_steps`` RL steps in a row with
     one, set ``ctx.stop`` (the loop logs the step, then stops: the weights are still those of the
     last good step, which the last checkpoint holds)."""
@@ -235,7 +195,7 @@ def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: B
     }
 
 
-def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, guide, is_weights=None) -> LossTotals:
+def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp, guide, is_weights=None) -> LossTotals:
     """``num_iterations`` optimizer steps on the batch, each accumulated over micro-batches.
     `guide` (a `Guide` or None) is called by the loss forward of each micro-batch (`PolicyHead`).
 
@@ -274,7 +234,7 @@ def policy_update(ctx: Context, batch: Batch, advantages, old_logp, ref_logp, gu
     return totals
 
 
-def nonfinite_step(ctx: Context, step_loss: torch.Tensor) -> str | None:
+def nonfinite_step(ctx: RunContext, step_loss: torch.Tensor) -> str | None:
     """At the accumulation boundary, before the optimizer step: why that step must be skipped (a
     non-finite loss, or gradient norm, on any rank), or None. One host sync per optimizer step.
     The gradient norm is checked here for a plain torch optimizer (ZeRO stage 0 in float32), which
@@ -320,7 +280,7 @@ def skipped_update(engine, skip: bool):
         optimizer.overflow = False
 
 
-def collect_groups(ctx: Context, step: int):
+def collect_groups(ctx: RunContext, step: int):
     """This rank's groups for the generation starting at `step` (``prompts_per_step x
     steps_per_generation`` prompts over all ranks): [{"problem", "completions", "rewards"}],
     rewards [G, n], rounds.
@@ -367,7 +327,7 @@ def rollout_seed(seed: int, step: int, round_: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 1009 + round_ * 101 + rank) % (2**31)
 
 
-def step_loss_config(ctx: Context, batch: Batch):
+def step_loss_config(ctx: RunContext, batch: Batch):
     """The step's LossConfig and `row_share(rows)`, the factor of a micro-batch's loss.
 
     grpo, sapo, luspo and dr_grpo: a micro-batch counts for its rows over the step's rows

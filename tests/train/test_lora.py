@@ -12,12 +12,13 @@ from transformers import AutoModelForCausalLM
 
 from sage_train import checkpoint, report
 from sage_train.build import build_engines, with_lora
+from sage_train.context import RunContext
 from sage_train.lora import AdapterDisabled, is_lora
 from sage_train.model import load_model_and_tokenizer
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.run import train
-from sage_train.step import Context, policy_update, rollout_correction
+from sage_train.step import policy_update, rollout_correction
 from sage_train.tasks import get_task
 
 pytest.importorskip("peft")
@@ -33,7 +34,7 @@ def lora_setup(tiny_config, distributed, **overrides):
     rollout = make_engine("hf", engine.module.lm, tokenizer, device=device)
     task = get_task("arithmetic", digits=1)
     problems = list(task.problems("train", 16, 0))
-    ctx = Context(cfg, engine, reference, rollout, tokenizer, task, problems, None, rank, world, device)
+    ctx = RunContext(cfg, engine, reference, rollout, tokenizer, task, problems, None, rank, world, device)
     return ctx, base
 
 

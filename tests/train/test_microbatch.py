@@ -11,10 +11,11 @@ import torch
 from tiny_models import tiny_model
 
 from sage_train.build import build_engines
+from sage_train.context import RunContext
 from sage_train.model import build_char_tokenizer
 from sage_train.policy import make_batch, score
 from sage_train.rollout import Completion
-from sage_train.step import Context, policy_update
+from sage_train.step import policy_update
 
 
 def completions(tokenizer, rows: int, seed: int) -> list:
@@ -39,7 +40,9 @@ def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
             captured[name] = p.grad.detach().clone()
 
     engine.optimizer.register_step_pre_hook(capture)
-    ctx = Context(cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu"))
+    ctx = RunContext(
+        cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")
+    )
     old_logp, _ = score(engine, batch, 3, cfg.temperature)
     ref_logp, _ = score(reference, batch, 3, cfg.temperature)
     policy_update(ctx, batch, advantages, old_logp, ref_logp, None)
@@ -84,7 +87,9 @@ def test_an_update_moves_log_probs_with_the_advantage(tiny_config, distributed, 
     model = tiny_model(tokenizer, seed=0, max_positions=64)
     reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
     engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
-    ctx = Context(cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu"))
+    ctx = RunContext(
+        cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")
+    )
     batch = make_batch(completions(tokenizer, 8, seed=1), torch.device("cpu"), tokenizer.pad_token_id)
     advantages = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
     before, _ = score(engine, batch, 4, cfg.temperature)

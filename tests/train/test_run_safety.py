@@ -510,10 +510,11 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
     from tiny_models import tiny_model
 
     from sage_train.build import build_engines
+    from sage_train.context import RunContext
     from sage_train.model import build_char_tokenizer
     from sage_train.policy import make_batch, score
     from sage_train.rollout import Completion
-    from sage_train.step import Context, policy_update
+    from sage_train.step import policy_update
 
     tokenizer = build_char_tokenizer()
     cfg = tiny_config(algorithm="grpo", prompts_per_step=2, group_size=4, micro_batch_size=4, zero_stage=zero_stage)
@@ -526,7 +527,7 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
     model = tiny_model(tokenizer, seed=0, max_positions=64)
     reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
     engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
-    ctx = Context(cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu"))
+    ctx = RunContext(cfg, engine, reference, None, tokenizer, None, [], None, 0, 1, torch.device("cpu"))
     old_logp, _ = score(engine, batch, 4, cfg.temperature)
     ref_logp, _ = score(reference, batch, 4, cfg.temperature)
     extreme = ref_logp.clone()

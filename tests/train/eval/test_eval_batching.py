@@ -9,13 +9,15 @@ from tiny_models import tiny_model
 
 from sage_train.build import derived_max_model_len
 from sage_train.config import ConfigError
+from sage_train.context import RunContext
 from sage_train.eval.evaluate import evaluate_engine
 from sage_train.model import build_char_tokenizer
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import derive_seed
 from sage_train.rollout.hf import HFEngine
-from sage_train.run import evaluate_once, run_prompts
-from sage_train.step import Context, collect_groups
+from sage_train.run import evaluate_once
+from sage_train.run_dir import run_prompts
+from sage_train.step import collect_groups
 from sage_train.tasks import get_task
 
 
@@ -109,7 +111,7 @@ def test_evaluate_once_one_call_per_split_inside_one_session(tiny_config, tmp_pa
     engine, tokenizer, task = engine_and_task()
     cfg = tiny_config(eval_problems=5, eval_samples=2, eval_splits=["train", "test"], task_options={"digits": 2})
     train_problems = list(task.problems("train", None, cfg.seed))
-    ctx = Context(cfg, None, None, engine, tokenizer, task, train_problems, None, 0, 1, torch.device("cpu"))
+    ctx = RunContext(cfg, None, None, engine, tokenizer, task, train_problems, None, 0, 1, torch.device("cpu"))
     results = evaluate_once(ctx, tmp_path / "eval.json")
     assert engine.calls == [5, 5] and engine.sessions == 1 and engine.awake_calls == [True, True]
     assert engine.syncs == 0
@@ -125,7 +127,7 @@ def test_dynamic_sampling_rounds_of_a_step_share_one_awake_session(tiny_config, 
     engine, tokenizer, task = engine_and_task()
     cfg = tiny_config(dynamic_sampling=True, dynamic_sampling_max_rounds=3, prompts_per_step=4, group_size=2)
     train_problems = list(task.problems("train", None, cfg.seed))
-    ctx = Context(cfg, None, None, engine, tokenizer, task, train_problems, None, 0, 1, torch.device("cpu"))
+    ctx = RunContext(cfg, None, None, engine, tokenizer, task, train_problems, None, 0, 1, torch.device("cpu"))
     groups, rewards, rounds = collect_groups(ctx, step=1)
     informative = sum(len(set(r)) > 1 for r in rewards.tolist())
     assert rounds == len(engine.calls) and (rounds == 3 or informative == 4)

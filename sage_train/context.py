@@ -1,0 +1,80 @@
+"""A run's context: what its steps and evaluations read, built once (`build_context`: the warm-started
+policy and its reference in their engines, the rollout engine, the prompted task, the guide), and
+the state that the steps carry from one to the next (the current generation, the stop reason)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sage_kernels.guides import Guide
+
+from .build import build_engines, build_rollout, chat_prompted, make_guide, policy_and_reference, rollout_model_path
+from .config import TrainConfig
+from .policy import Batch
+from .rollout.base import RolloutEngine
+from .run_dir import Inputs, run_prompts
+from .sft import initial_policy
+from .tasks.base import Problem, Task
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class Generation:
+    """One generation of rollouts, scored once, that feeds ``steps_per_generation`` optimizer steps.
+
+    Its rows are shuffled and dealt out in equal parts, one per step; the behaviour and reference
+    log-probs are those at generation time, so every step after the first is off-policy by the
+    updates before it, and the clipped ratio is active there (TRL's ``steps_per_generation``)."""
+
+    first_step: int
+    batch: Batch
+    advantages: torch.Tensor
+    old_logp: torch.Tensor
+    ref_logp: torch.Tensor | None
+    is_weights: torch.Tensor | None
+    order: torch.Tensor  # the shuffled rows; step first_step + i takes its i-th part
+    metrics: dict  # the rollouts' metrics, logged with each of its steps
+
+
+@dataclass
+class RunContext:
+    """What the run's steps and evaluations read (built once by `build_context`), and the state the
+    steps carry."""
+
+    cfg: TrainConfig
+    engine: DeepSpeedEngine  # wraps PolicyHead(policy)
+    reference: Callable | None  # PolicyHead(frozen reference), the adapter-disabled engine, or None
+    rollout: RolloutEngine
+    tokenizer: PreTrainedTokenizerBase
+    task: Task  # in the run's prompt format (`chat_prompted`)
+    train_problems: list[Problem]
+    guide: Guide | None  # `make_guide`'s; None for ``guide: none``
+    rank: int
+    world: int
+    device: torch.device
+    generation: Generation | None = None  # the rollouts the current optimizer steps learn from
+    nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
+    stop: str = ""  # why the run must stop (set by `step.check_finite_steps`)
+
+
+def build_context(cfg: TrainConfig, inputs: Inputs, rank: int, world: int, device: torch.device) -> RunContext:
+    """The run's models (the warm start, or its saved result on resume), engines, rollout engine,
+    prompted task and guide, in that order (the rollout engine's context length is derived from every
+    prompt the run samples)."""
+    task, train_problems, sft_task, sft_problems = inputs
+    model, tokenizer = initial_policy(cfg, sft_task, sft_problems, cfg.run_dir, rank, resumed=cfg.resume)
+    rollout_init = rollout_model_path(cfg, model, tokenizer, cfg.run_dir, rank)
+    model, reference_lm = policy_and_reference(cfg, model)
+    engine, reference = build_engines(cfg, model, reference_lm, world, device)
+    task = chat_prompted(cfg, task, tokenizer)
+    prompts = run_prompts(cfg, task, tokenizer, train_problems)  # read only to derive vLLM's context length
+    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world, prompts)
+    guide = make_guide(cfg, rank)
+    return RunContext(cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device)
