@@ -72,3 +72,19 @@ def test_each_runs_logged_command_line_reproduces_its_config(tmp_path):
         command = shlex.split(study.train_command(arm, 203))
         assert command[0] == "sage-train"
         assert parse_args(command[1:]) == study.train_config_of(arm, 203)
+
+
+def test_study_kl_in_reward_is_the_decisive_setting_with_its_registered_arms(tmp_path):
+    """The follow-up's training keys are the decisive study's, key for key; its seeds are new and
+    its first endpoint is the guide's share inside the KL-in-reward form."""
+    decisive = read_yaml("study-decisive")
+    followup = read_yaml("study-kl-in-reward")
+    assert followup["train"] == decisive["train"] and followup["eval_n"] == decisive["eval_n"]
+    assert followup["eval_problems"] == decisive["eval_problems"]
+    assert not set(followup["seeds"]) & (set(decisive["seeds"]) | {100, 101}) and len(followup["seeds"]) >= 8
+    study = parse_study(["--config", "study-kl-in-reward", "--out", str(tmp_path)])  # every run's config checked
+    resolved = {arm.name: study.train_config_of(arm, 300) for arm in study.arms}
+    plain, exact = resolved["grpo-kl-in-reward"], resolved["sage-branch-exact"]
+    assert plain.kl_in_reward and plain.guide == "none" and plain.beta == 0.05
+    assert exact.kl_in_reward and exact.guide == "branch" and exact.tau == 0.95 and exact.beta == 0.05
+    assert study.endpoints[0] == {"arm": "sage-branch-exact", "versus": "grpo-kl-in-reward", "k": [1, 64]}
