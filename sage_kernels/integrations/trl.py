@@ -109,10 +109,12 @@ class HeadOutput(ModelOutput):
 
 def add_fused_head(model) -> None:
     """Let ``model(..., sage_head=fn)`` return ``fn(last hidden states, LM head weight, bias)``
-    without computing logits. fn runs inside the model's forward, so that under DeepSpeed ZeRO-3
-    (whose parameters are materialized only in their owning module's forward) the head can be
-    gathered for it and the backward's gradient reduction hooks are armed. Called through the
-    (possibly wrapped) model so DDP, DeepSpeed and PEFT see an ordinary forward."""
+    without computing logits. fn returns ``(tensors, extra)``: the tensors the backward goes through
+    (None allowed) and anything else. fn runs as the LM head module's own forward (`_as_forward_of`),
+    inside the model's forward: under DeepSpeed ZeRO-3, whose parameters are materialized only in
+    their owning module's forward and backward, the head's hooks gather its weight for fn, gather it
+    again for fn's backward (through the returned tensors) and reduce its gradient. Called through
+    the (possibly wrapped) model so DDP, DeepSpeed and PEFT see an ordinary forward."""
     inner_forward = model.forward
 
     def forward(self, *args, sage_head=None, **kwargs):
@@ -125,37 +127,32 @@ def add_fused_head(model) -> None:
             balance = sys.modules[type(self).__module__].load_balancing_loss_func
             mask = kwargs.get("attention_mask")
             aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, mask)
-        with _gathered(head.weight, head.bias) as gathered:
-            weight, bias = head.weight, head.bias
-            if gathered:  # views keep the full tensors alive for a backward that reads them after the release
-                weight = weight.view_as(weight)
-                bias = None if bias is None else bias.view_as(bias)
-            result = sage_head(outputs.last_hidden_state, weight, bias)
-        return HeadOutput(result=result, aux_loss=aux_loss)
+        extra = {}
+
+        def head_forward(hidden_states):
+            tensors, extra["value"] = sage_head(hidden_states, head.weight, head.bias)
+            return tuple(tensors)
+
+        with _as_forward_of(head, head_forward):
+            tensors = head(outputs.last_hidden_state)  # the module's hooks wrap these for the backward
+        return HeadOutput(result=(tensors, extra["value"]), aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
 
 
 @contextmanager
-def _gathered(*params):
-    """Under DeepSpeed ZeRO-3, the full `params` for the block (yields True); otherwise nothing
-    to do (yields False)."""
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-    partitioned = [p for p in params if p is not None and hasattr(p, "ds_status")]
-    if not (is_deepspeed_zero3_enabled() and partitioned):
-        yield False
-        return
-    import deepspeed
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    # tied embeddings may hold the weight available already; gathering it again would release it under them
-    wanted = list({id(p): p for p in partitioned if p.ds_status != ZeroParamStatus.AVAILABLE}.values())
-    if not wanted:
-        yield True
-        return
-    with deepspeed.zero.GatheredParameters(wanted):
-        yield True
+def _as_forward_of(module, forward):
+    """`module` called runs `forward` instead of its own, for the block (a forward set on the
+    instance before, as wrappers do, is put back after)."""
+    previous = vars(module).get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.forward  # the class's forward again
+        else:
+            module.forward = previous
 
 
 class SAGEGRPOTrainer(GRPOTrainer):
@@ -230,7 +227,8 @@ class SAGEGRPOTrainer(GRPOTrainer):
             coef = 0.0
 
         def head_loss(hidden_states, weight, bias):
-            """Both fused calls, inside the model's forward (where ZeRO-3 has gathered the head)."""
+            """Both fused calls, as the LM head's forward (where ZeRO-3 has gathered the head); returns
+            the losses the backward goes through, then what the metrics read."""
             # The LM head runs in the autocast dtype, as TRL's fused head does, unless told to stay in fp32.
             device_type, dtype = weight.device.type, weight.dtype
             if torch.is_autocast_enabled(device_type) and not self.args.cast_lm_head_to_fp32:
@@ -263,7 +261,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
                 bonus = None
                 if coef != 0.0:  # a zero bonus adds nothing to the loss or the gradients: no second sweep
                     bonus = self._entropy_bonus(hidden, weight, bias, completion_ids, kept, coef / accumulation)
-            return out, kept, bonus
+            return (out.loss, bonus), (out, kept)
 
         with self.accelerator.autocast():
             head = model(
@@ -272,9 +270,9 @@ class SAGEGRPOTrainer(GRPOTrainer):
                 sage_head=head_loss,
                 **(dict(output_router_logits=True) if self.aux_loss_enabled else {}),
             )
-        out, kept, bonus = head.result
+        (policy_loss, bonus), (out, kept) = head.result  # the losses as the head module returned them
         # TRL scales every loss type but the token-count ones (whose divisor covers the window) for accumulation.
-        loss = out.loss if given_count else out.loss / accumulation
+        loss = policy_loss if given_count else policy_loss / accumulation
         if bonus is not None:
             loss = loss + bonus
         if self._entropy_bonus_enabled:
