@@ -51,8 +51,10 @@ class Guide(Protocol):
 
     #: the loss's own ``guide`` option with this guide: "branch" (the loss computes q) or "none" (q is log_q)
     loss_option: ClassVar[str]
+    #: whether log_q reads the log-probs and entropies (False: the caller may pass None and skip the sweep)
+    reads_policy: ClassVar[bool]
 
-    def log_q(self, logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def log_q(self, logp: torch.Tensor | None, entropy: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
         """log q [B, L] of the sampled tokens (0 where masked), from their log-probs and entropies."""
 
     def schedule_values(self) -> dict[str, float]:
@@ -82,6 +84,7 @@ class BranchGuide:
     it is computed by the kernels themselves (``loss_option`` "branch"), from the same forward."""
 
     loss_option: ClassVar[str] = "branch"
+    reads_policy: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -212,6 +215,7 @@ class ScheduledGuide:
     `CosineAnnealingScheduler` over ``max_steps``, drawing from its own seeded generator."""
 
     loss_option: ClassVar[str] = "none"
+    reads_policy: ClassVar[bool] = True
     #: the metric names of the schedule's two values
     value_names = ("guide/strength", "guide/sigma")
 
@@ -275,6 +279,8 @@ class RandomGuide(ScheduledGuide):
     probability eps gets q = clamp(1 + sigma * xi, q_min, q_max), xi ~ N(0, 1); the others q = 1.
     It reads neither log-probs nor entropies. (eps, sigma) anneal from (eps_max, sigma_max) to
     (eps_min, sigma_min)."""
+
+    reads_policy: ClassVar[bool] = False
 
     def __init__(
         self,

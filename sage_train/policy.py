@@ -31,8 +31,8 @@ class PolicyHead(nn.Module):
     forward(batch) scores the completion tokens: per-token log-probs and entropies from
     `logprobs_and_entropy`. forward(batch, loss_inputs) returns (loss, the whole
     `fused_linear_sage_loss` output) instead; a ``loss_inputs["guide"]`` (a `Guide`) is first given
-    the log-probs and entropies of these same hidden states, without gradient, and its log q goes
-    to the loss. Both run inside this module's forward so that ZeRO-3 gathers the LM head.
+    the log-probs and entropies of these same hidden states (when it reads them), without gradient,
+    and its log q goes to the loss. Both run inside this module's forward so that ZeRO-3 gathers the LM head.
     """
 
     def __init__(self, lm: nn.Module, backend: str = "auto") -> None:
@@ -67,15 +67,17 @@ class PolicyHead(nn.Module):
             )
         loss_inputs = dict(loss_inputs)
         guide = loss_inputs.pop("guide", None)
-        if guide is not None:  # the guide of the current policy's log-probs and entropies
-            logp, entropy = logprobs_and_entropy(
-                hidden.detach(),
-                head.weight,
-                completion_ids,
-                bias=head.bias,
-                temperature=temperature,
-                backend=self.backend,
-            )
+        if guide is not None:
+            logp = entropy = None
+            if guide.reads_policy:  # the current policy's log-probs and entropies: one more sweep, no gradient
+                logp, entropy = logprobs_and_entropy(
+                    hidden.detach(),
+                    head.weight,
+                    completion_ids,
+                    bias=head.bias,
+                    temperature=temperature,
+                    backend=self.backend,
+                )
             loss_inputs["log_q"] = guide.log_q(logp, entropy, loss_inputs["mask"])
         output = fused_linear_sage_loss(
             hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend, **loss_inputs

@@ -34,3 +34,5 @@ def test_the_guides_table_names_each_guide_and_its_loss_option():
         "token": "none",  # given to the loss as log_q
         "random": "none",
     }
+    # the random guide reads nothing of the policy, so the loss skips the extra sweep for it
+    assert {name: cls.reads_policy for name, cls in GUIDES.items()} == {"branch": True, "token": True, "random": False}
