@@ -122,6 +122,7 @@ def build_rollout(
             device=device,
             synced_gpus=cfg.zero_stage == 3 and world > 1,
             max_rows=cfg.prompts_per_step // world * cfg.group_size,  # no generate larger than a step's
+            dtype=getattr(torch, cfg.hf_rollout_dtype) if cfg.hf_rollout_dtype else None,
         )
     if cfg.rollout_engine == "vllm":
         from .rollout.vllm import logprobs_mode_for

@@ -132,6 +132,9 @@ class RunOptions:
     vllm_max_model_len: int = 0  # 0: prompt + max_new_tokens of the longest eval / RL setting
     vllm_max_num_batched_tokens: int = 4096  # tokens per engine step (as TRL: the memory profiler); 0: vLLM's
     vllm_dtype: str = "bfloat16"
+    # hf engine: the parameters' dtype to sample with ("": the model's own); "bfloat16" samples from a
+    # copy refreshed at every generation, several times faster on CPUs with AVX-512 BF16 / AMX
+    hf_rollout_dtype: str = ""
     openai_base_url: str = ""  # e.g. http://host:8000 (vllm serve ... --enable-lora)
     openai_model: str = ""  # the served model's name ("": the `model` key)
     openai_shared_dir: str = ""  # where adapters are saved for the server to load
@@ -177,6 +180,9 @@ class RunOptions:
     # evaluation before and after RL
     eval_splits: list = field(default_factory=lambda: ["train", "test"])  # "train": the RL prompts; "test": held out
     eval_problems: int = 32
+    # the seed that draws the held-out problems ("test"); null: the run's seed. Fixed, every seed of
+    # a recipe evaluates the same problems, so seeds and problems are crossed factors of its results
+    held_out_seed: int | None = None
     eval_samples: int = 8
     eval_temperature: float = 1.0
     eval_max_new_tokens: int = 0  # 0: max_new_tokens

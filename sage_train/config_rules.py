@@ -32,6 +32,7 @@ CHOICES = {
     "tis_level": ("token", "sequence", "off"),
     "loss_backend": ("auto", "reference", "cpu", "triton"),
     "chat_template": ("", "tokenizer", "official"),
+    "hf_rollout_dtype": ("", "bfloat16", "float16", "float32"),
 }
 
 
@@ -93,6 +94,12 @@ def validate(cfg) -> None:
         "'hf' or 'vllm' with model 'tiny' or a warm start (sft_steps > 0): the server serves `model` as it "
         "is, not the weights the adapter would be trained on (warm-start in a run of its own and point "
         "`model` at its runs/<name>/sft directory, served by the server)",
+    )
+    require(
+        not cfg.hf_rollout_dtype or (cfg.rollout_engine == "hf" and cfg.zero_stage != 3),
+        "hf_rollout_dtype",
+        "'' unless rollout_engine is 'hf' without ZeRO-3 (the copy it samples from holds whole parameters; "
+        "vLLM has vllm_dtype)",
     )
     truncates = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0
     require(

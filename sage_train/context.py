@@ -41,6 +41,7 @@ class Generation:
     is_weights: torch.Tensor | None
     order: torch.Tensor  # the shuffled rows; step first_step + i takes its i-th part
     metrics: dict  # the rollouts' metrics, logged with each of its steps
+    timing: dict  # seconds spent sampling + grading and scoring it, logged with the step that made it
 
 
 @dataclass

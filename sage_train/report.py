@@ -229,6 +229,12 @@ class TrackioLogger:
         self.run.finish()
 
 
+def without_timing(row: dict) -> dict:
+    """A metrics row without its wall-clock keys (``step_time``, ``timing_s/*``): what two runs of
+    the same config must log alike."""
+    return {key: value for key, value in row.items() if key != "step_time" and not key.startswith("timing_s/")}
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

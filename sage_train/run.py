@@ -171,8 +171,8 @@ def evaluate_once(ctx: RunContext, path: Path) -> dict | None:
 
 
 def pass_at_k_over_ranks(ctx: RunContext, task, problems: list) -> dict:
-    """pass@1 and pass@eval_samples of `problems`: this rank's equal share sampled in one generate
-    call (`evaluate_engine`'s default), the counts gathered over ranks."""
+    """pass@1 and pass@eval_samples of `problems`, and each problem's (id, n, correct) counts: this
+    rank's equal share sampled in one generate call (`evaluate_engine`'s default), gathered over ranks."""
     cfg = ctx.cfg
     share = len(problems) // ctx.world
     ks = sorted({1, cfg.eval_samples})
@@ -187,12 +187,14 @@ def pass_at_k_over_ranks(ctx: RunContext, task, problems: list) -> dict:
         seeds=[cfg.seed],
     )
     gathered = [None] * ctx.world
-    dist.all_gather_object(gathered, [(r["n"], r["c"]) for r in result["problems"]])
-    counts = [pair for part in gathered for pair in part]
+    dist.all_gather_object(gathered, [[r["problem_id"], r["n"], r["c"]] for r in result["problems"]])
+    records = [record for part in gathered for record in part]
+    counts = [(n, c) for _, n, c in records]
     return {
         "problems": len(counts),
         "samples": cfg.eval_samples,
         **{f"pass@{k}": mean_pass_at_k(counts, k) for k in ks},
+        "counts": records,  # [problem id, n, correct] per problem: the same problems before and after RL
     }
 
 

@@ -71,13 +71,15 @@ class Inputs(NamedTuple):
 
 
 def held_out_problems(cfg: TrainConfig, task, train_problems: list) -> list:
-    """The ``eval_problems`` problems of `task`'s "test" split that are not RL prompts. The
-    synthetic tasks' splits are disjoint; a fixed list (a jsonl file, a math set) is the same list
-    for every split, so its held-out problems are the rows after the RL pool (``train_problems``)."""
+    """The ``eval_problems`` problems of `task`'s "test" split (drawn with ``held_out_seed``, None: the
+    run's seed) that are not RL prompts. The synthetic tasks' splits are disjoint; a fixed list (a
+    jsonl file, a math set) is the same list for every split, so its held-out problems are the rows
+    after the RL pool (``train_problems``)."""
     rl = {p.id for p in train_problems}
-    problems = list(task.problems("test", cfg.eval_problems, cfg.seed))
+    seed = cfg.seed if cfg.held_out_seed is None else cfg.held_out_seed
+    problems = list(task.problems("test", cfg.eval_problems, seed))
     if any(p.id in rl for p in problems):
-        problems = [p for p in task.problems("test", None, cfg.seed) if p.id not in rl][: cfg.eval_problems]
+        problems = [p for p in task.problems("test", None, seed) if p.id not in rl][: cfg.eval_problems]
     if not problems:
         raise ConfigError(
             f"config key 'eval_splits': 'test' has no held-out problem, every problem of "

@@ -42,6 +42,11 @@ from .reward_kl import shaped_rewards
 from .rollout import SamplingParams
 from .tasks.grading import grade
 
+#: host wall-clock seconds of a step's parts (on CUDA, without a synchronise: kernels still queued
+#: count toward the next part): sampling with grading, scoring (behaviour + reference log-probs),
+#: the loss + backward + optimizer step. A step fed by an earlier generation logs 0 for its parts.
+TIMING_OF_GENERATION = ("timing_s/generate", "timing_s/score")
+
 
 def rl_step(ctx: RunContext, step: int) -> dict:
     """One RL optimizer step (and, when it starts a generation, the rollouts of that generation);
@@ -49,8 +54,10 @@ def rl_step(ctx: RunContext, step: int) -> dict:
     cfg, start = ctx.cfg, time.perf_counter()
     spg = cfg.steps_per_generation
     first = step - (step - 1) % spg  # steps first .. first + spg - 1 share one generation
+    timing = dict.fromkeys(TIMING_OF_GENERATION, 0.0)  # a step fed by an earlier generation spent none
     if ctx.generation is None or ctx.generation.first_step != first:  # a resumed run regenerates
         ctx.generation = generate(ctx, first)
+        timing = ctx.generation.timing
     gen = ctx.generation
     part = gen.batch.rows // spg
     rows = gen.order[(step - first) * part : (step - first + 1) * part]
@@ -64,6 +71,7 @@ def rl_step(ctx: RunContext, step: int) -> dict:
     in_loss = ctx.guide is not None and ctx.guide.loss_option == "none" and not cfg.kl_in_reward
 
     # 6. the loss on hidden states + LM head, micro-batch by micro-batch, then the optimizer step
+    update_start = time.perf_counter()
     totals = policy_update(
         ctx,
         batch,
@@ -74,6 +82,7 @@ def rl_step(ctx: RunContext, step: int) -> dict:
         None if gen.is_weights is None else gen.is_weights[rows],
     )
 
+    update_s = time.perf_counter() - update_start
     check_finite_steps(ctx, step, totals.skipped)
 
     # 6b. the next generation (or the final evaluation) samples from the updated weights (hf: the
@@ -88,6 +97,8 @@ def rl_step(ctx: RunContext, step: int) -> dict:
         **totals.metrics(cfg.num_iterations),
         "learning_rate": ctx.engine.get_lr()[0],
         "step_time": time.perf_counter() - start,
+        **timing,
+        "timing_s/update": update_s,
     }
     if ctx.guide is not None:
         metrics.update(ctx.guide.schedule_values())
@@ -101,7 +112,9 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
     cfg = ctx.cfg
 
     # 1. rollouts and rewards: group_size completions per prompt, graded by the task's verifier
+    start = time.perf_counter()
     groups, rewards, rounds = collect_groups(ctx, first_step)
+    sampled = time.perf_counter()
     completions = [c for group in groups for c in group["completions"]]
 
     # 2. the batch; DAPO's overlong filtering drops completions cut by max_new_tokens from the loss
@@ -115,6 +128,7 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
     old_logp, entropy = score(ctx.engine, batch, mb, cfg.temperature)
     is_weights, tis_metrics = rollout_correction(cfg, completions, old_logp, batch)
     ref_logp = score(ctx.reference, batch, mb, cfg.temperature)[0] if ctx.reference is not None else None
+    timing = {"timing_s/generate": sampled - start, "timing_s/score": time.perf_counter() - sampled}
 
     # 4. group advantages: (r - mean) / (std + 1e-4) within each prompt's group, of the verifier's
     # reward or, with kl_in_reward, of that reward minus beta times the completion's KL to q pi_ref
@@ -143,7 +157,9 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
         metrics["dynamic_sampling/rounds"] = float(rounds)
     shuffle = torch.Generator().manual_seed(rollout_seed(cfg.seed, first_step, 0, ctx.rank))
     order = torch.randperm(batch.rows, generator=shuffle) if cfg.steps_per_generation > 1 else torch.arange(batch.rows)
-    return Generation(first_step, batch, advantages, old_logp, ref_logp, is_weights, order.to(ctx.device), metrics)
+    return Generation(
+        first_step, batch, advantages, old_logp, ref_logp, is_weights, order.to(ctx.device), metrics, timing
+    )
 
 
 def check_finite_steps(ctx: RunContext, step: int, skipped: list[str]) -> None:

@@ -1,9 +1,15 @@
 """The embedded rollout engine: transformers ``generate`` on the training model itself.
 
-It samples from the very weights being trained (no copy), so `sync_weights` only swaps
-the model reference and `awake` has nothing to keep. Prompts are left-padded; each prompt is
-repeated ``params.n`` times. A completion ends at EOS (kept), at a stop string (kept, the rest
-cut), or at ``max_new_tokens`` ("length").
+It samples from the very weights being trained, so `sync_weights` only swaps the model reference
+and `awake` has nothing to keep. With ``dtype`` (say bfloat16, on CPUs with AVX-512 BF16 or AMX
+several times faster than float32 at these shapes) it samples from a copy of the model whose
+parameters are in that dtype (buffers such as rotary frequencies stay as they are), refreshed from
+the live model at every call: a copy can never be stale, whatever the caller syncs or resumes, and
+the refresh (one cast of every parameter) costs far less than one decode step. Its log-probs then
+differ from the trainer's as a vLLM engine's do; ``tis_level`` corrects for that.
+
+Prompts are left-padded; each prompt is repeated ``params.n`` times. A completion ends at EOS
+(kept), at a stop string (kept, the rest cut), or at ``max_new_tokens`` ("length").
 
 Sampling is done here, not by ``generate``'s sampler, so that every row draws from a generator
 of its own (`_RowSampler`): sample j of prompt i is fixed by that prompt's seed and j, whatever
@@ -18,6 +24,7 @@ stepping until all are done, since each forward gathers parameters collectively.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 from collections.abc import Sequence
@@ -64,7 +71,8 @@ class _RowSampler(LogitsProcessor):
 
 class HFEngine:
     """max_rows: at most this many rows (prompts x n) per ``generate`` of the model, 0 for all at
-    once; a larger call runs in pieces (the same samples: each row has its own generator)."""
+    once; a larger call runs in pieces (the same samples: each row has its own generator).
+    dtype: the parameters' dtype to sample with (module docstring); None samples the model as it is."""
 
     def __init__(
         self,
@@ -74,11 +82,16 @@ class HFEngine:
         device: torch.device | str = "cpu",
         synced_gpus: bool = False,
         max_rows: int = 0,
+        dtype: torch.dtype | None = None,
     ) -> None:
+        if dtype is not None and synced_gpus:
+            raise ValueError("dtype: a sampling copy of the model cannot be made under ZeRO-3 (synced_gpus)")
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(device)
         self.synced_gpus = synced_gpus
         self.max_rows = max_rows
+        self.dtype = dtype
+        self._copy = None  # (the model it copies, the copy) once dtype asks for one
 
     def sync_weights(self, model) -> None:
         self.model = model
@@ -110,8 +123,9 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            cache = self._shared_prompt_cache(encoded, params.n)
-            out = self.model.generate(
+            model = self._sampling_model()
+            cache = self._shared_prompt_cache(model, encoded, params.n)
+            out = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 **({} if cache is None else {_CACHE_KEY: cache}),
@@ -157,7 +171,25 @@ class HFEngine:
             )
         return results
 
-    def _shared_prompt_cache(self, encoded: dict, n: int):
+    def _sampling_model(self):
+        """The model `generate` runs: the live one, or its copy in ``dtype`` with every parameter
+        refreshed from it now (the two enumerate parameters alike: the copy is a deepcopy)."""
+        if self.dtype is None or all(p.dtype == self.dtype for p in self.model.parameters()):
+            return self.model
+        if self._copy is None or self._copy[0] is not self.model:
+            replica = copy.deepcopy(self.model)
+            for param in replica.parameters():
+                param.requires_grad_(False)
+                param.grad = None
+                param.data = param.data.to(self.dtype)
+            self._copy = (self.model, replica)
+        else:
+            for mine, live in zip(self._copy[1].parameters(), self.model.parameters()):
+                mine.copy_(live)
+        self._copy[1].eval()
+        return self._copy[1]
+
+    def _shared_prompt_cache(self, model, encoded: dict, n: int):
         """The KV cache of every prompt but its last token, computed once per prompt and repeated
         for its `n` samples (``generate`` then runs the last prompt token and the completion), or
         None (one sample, a one-token prompt, or ZeRO-3 across ranks). ``generate`` itself would
@@ -168,9 +200,9 @@ class HFEngine:
             return None
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=model.config)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers left-padded rows
-        self.model(
+        model(
             input_ids=ids[:, :-1],
             attention_mask=mask[:, :-1],
             position_ids=positions[:, :-1],

@@ -126,6 +126,8 @@ def test_every_number_of_the_run_options_refuses_a_negative_value(key):
         ("--chat_template=tokenizer", ["'chat_template'", "no chat template"]),
         ("--sft_steps=5 --sft_max_example_tokens=1", ["sft_max_example_tokens", "no example"]),
         ("--rollout_engine=vllm", ["'rollout_engine'", "vLLM"]),
+        ("--hf_rollout_dtype=int8", ["'hf_rollout_dtype'", "'bfloat16'"]),
+        ("--hf_rollout_dtype=bfloat16 --zero_stage=3", ["'hf_rollout_dtype'", "ZeRO-3"]),
     ],
 )
 def test_a_bad_key_with_overwrite_exits_2_and_the_finished_run_survives(finished_run, capsys, arg, words):

@@ -26,6 +26,10 @@ def test_one_generation_feeds_two_optimizer_steps(tiny_config, distributed):
     for key in ("reward", "reward_std", "completions/mean_length"):
         assert rows[0][key] == rows[1][key] and rows[2][key] == rows[3][key], key
     assert rows[0]["completions/mean_length"] != rows[2]["completions/mean_length"]
+    # the time a generation took is logged with the step that sampled it, not again with the next
+    for key in ("timing_s/generate", "timing_s/score"):
+        assert rows[0][key] > 0 and rows[2][key] > 0 and rows[1][key] == 0 == rows[3][key], key
+    assert all(row["timing_s/update"] > 0 for row in rows)
     # the first step of a generation is on-policy (ratio 1, nothing clipped); the second is one update
     # stale, and at this learning rate some of its tokens leave the trust region wherever a group's
     # rewards differ (clipping counts only tokens with a nonzero advantage)

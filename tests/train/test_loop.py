@@ -50,6 +50,8 @@ def test_short_run_writes_every_output(tiny_config, distributed):
         q_min, q_mean, q_max = row["sage/q_min"], row["sage/q_mean"], row["sage/q_max"]
         assert 0.0 <= row["entropy/p50"] <= row["entropy/p80"] <= row["entropy/p90"] <= math.log(256) + 1e-4
         assert 0.6 - 1e-6 <= q_min <= q_mean + 1e-6 and q_mean <= q_max + 1e-6 and q_max <= 1.4 + 1e-6
+        parts = [row[f"timing_s/{part}"] for part in ("generate", "score", "update")]  # every step generates here
+        assert all(seconds > 0 for seconds in parts) and sum(parts) <= row["step_time"]
     assert load_yaml(run / "config.yaml") == cfg
     assert sorted(p.name for p in (run / "checkpoints").glob("step*")) == ["step000002", "step000003"]
     assert load_yaml(run / "checkpoints" / "step000003" / "config.yaml") == cfg
@@ -59,8 +61,13 @@ def test_short_run_writes_every_output(tiny_config, distributed):
     for when in ("before", "after"):
         assert set(saved[f"eval_{when}"]) == {"train", "test"}
         for result in saved[f"eval_{when}"].values():
-            assert set(result) == {"problems", "samples", "pass@1", "pass@2"} and result["problems"] == 4
+            assert set(result) == {"problems", "samples", "pass@1", "pass@2", "counts"} and result["problems"] == 4
             assert 0 <= result["pass@1"] <= result["pass@2"] <= 1
+            assert all(n == 2 and 0 <= c <= 2 for _, n, c in result["counts"])  # what pass@k is recomputed from
+            assert result["pass@1"] == sum(c for _, _, c in result["counts"]) / 8
+    for split in ("train", "test"):  # the same problems before and after RL: a paired comparison
+        ids = [[i for i, _, _ in saved[f"eval_{when}"][split]["counts"]] for when in ("before", "after")]
+        assert ids[0] == ids[1] and len(set(ids[0])) == 4
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tokenizer = AutoTokenizer.from_pretrained(run / "final")
     assert tokenizer.decode(tokenizer("1+2=")["input_ids"]) == "1+2="
@@ -119,8 +126,7 @@ def test_resume_after_sigterm_reproduces_the_uninterrupted_metrics(tiny_config, 
     resumed = report.read_metrics(parted.run_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(expected, resumed):
-        a.pop("step_time"), b.pop("step_time")
-        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+        assert report.without_timing(a) == pytest.approx(report.without_timing(b), rel=1e-6, abs=1e-7)
     # weights after 8 Adam steps at lr 3e-3: equal up to float32 summation-order noise
     final = [AutoModelForCausalLM.from_pretrained(run.run_dir / "final") for run in (whole, parted)]
     for p, q in zip(final[0].parameters(), final[1].parameters()):

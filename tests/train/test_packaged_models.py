@@ -120,9 +120,13 @@ def test_sage_bench_train_compares_generation_with_trls_on_a_named_model(gguf_pa
     argv = ["train", f"--model={gguf_path}", "--prompts=2", "--group=3", "--new-tokens=4", "--repeats=1", "--threads=1"]
     assert bench_main([*argv, f"--out={out}"]) == 0
     info, *rows = [json.loads(line) for line in (out / "generation.jsonl").read_text().splitlines()]
-    assert info["args"]["group"] == 3 and [r["provider"] for r in rows] == ["sage hf engine", "TRL generate"]
+    assert info["args"]["group"] == 3
+    assert [r["provider"] for r in rows] == ["sage hf engine", "sage hf engine, bf16", "TRL generate"]
     assert all(6 <= r["tokens"] <= 24 and r["tokens_per_s"] > 0 for r in rows)  # 6 rows, 1 to 4 tokens each
-    assert "| TRL generate |" in (out / "generation.md").read_text()
+    gap = info["bf16_logprob_gap"]  # the bf16 copy's log-probs differ from float32's, to bf16 precision
+    assert 6 <= gap["tokens"] <= 24 and 0 < gap["abs_mean"] <= gap["abs_max"] < 0.2
+    table = (out / "generation.md").read_text()
+    assert "| TRL generate |" in table and "| sage hf engine, bf16 |" in table and "|diff| mean" in table
     from sage_bench.train import completion_tokens
 
     assert completion_tokens(torch.tensor([[5, 2, 2], [5, 5, 5], [2, 2, 2], [5, 5, 2]]), eos=2) == 2 + 3 + 1 + 3
@@ -146,3 +150,21 @@ def test_a_lora_checkpoint_of_a_tied_model_leaves_out_both_names_of_the_frozen_h
         kept = policy.state_dict()
     assert kept and all("lora_" in name for name in kept)
     assert any(name.endswith("lm_head.weight") for name in policy.state_dict())  # only while inside
+
+
+def test_sage_bench_train_step_runs_both_trainers_in_the_recipes_setting(gguf_path, cache, tmp_path):
+    """One whole RL step of sage-train and one of TRL's GRPOTrainer on a (tiny) real model, each in a
+    fresh process: every part timed, tokens counted, peak RSS read; the table compares them."""
+    from sage_bench.cli import main as bench_main
+
+    out = tmp_path / "bench"
+    argv = ["train", "--part=step", f"--model={gguf_path}", "--steps=1", "--repeats=1", "--threads=1", f"--out={out}"]
+    assert bench_main(argv) == 0
+    info, *rows = [json.loads(line) for line in (out / "step.jsonl").read_text().splitlines()]
+    assert info["args"]["steps"] == 1 and [r["side"] for r in rows] == ["sage", "trl"]
+    for row in rows:
+        assert 0 < row["generate"] < row["step"] and row["score"] > 0 and row["update"] > 0, row
+        assert row["generate"] + row["score"] + row["update"] <= row["step"] * 1.001, row
+        assert 64 <= row["completion_tokens"] <= 64 * 48 and 0 <= row["reward"] <= 1  # 64 rows, 1 to 48 tokens each
+        assert 100 < row["peak_rss_mib"] < 20_000
+    assert "| trl |" in (out / "step.md").read_text() and "sage / TRL: tokens/s" in (out / "step.md").read_text()

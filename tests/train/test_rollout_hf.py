@@ -55,3 +55,29 @@ def test_engine_logprobs_equal_the_fused_scoring_of_the_same_tokens():
         torch.testing.assert_close(logp[row, :n], torch.tensor(c.logprobs), atol=2e-5, rtol=1e-5)
         assert batch.completion_mask[row].sum() == n
     assert (entropy[batch.completion_mask] > 0).all()
+
+
+def test_bfloat16_engine_samples_a_fresh_copy_and_reports_its_own_logprobs():
+    """dtype=bfloat16 samples from a copy of the live model refreshed at every call (never stale),
+    leaves the live model in float32, and reports the log-probs of the distribution it sampled,
+    which the float32 trainer's scoring of the same tokens matches to bfloat16 precision."""
+    tokenizer = build_char_tokenizer()
+    model = tiny_model(tokenizer, seed=2)
+    engine = make_engine("hf", model, tokenizer, dtype=torch.bfloat16)
+    prompts, params = ["7+8=", "123+456="], SamplingParams(n=3, max_new_tokens=10, seed=4)
+    completions = [c for group in engine.generate(prompts, params) for c in group]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    batch = make_batch(completions, torch.device("cpu"), tokenizer.pad_token_id)
+    logp, _ = score(PolicyHead(model), batch, micro_batch_size=6, temperature=1.0)
+    engine_logp = torch.zeros_like(logp)
+    for row, c in enumerate(completions):
+        engine_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
+    gap = (logp - engine_logp)[batch.completion_mask].abs()
+    assert 0 < gap.max() < 0.1 and gap.mean() < 0.03  # bfloat16, not float32: they differ, a little
+
+    with torch.no_grad():  # the live weights move (an optimizer step): the next call samples the new ones
+        model.lm_head.weight.mul_(3.0)
+    moved = [[c.completion_ids for c in g] for g in engine.generate(prompts, params)]
+    fresh = make_engine("hf", model, tokenizer, dtype=torch.bfloat16).generate(prompts, params)
+    assert moved == [[c.completion_ids for c in g] for g in fresh]
+    assert moved != [[c.completion_ids for c in completions[i * 3 : i * 3 + 3]] for i in range(2)]

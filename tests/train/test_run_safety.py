@@ -41,7 +41,7 @@ def config(output: Path, name: str, **overrides):
 
 def metrics(run_dir: Path) -> list[dict]:
     rows = report.read_metrics(Path(run_dir) / "metrics.jsonl")
-    return [{k: v for k, v in row.items() if k != "step_time"} for row in rows]
+    return [report.without_timing(row) for row in rows]
 
 
 def assert_same_metrics(got: list[dict], expected: list[dict]) -> None:
