@@ -35,6 +35,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "smollm2-arithmetic"
 PARTS = ("generate", "score", "update", "step")
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def peak_rss_mib() -> float:
@@ -204,7 +205,9 @@ WORKERS = {"sage": sage_worker, "trl": trl_worker}
 def run_side(side: str, model: str, steps: int, threads: int) -> dict:
     """One side in a fresh process; its result row (or {"failed": the last lines of its output})."""
     command = [sys.executable, "-m", "benchmarks.rl_step", side, model, str(steps), str(threads)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    # one process of its own: no rendezvous inherited from a launcher (accelerate would join it)
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     result_lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not result_lines:
