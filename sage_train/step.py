@@ -128,7 +128,7 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
     old_logp, entropy = score(ctx.engine, batch, mb, cfg.temperature)
     is_weights, tis_metrics = rollout_correction(cfg, completions, old_logp, batch)
     ref_logp = score(ctx.reference, batch, mb, cfg.temperature)[0] if ctx.reference is not None else None
-    timing = {"timing_s/generate": sampled - start, "timing_s/score": time.perf_counter() - sampled}
+    timing = dict(zip(TIMING_OF_GENERATION, (sampled - start, time.perf_counter() - sampled)))
 
     # 4. group advantages: (r - mean) / (std + 1e-4) within each prompt's group, of the verifier's
     # reward or, with kl_in_reward, of that reward minus beta times the completion's KL to q pi_ref
