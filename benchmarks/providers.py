@@ -18,6 +18,7 @@ import torch
 
 from sage_kernels import fused_linear_sage_loss
 
+from . import trl_head
 from .chunked_loss import chunked_grpo_loss
 from .shapes import Inputs
 
@@ -153,6 +154,8 @@ PROVIDERS = {
         Provider("torch-compile-chunked", _chunked, "none", _always),
         Provider("liger-compiled", _liger(True), "none", _liger_missing),
         Provider("liger-eager", _liger(False), "none", _liger_missing),
+        Provider("trl-full-logits", trl_head.full_logits(SETTINGS), "none", trl_head.missing),
+        Provider("trl-chunked", trl_head.chunked(SETTINGS), "none", trl_head.missing),
         Provider("gemm-floor", _gemm_floor, None, _always),
         Provider("sage-cpu", _sage("cpu", "none"), "none", functools.partial(_backend_missing, "cpu"), ours=True),
         Provider(

@@ -15,6 +15,7 @@ import torch
 #: (hidden size D, vocabulary V) of the LM heads the benchmark is named after.
 SHAPES = {
     "cpu-small": (512, 32000),
+    "smollm2-135m": (576, 49152),
     "qwen2.5-0.5b": (896, 151936),
     "qwen2.5-1.5b": (1536, 151936),
     "qwen2.5-7b": (3584, 152064),
