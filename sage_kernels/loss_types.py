@@ -46,5 +46,6 @@ LOSS_TYPES = {
     "sapo": LossType(5, clipped=False, aggregation="sequence_mean"),
     "luspo": LossType(6, clipped=True, aggregation="sequence_sum"),
     "vespo": LossType(7, clipped=False, aggregation="token_sum", normaliser="given_tokens", sequence_weight=True),
+    "gmpo": LossType(8, clipped=False, aggregation="sequence_mean", sequence_weight=True),
 }
 LOSS_TYPE_CODES = {name: kind.code for name, kind in LOSS_TYPES.items()}

@@ -10,7 +10,9 @@ anchor into SAGE's. The tuple also carries every SAGE metric by name in ``metric
 
 Where Liger's semantics differ from TRL's (which `LossConfig` follows), `forward` follows Liger:
 - the clipped fraction is measured on the ratio before the ``delta`` cap (TRL: after); for cispo
-  it counts r > epsilon_high with A > 0, for sapo and vespo it is 0;
+  it counts r > epsilon_high with A > 0, for sapo and vespo it is 0; gmpo (not in Liger 0.8.5:
+  `LossConfig`'s meaning, epsilon_low and epsilon_high bounding log r) counts the tokens whose
+  log-space clip binds, log r < -epsilon_low with A < 0 or log r > epsilon_high with A > 0;
 - ``num_items_in_batch`` given to `forward` (dapo, cispo, vespo) is the count over all processes;
   it is divided by the world size here, and when neither `forward` nor the config gives one, the
   mask sum is all-reduced, as Liger does. A ``num_items_in_batch`` in the config keeps
@@ -86,8 +88,8 @@ class FusedLinearSAGELoss(nn.Module):
 
         `compiled` and `chunk_size` are Liger's execution knobs (torch.compile of its loss maths,
         rows per chunk); the fused kernels tile on their own, so they select nothing here. Liger
-        ignores `delta` outside PPO clipping (cispo, sapo, vespo), and so does this module.
-        `options` are further `LossConfig` fields (guide, gamma, ...).
+        ignores `delta` outside PPO clipping (cispo, sapo, vespo), and so does this module (and for
+        gmpo, which Liger 0.8.5 does not have). `options` are further `LossConfig` fields (guide, gamma, ...).
         """
         del compiled, chunk_size
         options = {"guide": "none", "kl": "k3", "luspo_include_padding": loss_type == "luspo", **options}
@@ -219,6 +221,9 @@ def _liger_clip_fraction(
     A = A[:, None] if A.dim() == 1 else A
     if config.loss_type == "cispo":
         clipped = (ratio > config.eps_high) & (A > 0)
+    elif config.loss_type == "gmpo":  # GMPO's clip is on the log-ratio (reference.gmpo_ratio)
+        log_ratio = ratio.log()
+        clipped = ((log_ratio < -config.eps_low) & (A < 0)) | ((log_ratio > config.eps_high) & (A > 0))
     elif not LOSS_TYPES[config.loss_type].clipped:
         clipped = torch.zeros_like(ratio, dtype=torch.bool)
     else:

@@ -19,6 +19,9 @@ Choices where TRL leaves room (docs/loss.md lists them all), following TRL's GRP
   when beta != 0; with use_bias_correction_kl the reported KL is the ratio-weighted one.
 - cispo's clip fraction is TRL's ``cispo_clip_ratio`` (r > eps_high and A > 0), reported as
   clip_ratio/high_mean and region_mean; sapo and vespo clip nothing (all three are 0).
+- gmpo follows the official GMPO code (`gmpo_ratio`): its clip fractions count the tokens whose
+  log-ratio clip binds (their gradient is cut): low = log r < -eps_low and A < 0, high =
+  log r > eps_high and A > 0; the per-token ``ratio`` output stays the token ratio r.
 - the off-policy mask multiplies the PG term only (TRL's order: the KL and the entropy bonus
   of a dropped sequence stay), and the normalisers still count its tokens.
 - a call without any unmasked token has no metric values: every metric is NaN (its loss is 0).
@@ -141,7 +144,7 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
         pg = pg * keep.to(pg.dtype)
     if config.top_entropy_quantile < 1.0:
         pg = pg * high_entropy_mask(entropy, mask, config.top_entropy_quantile, active).to(pg.dtype)
-    if inputs.is_weights is not None and config.loss_type != "vespo":
+    if inputs.is_weights is not None and config.loss_type not in ("vespo", "gmpo"):  # both fold w into a row weight
         pg = pg * inputs.is_weights.to(pg.dtype)
 
     per_token_loss = pg - config.entropy_coef * entropy
@@ -178,6 +181,9 @@ def policy_gradient_term(logp, ratio, token_log_ratio, A, inputs: SageInputs, co
     if config.loss_type == "vespo":
         phi = vespo_weight(token_log_ratio.detach(), A, inputs.mask, inputs.is_weights, config)
         return -phi * A * logp, none, none
+    if config.loss_type == "gmpo":
+        geometric_ratio, low, high = gmpo_ratio(token_log_ratio, A, inputs.mask, config)
+        return -gmpo_weight(inputs.is_weights, inputs.mask, A) * geometric_ratio * A, low, high
     clipped = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high)
     unclipped = ratio if config.delta_clip is None else ratio.clamp(max=config.delta_clip)
     pg = -torch.minimum(unclipped * A, clipped * A)
@@ -216,6 +222,43 @@ def vespo_weight(token_log_ratio, A, mask, is_weights, config: LossConfig) -> to
     lam = _by_sign(nonnegative, config.vespo_lambda_pos, config.vespo_lambda_neg, m).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * log_w.exp())
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def gmpo_ratio(token_log_ratio, A, mask, config: LossConfig):
+    """GMPO's ratio R_b = exp( sum_t m_t c_t / max(sum_t m_t, 1) ), differentiable, and its (low, high)
+    clip indicators. token_log_ratio, mask: [B, L]; A: [B, L]. Returns R [B, 1] and two [B, L] bools.
+
+    c_t = s min(s l_t, s clamp(l_t, -eps_low, eps_high)) with l_t = logp_t - old_logp_t and s = sign(A_t):
+    the token's log-ratio clipped in log space on the side that the advantage's sign makes greedy (A > 0:
+    l capped at eps_high; A < 0: l floored at -eps_low; A = 0: c = 0). This is the official code
+    (github.com/callsys/GMPO, train_zero_math_gmpo.py, ``critic_type_modify == "gmpo"``, whose sign
+    convention clips A = 0 as if A > 0, where the PG term is 0 anyway; verl's ``geo_mean`` loss, which
+    GMPO's README points to, uses sign(A) as here). A clipped token adds a constant to the row's sum, so
+    dR_b/dlogp_t = R_b m_t 1[t not clipped] / count_b (ties split by autograd add up to 1 inside the range).
+    GMPO divides by count_b + 1e-8; max(count_b, 1) differs from it by 1e-8 relative and keeps an
+    empty row at R = 1.
+    """
+    m = mask.to(token_log_ratio.dtype)
+    s = torch.sign(A)
+    bounded = token_log_ratio.clamp(-config.eps_low, config.eps_high)
+    clipped_log_ratio = s * torch.minimum(s * token_log_ratio, s * bounded)
+    count = ordered_sum(m, -1, keepdim=True).clamp(min=1.0)
+    geometric_ratio = torch.exp(ordered_sum(clipped_log_ratio * m, -1, keepdim=True) / count)
+    low = (token_log_ratio.detach() < -config.eps_low) & (A < 0)
+    high = (token_log_ratio.detach() > config.eps_high) & (A > 0)
+    return geometric_ratio, low, high
+
+
+def gmpo_weight(is_weights, mask, like: torch.Tensor) -> torch.Tensor:
+    """GMPO's rollout-correction weight per row, no gradient: the geometric mean over the row's unmasked
+    tokens of `is_weights` (verl's ``geo_mean`` loss), W_b = exp( sum_t m_t log w_t / max(sum_t m_t, 1) ),
+    [B, 1]; 1 without weights. A weight of 0 makes W_b = 0 (verl adds 1e-10 to w first)."""
+    if is_weights is None:
+        return torch.ones_like(like[:, :1])
+    m = mask.to(like.dtype)
+    log_w = torch.where(mask, is_weights.to(like.dtype), 1.0).log()
+    count = ordered_sum(m, -1, keepdim=True).clamp(min=1.0)
+    return torch.exp(ordered_sum(torch.where(mask, log_w, 0.0), -1, keepdim=True) / count)
 
 
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, rho: float, active: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,10 @@ class LossConfig:
     gamma, tau, q_min, q_max: branch guide q = clamp(1 + gamma*(H - tau)+, q_min, q_max).
     loss_type: "grpo", "bnpo", "dr_grpo", "dapo", "luspo" (PPO clipping, TRL's normalisers),
     "cispo" (clipped, detached ratio times logp), "sapo" (sigmoid-gated ratio) or "vespo"
-    (detached gamma weight of the sequence ratio times logp), as in TRL 1.16.
+    (detached gamma weight of the sequence ratio times logp), as in TRL 1.16; or "gmpo" (GMPO: the
+    geometric mean over the row of the token ratios, each clipped in log space by the sign of A;
+    its eps_low and eps_high bound log r to [-eps_low, eps_high], any eps_low >= 0; GMPO's recipes
+    use 0.4 for both).
     eps_low, eps_high: PPO clip range [1 - eps_low, 1 + eps_high]; for cispo eps_high is the cap
     on the ratio itself (TRL's meaning). delta_clip: cap on the unclipped ratio (TRL's ``delta``),
     > 1. dual_clip_c: PPO dual clip (verl's ``clip_ratio_c``), > 1. Both only for clipped types.
@@ -134,7 +137,10 @@ class LossConfig:
         _require(self.beta >= 0, "beta", ">= 0 (0: no KL term)", self.beta)
         _require(self.gamma >= 0, "gamma", ">= 0", self.gamma)
         _require(0 < self.q_min <= self.q_max, "q_min", f"in (0, q_max={self.q_max}]", self.q_min)
-        _require(0 <= self.eps_low < 1, "eps_low", "in [0, 1)", self.eps_low)
+        if self.loss_type == "gmpo":  # a bound on the log-ratio, not 1 - eps_low on the ratio
+            _require(self.eps_low >= 0, "eps_low", ">= 0 for loss_type 'gmpo' (a log-ratio bound)", self.eps_low)
+        else:
+            _require(0 <= self.eps_low < 1, "eps_low", "in [0, 1)", self.eps_low)
         _require(self.eps_high >= 0, "eps_high", ">= 0", self.eps_high)
         _require(0 < self.top_entropy_quantile <= 1, "top_entropy_quantile", "in (0, 1]", self.top_entropy_quantile)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
@@ -156,6 +162,13 @@ class LossConfig:
             )
         if self.loss_type == "cispo":
             _require(self.eps_high > 0, "eps_high", "> 0 for loss_type 'cispo' (the cap on the ratio)", self.eps_high)
+        if self.loss_type == "gmpo":
+            _require(
+                self.importance_sampling == "token",
+                "importance_sampling",
+                "'token' for loss_type 'gmpo' (its ratio is already the row's geometric mean)",
+                self.importance_sampling,
+            )
         if self.luspo_include_padding:
             _require(
                 self.loss_type == "luspo",

@@ -379,9 +379,10 @@ class SAGEGRPOTrainer(GRPOTrainer):
 
 def _check_supported(args: SAGEGRPOConfig) -> None:
     """Reject the TRL options this trainer does not implement, before any model is loaded."""
-    if args.loss_type not in LOSS_TYPES:
+    trl_loss_types = [name for name in LOSS_TYPES if name != "gmpo"]  # TRL 1.16 has no gmpo to map it to
+    if args.loss_type not in trl_loss_types:
         raise ValueError(
-            f"SAGEGRPOTrainer does not support loss_type={args.loss_type!r} (loss types: {', '.join(LOSS_TYPES)})"
+            f"SAGEGRPOTrainer does not support loss_type={args.loss_type!r} (loss types: {', '.join(trl_loss_types)})"
         )
     if args.sage_guide != "none" and args.beta == 0.0:
         raise ValueError(

@@ -19,6 +19,7 @@ LOSS_CISPO = tl.constexpr(LOSS_TYPE_CODES["cispo"])
 LOSS_SAPO = tl.constexpr(LOSS_TYPE_CODES["sapo"])
 LOSS_VESPO = tl.constexpr(LOSS_TYPE_CODES["vespo"])
 LOSS_LUSPO = tl.constexpr(LOSS_TYPE_CODES["luspo"])
+LOSS_GMPO = tl.constexpr(LOSS_TYPE_CODES["gmpo"])
 LOG_W_MIN = tl.constexpr(VESPO_LOG_W_MIN)
 LOG_W_MAX = tl.constexpr(VESPO_LOG_W_MAX)
 
@@ -94,11 +95,26 @@ def clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c, HAS_DELTA
 
 
 @triton.jit
+def gmpo_clip(log_ratio, adv, eps_low, eps_high):
+    """GMPO's token clip in log space (`reference.gmpo_ratio`): (c, passes, low, high) with c the clipped
+    log-ratio, passes = dc/dlog_ratio as autograd gives it (1, or 0 where the clip binds or A = 0),
+    low/high the clip indicators (log r < -eps_low with A < 0, log r > eps_high with A > 0)."""
+    positive = adv > 0
+    negative = adv < 0
+    c = tl.where(positive, tl.minimum(log_ratio, eps_high), tl.where(negative, tl.maximum(log_ratio, -eps_low), 0.0))
+    passes = tl.where((positive & (log_ratio <= eps_high)) | (negative & (log_ratio >= -eps_low)), 1.0, 0.0)
+    return c, passes, negative & (log_ratio < -eps_low), positive & (log_ratio > eps_high)
+
+
+@triton.jit
 def policy_gradient(
     ratio,
+    log_ratio,
     lp,
     adv,
     log_w,
+    gmpo_ratio,
+    gmpo_weight,
     eps_low,
     eps_high,
     delta_clip,
@@ -113,7 +129,8 @@ def policy_gradient(
     HAS_DELTA: tl.constexpr,
     HAS_DUAL: tl.constexpr,
 ):
-    """(pg, dpg/dratio, dpg/dlogp at a fixed ratio, low, high) of the loss type's PG term."""
+    """(pg, dpg/dratio, dpg/dlogp at a fixed ratio, low, high) of the loss type's PG term; for gmpo
+    the ratio is the row's `gmpo_ratio` (dpg/dratio is its slope) times the row weight `gmpo_weight`."""
     d_pg_logp = tl.zeros(ratio.shape, dtype=tl.float32)
     low = d_pg_logp != 0.0
     high = low
@@ -137,6 +154,10 @@ def policy_gradient(
         pg = -phi * adv * lp
         d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
         d_pg_logp = -phi * adv
+    elif LOSS == LOSS_GMPO:
+        d_pg = -adv * gmpo_weight
+        pg = d_pg * gmpo_ratio
+        _, _, low, high = gmpo_clip(log_ratio, adv, eps_low, eps_high)
     else:
         pg, d_pg, low, high = clipped_pg(ratio, adv, eps_low, eps_high, delta_clip, dual_clip_c, HAS_DELTA, HAS_DUAL)
     return pg, d_pg, d_pg_logp, low, high

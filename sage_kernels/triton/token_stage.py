@@ -4,11 +4,14 @@ One program per sequence (row b) walks its L positions in BLOCK_L chunks:
 
 1. row statistics: the token count and, for sequence-level ratios, sum_t m (logp - old_logp);
    for vespo, the log of the sequence weight w (docs/loss.md); for the off-policy mask,
-   sum_t m (sampling_logp - logp) (old_logp without sampling log-probs);
+   sum_t m (sampling_logp - logp) (old_logp without sampling log-probs); for gmpo, sum_t m c_t (the
+   token log-ratios clipped in log space by the sign of A) and sum_t m log w_t (the rollout weights'
+   geometric mean), which give the row's ratio R_b and weight W_b;
 2. every per-token quantity of docs/loss.md, written for all positions (positions outside the
    loss get q = ratio = 1, kl = 0, g = c = 0), the row's share of the loss and of each metric;
 3. sequence-level ratios only: the ratio is shared by the row, so g_t needs the row sum
-   G_b = sum_s scale_s dl_s/dr from step 2: g_t += G_b r m_t / count_b.
+   G_b = sum_s scale_s dl_s/dr from step 2: g_t += G_b r m_t / count_b; for gmpo the same with
+   R_b, skipping the tokens whose clip binds: g_t += G_b R_b m_t 1[t not clipped] / count_b.
 
 g = dloss/dlogp and c = dloss/dH already include the loss-type normaliser
 (scale_t = m_t / (B max(count_b, 1)) for grpo and sapo, m_t / B for luspo, m_t / normaliser
@@ -36,7 +39,17 @@ from ..loss_types import LOSS_TYPES
 from ..reference import loss_normaliser
 from ..spec import KL_CODES, LossConfig
 from .tiles import interpreting, new_buffer
-from .token_math import LOG_W_MAX, LOG_W_MIN, LOSS_LUSPO, LOSS_VESPO, kl_and_slope, log_guide, policy_gradient
+from .token_math import (
+    LOG_W_MAX,
+    LOG_W_MIN,
+    LOSS_GMPO,
+    LOSS_LUSPO,
+    LOSS_VESPO,
+    gmpo_clip,
+    kl_and_slope,
+    log_guide,
+    policy_gradient,
+)
 
 if TYPE_CHECKING:
     from .boundary import LossTensors
@@ -134,6 +147,8 @@ def _token_stage_kernel(
     log_ratio_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
     log_w_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
     behaviour_kl_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    gmpo_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
+    gmpo_log_w_sum = tl.zeros([BLOCK_L], dtype=tl.float32)
     for l0 in range(0, L, BLOCK_L):
         in_row = l0 + offs < L
         m = tl.load(mask_ptr + base + l0 + offs, mask=in_row, other=0) != 0
@@ -154,6 +169,16 @@ def _token_stage_kernel(
             else:
                 behaviour_kl = tl.load(old_ptr + base + l0 + offs, mask=m, other=0.0) - lp
             behaviour_kl_sum += tl.where(m, behaviour_kl, 0.0)
+        if LOSS == LOSS_GMPO:
+            token_log_ratio = tl.zeros([BLOCK_L], dtype=tl.float32)
+            if HAS_OLD:
+                lp = tl.load(logp_ptr + base + l0 + offs, mask=in_row, other=0.0)
+                token_log_ratio = lp - tl.load(old_ptr + base + l0 + offs, mask=m, other=0.0)
+            adv = tl.load(adv_ptr + base + l0 + offs, mask=m, other=0.0)
+            clipped_log_ratio, _, _, _ = gmpo_clip(token_log_ratio, adv, eps_low, eps_high)
+            gmpo_sum += tl.where(m, clipped_log_ratio, 0.0)
+            if HAS_IS_WEIGHTS:
+                gmpo_log_w_sum += tl.where(m, tl.log(tl.load(isw_ptr + base + l0 + offs, mask=m, other=1.0)), 0.0)
     n_tokens = tl.sum(count, axis=0)
     per_token_share = 1.0 / tl.maximum(n_tokens, 1.0)
     if PER_SEQUENCE_MEAN:
@@ -166,6 +191,8 @@ def _token_stage_kernel(
         scale = tl.load(inv_norm_ptr)
     seq_ratio = tl.exp(tl.sum(log_ratio_sum, axis=0) * per_token_share)
     log_w = tl.minimum(tl.maximum(tl.sum(log_w_sum, axis=0), LOG_W_MIN), LOG_W_MAX)
+    gmpo_ratio = tl.exp(tl.sum(gmpo_sum, axis=0) * per_token_share)
+    gmpo_weight = tl.exp(tl.sum(gmpo_log_w_sum, axis=0) * per_token_share)
     if HAS_QUANTILE:
         threshold = tl.load(threshold_ptr)
     # the off-policy mask keeps the row's A >= 0 tokens, and all of them when it is near the sampler
@@ -199,10 +226,13 @@ def _token_stage_kernel(
         log_q = tl.where(active, log_q, 0.0)
         q = tl.exp(log_q)
 
+        log_ratio = tl.zeros([BLOCK_L], dtype=tl.float32)
+        if HAS_OLD:
+            log_ratio = lp - tl.load(old_ptr + at, mask=active, other=0.0)
         if SEQUENCE:
             ratio = tl.zeros([BLOCK_L], dtype=tl.float32) + seq_ratio
         elif HAS_OLD:
-            ratio = tl.exp(lp - tl.load(old_ptr + at, mask=active, other=0.0))
+            ratio = tl.exp(log_ratio)
         else:
             ratio = tl.full([BLOCK_L], 1.0, tl.float32)
 
@@ -230,9 +260,12 @@ def _token_stage_kernel(
 
         pg, d_pg, d_pg_logp, low, high = policy_gradient(
             ratio,
+            log_ratio,
             lp,
             adv,
             log_w,
+            gmpo_ratio,
+            gmpo_weight,
             eps_low,
             eps_high,
             delta_clip,
@@ -257,7 +290,7 @@ def _token_stage_kernel(
             pg *= kept
             d_pg *= kept
             d_pg_logp *= kept
-        if HAS_IS_WEIGHTS and LOSS != LOSS_VESPO:  # vespo folds the weights into w
+        if HAS_IS_WEIGHTS and (LOSS != LOSS_VESPO and LOSS != LOSS_GMPO):  # both fold w into a row weight
             weights = tl.load(isw_ptr + at, mask=active, other=1.0)
             pg *= weights
             d_pg *= weights
@@ -285,19 +318,34 @@ def _token_stage_kernel(
         if SEQUENCE:
             ratio_slope_sum += tl.where(active, token_scale * (d_pg + kl_ratio_slope), 0.0)
             tl.store(g_ptr + at, local, mask=in_row)
+        elif LOSS == LOSS_GMPO:  # d_pg is the slope in the row's ratio: step 3
+            ratio_slope_sum += tl.where(active, token_scale * d_pg, 0.0)
+            tl.store(g_ptr + at, local + token_scale * kl_ratio_slope * ratio, mask=in_row)
         else:
             tl.store(g_ptr + at, local + token_scale * (d_pg + kl_ratio_slope) * ratio, mask=in_row)
 
-    # 3. sequence-level ratios: every token's logp moves the shared ratio
-    if SEQUENCE:
+    # 3. sequence-level ratios (and gmpo's): every token's logp moves the shared ratio
+    if SEQUENCE or LOSS == LOSS_GMPO:
         tl.debug_barrier()  # step 2's stores of g are visible to every thread of the program
-        d_log_ratio = tl.sum(ratio_slope_sum, axis=0) * seq_ratio * per_token_share
+        if SEQUENCE:
+            d_log_ratio = tl.sum(ratio_slope_sum, axis=0) * seq_ratio * per_token_share
+        else:
+            d_log_ratio = tl.sum(ratio_slope_sum, axis=0) * gmpo_ratio * per_token_share
         for l0 in range(0, L, BLOCK_L):
             at = base + l0 + offs
             in_row = l0 + offs < L
             m = tl.load(mask_ptr + at, mask=in_row, other=0) != 0
             local = tl.load(g_ptr + at, mask=in_row, other=0.0)
-            tl.store(g_ptr + at, local + tl.where(m, d_log_ratio, 0.0), mask=in_row)
+            if LOSS == LOSS_GMPO:  # a token whose clip binds adds a constant to the row's sum
+                token_log_ratio = tl.zeros([BLOCK_L], dtype=tl.float32)
+                if HAS_OLD:
+                    lp = tl.load(logp_ptr + at, mask=in_row, other=0.0)
+                    token_log_ratio = lp - tl.load(old_ptr + at, mask=m, other=0.0)
+                adv = tl.load(adv_ptr + at, mask=m, other=0.0)
+                _, passes, _, _ = gmpo_clip(token_log_ratio, adv, eps_low, eps_high)
+                tl.store(g_ptr + at, local + tl.where(m, d_log_ratio * passes, 0.0), mask=in_row)
+            else:
+                tl.store(g_ptr + at, local + tl.where(m, d_log_ratio, 0.0), mask=in_row)
 
     stats = row_stats_ptr + row * N_STATS
     tl.store(stats + _ROW_LOSS, tl.sum(loss_sum, axis=0))

@@ -241,11 +241,13 @@ def compile_all() -> None:
         (3, False, "cispo"),
         (4, True, "sapo"),
         (3, True, "vespo"),
+        (3, True, "gmpo"),
+        (1, False, "gmpo"),
     ):
         flags = dict(
             KL=kl,
             BRANCH=not everything,
-            SEQUENCE=everything,
+            SEQUENCE=everything and loss_type != "gmpo",  # gmpo takes token-level ratios only
             LOSS=LOSS_TYPES[loss_type].code,
             PADDED=everything and loss_type == "luspo",  # luspo_include_padding
             PER_SEQUENCE_MEAN=LOSS_TYPES[loss_type].aggregation == "sequence_mean",

@@ -270,3 +270,24 @@ def test_a_number_divisor_stays_a_number():
     assert isinstance(n, float) and n == 50.0
     counted = sage_module._liger_dapo_normaliser(mask, torch.tensor(50.0))
     assert isinstance(counted, torch.Tensor) and float(counted) == 50.0
+
+
+def test_gmpo_from_liger_matches_the_oracle_and_counts_log_space_clips():
+    """Liger 0.8.5 has no gmpo: from_liger passes it to LossConfig (epsilons bound log r). The loss and
+    gradients are the float64 reference's, and the clipped fraction counts log r > eps_high with A > 0
+    and log r < -eps_low with A < 0 over the unmasked tokens."""
+    kwargs = dict(loss_type="gmpo", beta=0.05, epsilon_low=0.4, epsilon_high=0.4)
+    inputs = make_inputs({"ref_logps", "far", "vllm_token"})
+    ours = run(FusedLinearSAGELoss.from_liger(compiled=False, backend=BACKEND, **kwargs), inputs)
+    oracle = run(FusedLinearSAGELoss.from_liger(compiled=False, backend="reference", **kwargs), float64(inputs))
+    assert_both_near_oracle({"ours": ours}, oracle, "gmpo")
+    with torch.no_grad():
+        logp = torch.log_softmax(inputs["_input"] @ inputs["lin_weight"].t(), -1)
+        logp = logp.gather(-1, inputs["selected_token_ids"][..., None]).squeeze(-1)
+    log_ratio = logp - inputs["old_per_token_logps"]
+    A = inputs["advantages"][:, None]
+    clipped = ((log_ratio > 0.4) & (A > 0)) | ((log_ratio < -0.4) & (A < 0))
+    m = inputs["attention_mask"]
+    want = (clipped.float() * m).sum() / m.sum()
+    assert 0 < want < 1, "some tokens clipped, some not"
+    assert ours[1][-1].item() == pytest.approx(want.item(), abs=1e-6)

@@ -248,6 +248,15 @@ def test_unsupported_options_raise(tiny_lm_dir, tmp_path, overrides):
         make_trainer(SAGEGRPOTrainer, tiny_lm_dir, str(tmp_path), **overrides)
 
 
+def test_gmpo_is_refused_as_trl_has_no_such_loss_type(tmp_path):
+    # TRL 1.16's own loss code has no gmpo branch, so the trainer would mix its normalisers and metrics.
+    from sage_kernels.integrations.trl import _check_supported
+
+    with pytest.raises(ValueError, match="loss_type='gmpo'"):
+        _check_supported(make_args(str(tmp_path), loss_type="gmpo"))
+    _check_supported(make_args(str(tmp_path), loss_type="vespo"))
+
+
 def test_lora_guide_off_equals_trl(tiny_lm_dir, tmp_path):
     """With a LoRA adapter (frozen LM head, PEFT-wrapped model) the adapter's gradients match TRL's."""
     LoraConfig = pytest.importorskip("peft").LoraConfig
