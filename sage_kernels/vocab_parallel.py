@@ -24,7 +24,10 @@ copy-to-tensor-parallel-region). Callers whose own autograd already sums it (a s
 gather, whose backward is a reduce-scatter) pass ``reduce_hidden_grad=False``; the differentiable
 `sharded_logprobs_and_entropy` always leaves it partial, as verl's kernel does.
 
-Collectives per call: one all-gather of the shard sizes (the layout check), one of [3, n] float32,
+Cost: g = dloss/dlogp and c = dloss/dH are known only after the combine, so the backward
+recomputes the shard's logits (the two-pass pattern: 4 N D V/tp multiply-adds per rank in all, not
+the unsharded fast paths' 3) and the masked positions are compacted away first (one host read of
+their count). Collectives per call: one all-gather of the shard sizes (the layout check), one of [3, n] float32,
 and in the backward one all-reduce of [n, D] when the hidden gradient is summed. Every rank of the
 group must make the same calls with the same shapes.
 """
@@ -160,7 +163,7 @@ def sharded_logprobs_and_entropy(
     caller (verl's ``linear_cross_entropy(dist_process_group=...)`` convention)."""
     name = resolve_backend(backend, _device_of(hidden))
     vocab_start, vocab = _shard_layout(weight, group)
-    local = _local_ids(token_ids, vocab_start, weight.shape[0] if isinstance(weight, torch.Tensor) else 0)
+    local = _local_ids(token_ids, vocab_start, weight.shape[0])
     hidden2d, local_flat, lead = validate_scoring_inputs(
         hidden,
         weight,

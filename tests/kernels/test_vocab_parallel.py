@@ -34,6 +34,11 @@ CASES = {
     "vespo-is-weights-entropy-bonus": dict(
         config=LossConfig(guide="none", loss_type="vespo", beta=0.0, entropy_coef=0.01), bias=False, is_weights=True
     ),
+    "luspo-include-padding": dict(
+        config=LossConfig(guide="branch", tau=0.8, beta=0.04, loss_type="luspo", luspo_include_padding=True),
+        bias=True,
+        is_weights=False,
+    ),
     "gspo-dapo-entropy-quantile": dict(
         config=LossConfig(
             guide="branch",
@@ -61,7 +66,8 @@ def case_inputs(case: str, dtype: torch.dtype) -> dict:
     mask[0, 0] = True
     token_ids = torch.randint(0, V, (B, L), generator=g)
     token_ids[0, :2] = torch.tensor([3, V_SHARD + 2])  # targets on both shards
-    token_ids = torch.where(mask, token_ids, -100)  # masked ids are never read
+    if not CASES[case]["config"].luspo_include_padding:  # which reads every position
+        token_ids = torch.where(mask, token_ids, -100)  # masked ids are never read
     hidden = torch.randn(B, L, D, generator=g)
     weight = torch.randn(V, D, generator=g) * 0.4
     spec = CASES[case]
@@ -172,6 +178,16 @@ def _bad_inputs(rank: int) -> dict:
     )
 
 
+def _all_masked(rank: int) -> dict:
+    inputs = case_inputs(sorted(CASES)[0], torch.float32)
+    hidden, weight = leaf(inputs.pop("hidden")), leaf(shard(inputs.pop("weight"), rank))
+    bias = leaf(shard(inputs.pop("bias"), rank))
+    inputs["mask"] = torch.zeros_like(inputs["mask"])
+    out = vocab_parallel_sage_loss(hidden, weight, group=dist.group.WORLD, bias=bias, backend="cpu", **inputs)
+    (out.loss * UPSTREAM).backward()
+    return dict(loss=out.loss.detach(), grad_hidden=hidden.grad, grad_weight=weight.grad, grad_bias=bias.grad)
+
+
 def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
@@ -179,6 +195,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
         "loss": {(case, run): _sharded_loss(rank, case, *run) for case in CASES for run in RUNS},
         "scoring": {run: _sharded_scoring(rank, *run) for run in RUNS},
         "errors": _bad_inputs(rank),
+        "all_masked": _all_masked(rank),
     }
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -222,7 +239,8 @@ def test_sharded_loss_equals_unsharded(sharded_runs, case, run):
         assert_grad_close(got["grad_weight"], shard(want["grad_weight"], rank), dtype, f"{what} grad weight shard")
         if want["grad_bias"] is not None:
             assert_grad_close(got["grad_bias"], shard(want["grad_bias"], rank), dtype, f"{what} grad bias shard")
-        assert not got["grad_hidden"][1].any()  # the row without tokens gets no gradient
+        if not CASES[case]["config"].luspo_include_padding:
+            assert not got["grad_hidden"][1].any()  # the row without tokens gets no gradient
 
 
 @pytest.mark.parametrize("run", RUNS, ids=RUN_IDS)
@@ -270,3 +288,10 @@ def test_bad_input_names_the_argument(sharded_runs, name, argument):
     for results in sharded_runs:
         message = results["errors"][name]
         assert message.startswith(argument + " must"), message
+
+
+def test_a_batch_without_tokens_has_zero_loss_and_gradients(sharded_runs):
+    for results in sharded_runs:
+        got = results["all_masked"]
+        assert got["loss"].item() == 0.0
+        assert not got["grad_hidden"].any() and not got["grad_weight"].any() and not got["grad_bias"].any()
