@@ -67,13 +67,9 @@ class _TritonShardSweep:
     over every row."""
 
     def __init__(self, hidden2d, weight, bias, token_ids, temperature):
-        from .triton.tiles import interpreting
+        from .triton.ops import _check_device
 
-        if hidden2d.device.type != "cuda" and not interpreting():
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import "
-                f"for CPU tensors); hidden is on {hidden2d.device}"
-            )
+        _check_device(hidden2d)
         n, device = hidden2d.shape[0], hidden2d.device
         self.hidden, self.weight, self.bias = hidden2d.contiguous(), weight.contiguous(), bias
         self.token_ids, self.temperature = token_ids, temperature
