@@ -4,7 +4,9 @@ verl 0.9 pins transformers < 5.11 and needs ray, so it does not install beside t
 transformers; the `real_verl` tests run where it does (they were run in a side environment).
 """
 
+import importlib
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -68,10 +70,14 @@ def test_linear_cross_entropy_logp_only_gradient():
     torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [dict(reduction="mean"), dict(dist_process_group=object())], ids=["mean", "tp"])
-def test_linear_cross_entropy_rejects_unsupported(kwargs):
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [(dict(reduction="mean"), "reduction"), (dict(dist_process_group=object()), "dist_process_group")],
+    ids=["mean", "not-a-process-group"],
+)
+def test_linear_cross_entropy_rejects_unsupported(kwargs, argument):
     hidden, weight, labels, _ = make_head()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"^{argument} must"):
         sage_verl.linear_cross_entropy(hidden, weight, labels, **kwargs)
 
 
@@ -273,3 +279,32 @@ def test_linear_cross_entropy_matches_real_verl_and_patches_it():
         assert verl_kernel.linear_cross_entropy is sage_verl.linear_cross_entropy
     finally:
         verl_kernel.linear_cross_entropy = original
+
+
+#: verl 0.9.1's Megatron forwards, which bind ``linear_cross_entropy`` at import (they need megatron.core)
+VERL_MODULES_BINDING_AT_IMPORT = (
+    "verl.models.mcore.model_forward_fused",
+    "verl.models.mcore.model_forward_1f1b_overlap",
+)
+
+
+@real_verl
+def test_patch_reaches_the_names_verl_modules_bound_at_import():
+    import verl.utils.kernel.linear_cross_entropy as verl_kernel
+
+    original = verl_kernel.linear_cross_entropy
+    bound = []
+    for name in VERL_MODULES_BINDING_AT_IMPORT:
+        try:
+            bound.append(importlib.import_module(name))
+        except ImportError:  # no megatron.core here: that forward cannot run, nor be patched
+            continue
+    try:
+        patched = sage_verl.patch_verl_fused_kernel()
+        assert verl_kernel.linear_cross_entropy is sage_verl.linear_cross_entropy
+        assert sorted(patched) == sorted([verl_kernel.__name__, *(module.__name__ for module in bound)])
+        for module in bound:
+            assert module.linear_cross_entropy is sage_verl.linear_cross_entropy, module.__name__
+    finally:
+        for name in (verl_kernel.__name__, *(module.__name__ for module in bound)):
+            sys.modules[name].linear_cross_entropy = original
