@@ -1,13 +1,16 @@
 // The vocabulary sweep of the SAGE loss on the CPU (docs/loss.md), one token block at a time.
 //
 // Two operators, driven block by block from sage_kernels/cpu.py:
-//   sage_cpu::block_stats  logits = (h W^T + b) / T by BLAS into a caller-owned [rows, V]
+//   sage_cpu::block_stats  logits z = inner (h W^T + b) by BLAS into a caller-owned [rows, V]
 //                          workspace, then one fused pass per row: max, sum-exp and sum p*z give
-//                          lse, logp[y] and the entropy.
-//   sage_cpu::block_grad   turns the workspace into d(logits) in place in one fused pass,
-//                          d z_v = (g (1[v = y] - p_v) - c p_v (log p_v + H)) / T,
-//                          then the products into grad_hidden, grad_weight (+=) and grad_bias (+=),
-//                          each optional.
+//                          lse, logp[y] and the entropy. Under a softcap (spec.LogitMap) the workspace
+//                          keeps tanh's argument x = inner (h W^T + b) and z = outer tanh(x) is formed
+//                          on the fly.
+//   sage_cpu::block_grad   turns the workspace into d(head output) in place in one fused pass,
+//                          d z_v = g (1[v = y] - p_v) - c p_v (log p_v + H), times dz/da = inner
+//                          (inner outer (1 - tanh^2 x_v) under a softcap, from x: from z, 1 - tanh^2
+//                          would cancel where a logit saturates), then the products into grad_hidden,
+//                          grad_weight (+=) and grad_bias (+=), each optional.
 // Everything is float32; the Python side upcasts low-precision inputs and owns every large
 // buffer, so no [N, V] tensor exists and the allocation recorder sees the workspace.
 // The per-row loops are plain C++ written so that the compiler vectorises them (`omp simd`),
@@ -60,6 +63,20 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) <= 1: finite for every x (e is 0 from |x| = 44 on,
+// where tanh is 1 in float32), and vectorised like exp_nonpositive (std::tanh is a library call). Its error is
+// absolute, ~1e-7: what a logit c tanh(.) needs (a softmax sees absolute, not relative, logit errors).
+inline float tanh_of(float x) {
+  const float e = exp_nonpositive(-2.0f * std::fabs(x));
+  return std::copysign((1.0f - e) / (1.0f + e), x);
+}
+
+// 1 - tanh(x)^2 = 4 e / (1 + e)^2 with the same e: no cancellation where tanh is near +-1.
+inline float sech_squared(float x) {
+  const float e = exp_nonpositive(-2.0f * std::fabs(x));
+  return 4.0f * e / ((1.0f + e) * (1.0f + e));
 }
 
 // Rows per thread task: at least ~64K logits, so that small blocks are not split across threads.
@@ -131,10 +148,11 @@ void bias_sum(const at::Tensor& d, const at::Tensor& acc) {
   });
 }
 
-// Per row: z = (acc + b) / T in place, then lse, logp[y] and H = lse - sum p z.
+// Per row: z = inner (acc + b) in place, then lse, logp[y] and H = lse - sum p z. Under a softcap the row keeps
+// x = inner (acc + b) and z = outer tanh(x) is formed in each pass.
 void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                 const at::Tensor& targets, double inv_temperature, const at::Tensor& logits, const at::Tensor& logp,
-                 const at::Tensor& entropy, const at::Tensor& lse) {
+                 const at::Tensor& targets, double inner, double outer, bool softcap, const at::Tensor& logits,
+                 const at::Tensor& logp, const at::Tensor& entropy, const at::Tensor& lse) {
   check_block(logits, "logits", 2);
   const int64_t rows = logits.size(0), V = logits.size(1);
   TORCH_CHECK(hidden.size(0) == rows && weight.size(0) == V, "block_stats: logits must be [rows, V]");
@@ -144,11 +162,36 @@ void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::
   float* out_logp = logp.data_ptr<float>();
   float* out_entropy = entropy.data_ptr<float>();
   float* out_lse = lse.data_ptr<float>();
-  const float scale = static_cast<float>(inv_temperature);
+  const float scale = static_cast<float>(inner), cap = static_cast<float>(outer);
   at::parallel_for(0, rows, row_grain(V), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* z = logits.data_ptr<float>() + i * V;
       float max_z = -std::numeric_limits<float>::infinity();
+      if (softcap) {  // its own loops: the plain logits below keep their cost
+        float* x = z;
+        if (b) {
+#pragma omp simd
+          for (int64_t v = 0; v < V; ++v) x[v] = (x[v] + b[v]) * scale;
+        } else {
+#pragma omp simd
+          for (int64_t v = 0; v < V; ++v) x[v] *= scale;
+        }
+#pragma omp simd reduction(max : max_z)
+        for (int64_t v = 0; v < V; ++v) max_z = std::max(max_z, cap * tanh_of(x[v]));
+        float sum_e = 0.f, sum_ez = 0.f;  // |z| <= outer: finite, no floor needed
+#pragma omp simd reduction(+ : sum_e, sum_ez)
+        for (int64_t v = 0; v < V; ++v) {
+          const float shifted = cap * tanh_of(x[v]) - max_z;
+          const float e = exp_nonpositive(shifted);
+          sum_e += e;
+          sum_ez += e * shifted;
+        }
+        const float log_sum = std::log(sum_e);
+        out_lse[i] = max_z + log_sum;
+        out_logp[i] = cap * tanh_of(x[y[i]]) - out_lse[i];
+        out_entropy[i] = log_sum - sum_ez / sum_e;
+        continue;
+      }
       if (b) {
 #pragma omp simd reduction(max : max_z)
         for (int64_t v = 0; v < V; ++v) { z[v] = (z[v] + b[v]) * scale; max_z = std::max(max_z, z[v]); }
@@ -172,9 +215,9 @@ void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::
   });
 }
 
-// d(logits) in place (the workspace holds z from block_stats), then the three products.
+// d(head output) in place (the workspace holds z from block_stats), then the three products.
 void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
-                const at::Tensor& grad_logp, const at::Tensor& grad_entropy, double inv_temperature,
+                const at::Tensor& grad_logp, const at::Tensor& grad_entropy, double inner, double outer, bool softcap,
                 const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& grad_hidden,
                 const std::optional<at::Tensor>& grad_weight, const std::optional<at::Tensor>& grad_bias) {
   check_block(logits, "logits", 2);
@@ -184,11 +227,23 @@ void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::T
   const float* row_entropy = entropy.data_ptr<float>();
   const float* g = grad_logp.data_ptr<float>();
   const float* c = grad_entropy.data_ptr<float>();
-  const float scale = static_cast<float>(inv_temperature);
+  const float scale = static_cast<float>(inner * outer), cap = static_cast<float>(outer);
   at::parallel_for(0, rows, row_grain(V), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* z = logits.data_ptr<float>() + i * V;
       const float m = row_lse[i], gi = g[i] * scale, ci = c[i] * scale, h = row_entropy[i];
+      if (softcap) {  // the row holds x (block_stats): d z times 1 - tanh^2 x; its own loop, the plain ones keep their cost
+        float* x = z;
+        const float slope_y = sech_squared(x[y[i]]);
+#pragma omp simd
+        for (int64_t v = 0; v < V; ++v) {
+          const float log_p = std::max(cap * tanh_of(x[v]) - m, kExpFloor);
+          const float p = exp_nonpositive(log_p);
+          z[v] = (-(p * gi) - (p * ci) * (log_p + h)) * sech_squared(x[v]);
+        }
+        z[y[i]] += gi * slope_y;
+        continue;
+      }
       if (ci == 0.f) {
 #pragma omp simd
         for (int64_t v = 0; v < V; ++v) z[v] = -gi * exp_nonpositive(z[v] - m);
@@ -215,10 +270,11 @@ void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::T
 }  // namespace
 
 TORCH_LIBRARY(sage_cpu, m) {
-  m.def("block_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float inv_temperature, "
-        "Tensor(a!) logits, Tensor(b!) logp, Tensor(c!) entropy, Tensor(d!) lse) -> ()");
+  m.def("block_stats(Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, float inner, float outer, "
+        "bool softcap, Tensor(a!) logits, Tensor(b!) logp, Tensor(c!) entropy, Tensor(d!) lse) -> ()");
   m.def("block_grad(Tensor(a!) logits, Tensor targets, Tensor lse, Tensor entropy, Tensor grad_logp, "
-        "Tensor grad_entropy, float inv_temperature, Tensor hidden, Tensor weight, Tensor(b!)? grad_hidden, "
+        "Tensor grad_entropy, float inner, float outer, bool softcap, Tensor hidden, Tensor weight, "
+        "Tensor(b!)? grad_hidden, "
         "Tensor(c!)? grad_weight, Tensor(d!)? grad_bias) -> ()");
 }
 

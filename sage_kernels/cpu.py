@@ -1,7 +1,8 @@
 """``backend="cpu"``: the SAGE loss on the CPU without the [N, V] logits.
 
 The vocabulary sweep runs one block of token rows at a time: a BLAS matmul gives the
-block's logits (h W^T + b) / T in a [rows, V] workspace, one fused pass per row gives lse,
+block's logits (h W^T + b) / T (scaled and softcapped first when the config says so:
+`spec.LogitMap`) in a [rows, V] workspace, one fused pass per row gives lse,
 logp and the entropy, and, for training, one more fused pass turns the workspace into
 d(logits) in place before two matmuls add the block's share to the hidden, weight and
 bias gradients. The passes are the native operators of ``csrc/sage_cpu.cpp``
@@ -39,7 +40,7 @@ import torch
 from .loss_types import LOSS_TYPES
 from .native_build import build_extension, extension_name
 from .reference import token_stage
-from .spec import LossConfig, SageInputs, SageLossOutput
+from .spec import LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
 
 _HERE = Path(__file__).resolve().parent
 #: environment switch: "0" forces the PyTorch block loop even where the operator builds.
@@ -85,13 +86,14 @@ class _TorchBlocks:
     """The two block operators of csrc/sage_cpu.cpp in PyTorch operators (same signatures)."""
 
     @staticmethod
-    def block_stats(hidden, weight, bias, targets, inv_temperature, logits, logp, entropy, lse):
+    def block_stats(hidden, weight, bias, targets, inner, outer, softcap, logits, logp, entropy, lse):
         torch.mm(hidden, weight.t(), out=logits)
         if bias is not None:
             logits.add_(bias)
-        logits.mul_(inv_temperature)
-        torch.logsumexp(logits, 1, out=lse)
-        log_p = logits - lse[:, None]
+        logits.mul_(inner)  # under a softcap the workspace keeps tanh's argument x, as the operator's does
+        z = logits.tanh().mul_(outer) if softcap else logits
+        torch.logsumexp(z, 1, out=lse)
+        log_p = z - lse[:, None]
         # p log p is 0 where p is: a logit of -inf (a finfo.min bias over T < 1) gives 0 * -inf = NaN
         entropy.copy_(-(log_p.exp() * log_p).nan_to_num_(nan=0.0).sum(1))
         logp.copy_(log_p.gather(1, targets[:, None]).squeeze(1))
@@ -104,20 +106,26 @@ class _TorchBlocks:
         entropy,
         grad_logp,
         grad_entropy,
-        inv_temperature,
+        inner,
+        outer,
+        softcap,
         hidden,
         weight,
         grad_hidden,
         grad_weight,
         grad_bias,
     ):
+        slope = inner
+        if softcap:  # the workspace holds x: z = outer tanh x, dz/da = inner outer / cosh^2 x (no cancellation)
+            slope = logits.cosh().reciprocal_().square_().mul_(inner * outer)
+            logits.tanh_().mul_(outer)
         log_p = logits.sub_(lse[:, None])
         weight_per_p = (log_p + entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None])
         # where it is not finite (c log p overflowed, or c = 0 times log p = -inf), p is 0 and so is d z
         weight_per_p.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         d_logits = log_p.exp_().mul_(weight_per_p).neg_()  # -p (g + c (log p + H)), in the workspace
         d_logits.scatter_add_(1, targets[:, None], grad_logp[:, None])
-        d_logits.mul_(inv_temperature)
+        d_logits.mul_(slope)
         if grad_hidden is not None:
             torch.mm(d_logits, weight, out=grad_hidden)
         if grad_weight is not None:
@@ -140,14 +148,14 @@ def _as_float32(t: torch.Tensor | None) -> torch.Tensor | None:
 class _Sweep:
     """One call's block loop over the valid rows; owns the workspace and the float32 buffers."""
 
-    def __init__(self, hidden2d, weight, bias, targets, rows, temperature, ops, total_rows):
+    def __init__(self, hidden2d, weight, bias, targets, rows, logits: LogitMap, ops, total_rows):
         self.ops = ops
         self.weight = _as_float32(weight)
         self.bias = _as_float32(bias)
         self.hidden = _as_float32(hidden2d if rows is None else hidden2d.index_select(0, rows))
         self.targets = (targets if rows is None else targets.index_select(0, rows)).contiguous()
         n, (vocab, hidden_size) = self.hidden.shape[0], self.weight.shape
-        self.inv_temperature = 1.0 / temperature
+        self.logit_map = logits
         step = block_rows(total_rows, n, vocab, hidden_size)
         step = -(-n // -(-n // step)) if n else step  # as many blocks, evened out: no thin last block
         self.blocks = [slice(start, min(start + step, n)) for start in range(0, n, step)]
@@ -163,7 +171,7 @@ class _Sweep:
             self.weight,
             self.bias,
             self.targets[block],
-            self.inv_temperature,
+            *self.logit_map,
             logits,
             self.logp[block],
             self.entropy[block],
@@ -180,7 +188,7 @@ class _Sweep:
             self.entropy[block],
             grad_logp[block].contiguous(),
             grad_entropy[block].contiguous(),
-            self.inv_temperature,
+            *self.logit_map,
             self.hidden[block],
             self.weight,
             None if grad_hidden is None else grad_hidden[block],
@@ -220,7 +228,7 @@ def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
     flat_mask = inputs.loss_mask.reshape(N)
     rows = None if bool(flat_mask.all()) else flat_mask.nonzero().squeeze(1)
     sweep = _Sweep(
-        inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids.reshape(N), rows, config.temperature, ops, N
+        inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids.reshape(N), rows, config.logit_map, ops, N
     )
     logp = torch.zeros(N, dtype=torch.float32)
     entropy = torch.zeros(N, dtype=torch.float32)
@@ -335,10 +343,13 @@ def sage_loss(inputs: SageInputs, config: LossConfig, native: bool | None = None
     )
 
 
-def logprobs_and_entropy(hidden2d, weight, token_ids_flat, bias, temperature, native: bool | None = None):
+def logprobs_and_entropy(
+    hidden2d, weight, token_ids_flat, bias, temperature, logit_scale=1.0, logit_softcap=None, native: bool | None = None
+):
     """Float32 log-prob of each token and entropy of its row, block by block, without gradient."""
     n = hidden2d.shape[0]
-    sweep = _Sweep(hidden2d, weight, bias, token_ids_flat, None, temperature, _ops_for(native), n)
+    logits = logit_map(temperature, logit_scale, logit_softcap)
+    sweep = _Sweep(hidden2d, weight, bias, token_ids_flat, None, logits, _ops_for(native), n)
     for block in sweep.blocks:
         sweep.stats(block)
     return sweep.logp, sweep.entropy

@@ -115,13 +115,16 @@ def logprobs_and_entropy(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each token and the entropy (nats) of its next-token distribution, in float32.
 
     For reference-model and behaviour-policy scoring: no gradient, no [N, V] logits on the
     fast backends. `hidden` is [*S, D] and `token_ids` is [*S] (S = (B, L) or (N,)); the
-    outputs have shape S.
+    outputs have shape S. The logits are those of `LossConfig` with these `temperature`,
+    `logit_scale` and `logit_softcap`.
     """
     name = resolve_backend(backend, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
     hidden2d, ids, lead = validate_scoring_inputs(
@@ -130,8 +133,12 @@ def logprobs_and_entropy(
         token_ids,
         bias=bias,
         temperature=temperature,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
         allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
     )
     with torch.no_grad():
-        logp, entropy = _backend_module(name).logprobs_and_entropy(hidden2d, weight, ids, bias, temperature)
+        logp, entropy = _backend_module(name).logprobs_and_entropy(
+            hidden2d, weight, ids, bias, temperature, logit_scale, logit_softcap
+        )
     return logp.view(lead), entropy.view(lead)

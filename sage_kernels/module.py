@@ -173,6 +173,8 @@ class FusedLinearSAGELoss(nn.Module):
                 selected_token_ids,
                 bias=None if ref_bias is None else ref_bias.detach(),
                 temperature=config.temperature,
+                logit_scale=config.logit_scale,
+                logit_softcap=config.logit_softcap,
                 backend=self.backend,
             )
         if vllm_is_ratio is not None:

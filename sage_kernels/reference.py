@@ -40,20 +40,38 @@ from .spec import LossConfig, SageInputs, SageLossOutput
 
 
 def logits_of(
-    hidden2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, dtype: torch.dtype
+    hidden2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    dtype: torch.dtype,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """z = (h W^T + b) / T in `dtype` (the [N, V] tensor the fast paths never build)."""
+    """z = s (h W^T + b) / T, or c tanh(s (h W^T + b) / c) / T with a softcap c, in `dtype` (the
+    [N, V] tensor the fast paths never build); HF's order (scale, softcap), then TRL's temperature."""
     z = hidden2d.to(dtype) @ weight.to(dtype).t()
     if bias is not None:
         z = z + bias.to(dtype)
+    z = z * logit_scale
+    if logit_softcap is not None:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
     return z / temperature
 
 
 def reference_logprobs_and_entropy(
-    hidden2d, weight, token_ids_flat, *, bias=None, temperature=1.0, dtype=torch.float32
+    hidden2d,
+    weight,
+    token_ids_flat,
+    *,
+    bias=None,
+    temperature=1.0,
+    logit_scale=1.0,
+    logit_softcap=None,
+    dtype=torch.float32,
 ):
     """logp[y] and entropy H (nats) per row of `hidden2d`, differentiable."""
-    z = logits_of(hidden2d, weight, bias, temperature, dtype)
+    z = logits_of(hidden2d, weight, bias, temperature, dtype, logit_scale, logit_softcap)
     logprobs = torch.log_softmax(z, dim=-1)
     logp = logprobs.gather(-1, token_ids_flat[:, None]).squeeze(-1)
     # a logit of -inf (a finfo.min bias over T < 1 overflows) has p = 0 and p log p = 0, not 0 * -inf = NaN
@@ -313,6 +331,8 @@ def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutpu
         inputs.token_ids.reshape(-1),
         bias=inputs.bias,
         temperature=config.temperature,
+        logit_scale=config.logit_scale,
+        logit_softcap=config.logit_softcap,
         dtype=dtype,
     )
     logp, entropy = logp.view(B, L), entropy.view(B, L)
@@ -333,9 +353,16 @@ def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutpu
 sage_loss = reference_sage_loss
 
 
-def logprobs_and_entropy(hidden2d, weight, token_ids_flat, bias, temperature):
+def logprobs_and_entropy(hidden2d, weight, token_ids_flat, bias, temperature, logit_scale=1.0, logit_softcap=None):
     """`reference_logprobs_and_entropy` in float64 for float64 inputs, else accumulated in float32."""
     dtype = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
     return reference_logprobs_and_entropy(
-        hidden2d, weight, token_ids_flat, bias=bias, temperature=temperature, dtype=dtype
+        hidden2d,
+        weight,
+        token_ids_flat,
+        bias=bias,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        logit_softcap=logit_softcap,
+        dtype=dtype,
     )

@@ -14,6 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from numbers import Real
+from typing import NamedTuple
 
 import torch
 
@@ -70,6 +71,10 @@ class LossConfig:
     importance_sampling: "token" or "sequence" (GSPO) ratios. top_entropy_quantile: keep
     the PG term only on the top rho fraction of tokens by entropy (1.0 keeps all).
     entropy_coef: entropy bonus. temperature: logits are divided by it.
+    logit_scale (s, > 0) and logit_softcap (c, None or > 0): how the model maps its LM head's output
+    a = W h + b to logits, applied before the temperature: z = s a / T, or z = c tanh(s a / c) / T
+    under a softcap (HF's Cohere ``logit_scale``, Gemma 2/3's ``final_logit_softcapping``, in
+    TRL's order: scale, softcap, temperature).
     max_completion_length: dr_grpo's normaliser (defaults to the padded length L).
     num_items_in_batch: the dapo/cispo/vespo normaliser, the number of completion tokens the loss
     is divided by (defaults to this call's count; TRL passes the global count divided by the
@@ -104,6 +109,8 @@ class LossConfig:
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
     temperature: float = 1.0
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
     max_completion_length: int | None = None
     num_items_in_batch: object | None = field(default=None, compare=False)
     sapo_temperature_pos: float = 1.0
@@ -134,6 +141,14 @@ class LossConfig:
             self.importance_sampling,
         )
         _require(self.temperature > 0, "temperature", "> 0", self.temperature)
+        _require(self.logit_scale > 0, "logit_scale", "> 0", self.logit_scale)
+        if self.logit_softcap is not None:
+            _require(
+                _is_number(self.logit_softcap) and math.isfinite(self.logit_softcap) and self.logit_softcap > 0,
+                "logit_softcap",
+                "None or a finite number > 0",
+                self.logit_softcap,
+            )
         _require(self.beta >= 0, "beta", ">= 0 (0: no KL term)", self.beta)
         _require(self.gamma >= 0, "gamma", ">= 0", self.gamma)
         _require(0 < self.q_min <= self.q_max, "q_min", f"in (0, q_max={self.q_max}]", self.q_min)
@@ -214,6 +229,11 @@ class LossConfig:
             else:
                 _require(_is_number(n) and n > 0, "num_items_in_batch", "None or a number > 0", n)
 
+    @property
+    def logit_map(self) -> LogitMap:
+        """The logits' map from the head output, in the form the fast paths take."""
+        return logit_map(self.temperature, self.logit_scale, self.logit_softcap)
+
     def replace(self, **options) -> LossConfig:
         """A copy with `options` changed; unknown names raise TypeError naming them."""
         unknown = sorted(set(options) - set(OPTION_NAMES))
@@ -223,6 +243,29 @@ class LossConfig:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossConfig))
+
+
+class LogitMap(NamedTuple):
+    """Logits from the head output a = W h + b as two multipliers: z = inner * a without a softcap,
+    z = outer * tanh(inner * a) with one (inner = s / c, outer = c / T). The gradient through it is
+    dz/da = inner without a softcap, inner * outer * (1 - tanh^2(inner * a)) with one; backwards form
+    1 - tanh^2 from tanh's argument, not from z: 1 - (z / outer)^2 cancels where a logit saturates."""
+
+    inner: float
+    outer: float
+    softcap: bool
+
+    @property
+    def slope(self) -> float:
+        """dz/da where tanh is 0 (s / T): the factor every d(logits) carries."""
+        return self.inner * self.outer
+
+
+def logit_map(temperature: float, logit_scale: float = 1.0, logit_softcap: float | None = None) -> LogitMap:
+    """The `LogitMap` of z = s a / T, or c tanh(s a / c) / T with a softcap c (`LossConfig`'s fields)."""
+    if logit_softcap is None:
+        return LogitMap(logit_scale / temperature, 1.0, False)
+    return LogitMap(logit_scale / logit_softcap, logit_softcap / temperature, True)
 
 
 def resolve_config(config: LossConfig | None, options: dict) -> LossConfig:
@@ -438,9 +481,21 @@ def validate_inputs(
     )
 
 
-def validate_scoring_inputs(hidden, weight, token_ids, *, bias=None, temperature=1.0, allowed_dtypes=FAST_DTYPES):
+def validate_scoring_inputs(
+    hidden,
+    weight,
+    token_ids,
+    *,
+    bias=None,
+    temperature=1.0,
+    logit_scale=1.0,
+    logit_softcap=None,
+    allowed_dtypes=FAST_DTYPES,
+):
     """Checks for `logprobs_and_entropy`; returns (hidden [N, D], token_ids [N], leading shape)."""
     _require(_is_number(temperature) and temperature > 0, "temperature", "a number > 0", temperature)
+    # named as LossConfig names them, and checked there
+    config = LossConfig(beta=0.0, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap)
     _check_tensor("hidden", hidden, float_=True)
     _check_tensor("token_ids", token_ids, ndim=(1, 2), device=hidden.device)
     lead, n = tuple(token_ids.shape), token_ids.numel()
@@ -456,7 +511,7 @@ def validate_scoring_inputs(hidden, weight, token_ids, *, bias=None, temperature
         torch.ones(1, n, dtype=torch.bool, device=device),
         torch.zeros(1, device=device),
         bias=bias,
-        config=LossConfig(beta=0.0),
+        config=config,
         allowed_dtypes=allowed_dtypes,
     )
     return inputs.hidden, inputs.token_ids.reshape(n), lead

@@ -5,6 +5,9 @@
 (left-padded prompts, right-padded completions) and `score` computes per-token log-probs and
 entropies without gradient, micro-batch by micro-batch.
 
+The logits are the model's own: its config's scale and softcap after the LM head (Gemma 2/3,
+Cohere: `sage_kernels.integrations.hf_logits`) go to every sweep, then the sampling temperature.
+
 ZeRO-3. The LM head is partitioned like every other weight. The loss reads
 ``lm_head.weight`` inside the forward of `PolicyHead`, the module DeepSpeed wraps; ZeRO-3 then
 gathers it there, registers it as an external parameter of that module, and gathers it again
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from sage_kernels import fused_linear_sage_loss, logprobs_and_entropy
+from sage_kernels.integrations.hf_logits import logit_options
 
 from .lora import base_lm
 from .model import decoder_of
@@ -56,6 +60,7 @@ class PolicyHead(nn.Module):
         # the hidden state at position t predicts token t + 1: the completion starts at prompt_length
         hidden = hidden[:, prompt_length - 1 : prompt_length - 1 + completion_ids.shape[1]]
         head = lm.get_output_embeddings()
+        logits = logit_options(lm.config)
         if loss_inputs is None:
             return logprobs_and_entropy(
                 hidden,
@@ -63,6 +68,7 @@ class PolicyHead(nn.Module):
                 completion_ids,
                 bias=head.bias,
                 temperature=temperature,
+                **logits,
                 backend=self.backend,
             )
         loss_inputs = dict(loss_inputs)
@@ -76,11 +82,12 @@ class PolicyHead(nn.Module):
                     completion_ids,
                     bias=head.bias,
                     temperature=temperature,
+                    **logits,
                     backend=self.backend,
                 )
             loss_inputs["log_q"] = guide.log_q(logp, entropy, loss_inputs["mask"])
         output = fused_linear_sage_loss(
-            hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend, **loss_inputs
+            hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend, **loss_inputs, **logits
         )
         return output.loss, output  # the loss as a plain tensor output, so ZeRO-3 hooks its backward
 

@@ -58,8 +58,9 @@ from sage_kernels import LossConfig
 from sage_kernels.guides import DECAY_RATE, GUIDES, NORMALIZATIONS, NUM_CYCLES, RANDOM_SCHEDULE, TOKEN_SCHEDULE
 
 #: LossConfig fields the trainer sets itself: the sampling temperature, dr_grpo's normaliser
-#: (max_new_tokens) and the per-step token count; every other field is a config key.
-TRAINER_SET = ("temperature", "max_completion_length", "num_items_in_batch")
+#: (max_new_tokens), the per-step token count and the model's own logit scale and softcap (read from
+#: its config by `policy.PolicyHead`); every other field is a config key.
+TRAINER_SET = ("temperature", "max_completion_length", "num_items_in_batch", "logit_scale", "logit_softcap")
 LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name not in TRAINER_SET)
 
 #: what every preset starts from: the loss's own defaults (the official SAGE values), the guide

@@ -6,6 +6,8 @@
   loss for verl's policy-loss registry (registered when ``verl`` imports).
 - `sage_kernels.FusedLinearSAGELoss.from_liger`: the drop-in for Liger-Kernel's
   ``LigerFusedLinearGRPOLoss``.
+- `sage_kernels.integrations.hf_logits`: a Hugging Face model config's scale and softcap of its
+  logits as `LossConfig` options (read by the TRL trainer and by sage_train).
 
 Each submodule imports its host package itself, so importing this package needs neither.
 See ``docs/integrations.md``.

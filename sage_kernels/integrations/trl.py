@@ -14,8 +14,11 @@ coefficient: ``entropy_target``, ``entropy_coef_delta``, ``entropy_coef_min``/``
 load-balancing loss (``router_aux_loss_coef``, the model's own ``load_balancing_loss_func``),
 ``use_bias_correction_kl``, the ``sapo_temperature_*`` and ``vespo_*`` parameters and
 ``vllm_importance_sampling_correction``; gradient accumulation scales as in TRL. With
-``sage_guide="none"`` the loss and gradients are TRL's. What TRL has and this trainer does not
-(vision inputs, soft-capped or scaled logits) raises ValueError rather than being silently dropped.
+``sage_guide="none"`` the loss and gradients are TRL's. Models whose logits are scaled or softcapped
+after the LM head (Gemma 2/3's ``final_logit_softcapping``, Cohere's ``logit_scale`` and the other
+scale keys TRL's fused head reads: `hf_logits.logit_options`) get the same logits in the fused loss
+(`LossConfig.logit_scale`, ``logit_softcap``). What TRL has and this trainer does not (vision
+inputs) raises ValueError rather than being silently dropped.
 
 Known differences from TRL:
 - with several processes, the top-entropy threshold is the quantile of this process's tokens
@@ -47,6 +50,7 @@ from ..function import fused_linear_sage_loss
 from ..loss_types import LOSS_TYPES
 from ..reference import vespo_weight
 from ..spec import LossConfig
+from .hf_logits import logit_options
 
 #: TRL's option names for the `LossConfig` fields they share.
 _SHARED_OPTIONS = (
@@ -60,13 +64,6 @@ _SHARED_OPTIONS = (
 )
 _DEFAULTS = LossConfig()
 _VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
-_LOGIT_SCALE_KEYS = (
-    "final_logit_softcapping",
-    "logit_scale",
-    "output_multiplier",
-    "lm_head_multiplier",
-    "logits_scaling",
-)
 
 
 @dataclass
@@ -169,6 +166,8 @@ class SAGEGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args=args, **kwargs)
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         _check_model(base, self.aux_loss_enabled)
+        # the model's own scale and softcap of its logits, read once: the loss forms the same logits
+        self._logit_options = logit_options(base.config)
         add_fused_head(base)
         # Validate the SAGE options now rather than at the first step.
         self._loss_config(num_items_in_batch=None)
@@ -191,6 +190,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
             importance_sampling=self.importance_sampling_level,
             top_entropy_quantile=self.top_entropy_quantile,
             temperature=self.temperature,
+            **self._logit_options,
             max_completion_length=self.max_completion_length,
             num_items_in_batch=num_items_in_batch,
             off_policy_mask_threshold=self.off_policy_mask_threshold,
@@ -330,6 +330,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
             guide="none",
             loss_type="bnpo",
             temperature=self.temperature,
+            **self._logit_options,
             entropy_coef=coef,
         )
         zeros = torch.zeros(token_ids.shape[0], device=hidden.device, dtype=torch.float32)
@@ -392,13 +393,6 @@ def _check_supported(args: SAGEGRPOConfig) -> None:
 
 
 def _check_model(model, aux_loss_enabled: bool) -> None:
-    text_config = model.config.get_text_config()
-    for key in _LOGIT_SCALE_KEYS:
-        if getattr(text_config, key, None) not in (None, 1.0):
-            raise ValueError(
-                f"SAGEGRPOTrainer does not support models whose logits are transformed "
-                f"after the LM head ({key}={getattr(text_config, key)!r})"
-            )
     if aux_loss_enabled:
         balance = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
         if balance is None or not all(hasattr(model, name) for name in ("num_experts", "num_experts_per_tok")):

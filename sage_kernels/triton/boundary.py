@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..loss_types import LOSS_TYPE_CODES
-from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LossConfig, SageInputs
+from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LogitMap, LossConfig, SageInputs
 from . import token_stage as stage
 from .stages import stage as timed
 from .sweep_fwd import compact_rows, host_row_count
@@ -44,8 +44,6 @@ assert len(FLOAT_FIELDS) + len(INT_FIELDS) == len(_FIELDS), "a LossConfig field 
 assert set(_CODE_TABLES) == {f.name for f in _FIELDS if f.type == "str"}, "a string option without codes"
 #: stands for None in the packed optional numbers (every valid value is positive).
 _ABSENT = -1.0
-TEMPERATURE = FLOAT_FIELDS.index("temperature")
-ENTROPY_COEF = FLOAT_FIELDS.index("entropy_coef")
 
 MaybeTensor = Tensor | None
 
@@ -203,13 +201,23 @@ class TwoPassSaved(NamedTuple):
 
 
 class BackwardFlags(NamedTuple):
-    """The two-pass backward's options, passed to its operator by keyword (`flags._asdict()`)."""
+    """The two-pass backward's options, passed to its operator by keyword (`flags._asdict()`); the
+    first three are `spec.LogitMap`'s (`logit_map()`)."""
 
-    temperature: float
+    logit_inner: float
+    logit_outer: float
+    softcap: bool
     entropy_grad: bool
     need_hidden: bool
     need_weight: bool
     need_bias: bool
+
+    @classmethod
+    def of(cls, config: LossConfig, need_hidden: bool, need_weight: bool, need_bias: bool) -> BackwardFlags:
+        return cls(*config.logit_map, config.entropy_coef != 0.0, need_hidden, need_weight, need_bias)
+
+    def logit_map(self) -> LogitMap:
+        return LogitMap(self.logit_inner, self.logit_outer, self.softcap)
 
 
 def pack_config(config: LossConfig):

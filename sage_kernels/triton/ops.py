@@ -34,12 +34,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..spec import METRIC_NAMES, LossConfig, SageInputs, SageLossOutput
+from ..spec import METRIC_NAMES, LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
 from . import ops_local  # noqa: F401  (registers the three-matmul operator)
 from . import token_stage as stage
 from .boundary import (
-    ENTROPY_COEF,
-    TEMPERATURE,
     BackwardFlags,
     GradsWanted,
     LocalOutputs,
@@ -82,7 +80,7 @@ def _two_pass_forward(tensors: LossTensors, config: LossConfig) -> TwoPassOutput
             tensors.token_ids.reshape(-1),
             order.rows,
             order.count,
-            config.temperature,
+            config.logit_map,
             order.n,
         )
     lse = torch.where(order.flat_mask, lse, 0.0)
@@ -128,7 +126,7 @@ def loss_backward(grad_loss: Tensor, saved: TwoPassSaved, flags: BackwardFlags):
         saved.entropy.reshape(-1),
         saved.g,
         saved.c,
-        flags.temperature,
+        flags.logit_map(),
         flags.entropy_grad,
         need_weight=flags.need_weight,
         need_bias=flags.need_bias,
@@ -195,19 +193,21 @@ def _sage_loss_backward_op(
     c: Tensor,
     rows_to_do: Tensor,
     *,
-    temperature: float,
+    logit_inner: float,
+    logit_outer: float,
+    softcap: bool,
     entropy_grad: bool,
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     saved = TwoPassSaved(hidden, weight, bias, token_ids, rows, count, lse, entropy, g, c, rows_to_do)
-    flags = BackwardFlags(temperature, entropy_grad, need_hidden, need_weight, need_bias)
+    flags = BackwardFlags(logit_inner, logit_outer, softcap, entropy_grad, need_hidden, need_weight, need_bias)
     return tuple(none_as_empty(grad, hidden) for grad in loss_backward(grad_loss, saved, flags))
 
 
 @_sage_loss_backward_op.register_fake
-def _sage_loss_backward_fake(grad_loss, *saved, temperature, entropy_grad, need_hidden, need_weight, need_bias):
+def _sage_loss_backward_fake(grad_loss, *saved, need_hidden, need_weight, need_bias, **_logits_and_entropy):
     saved = TwoPassSaved.from_flat(saved)
     hidden = saved.hidden
     return (
@@ -219,11 +219,10 @@ def _sage_loss_backward_fake(grad_loss, *saved, temperature, entropy_grad, need_
 
 def _setup_context(ctx, inputs, output):
     tensors = LossTensors.from_flat(inputs[: len(LossTensors._fields)])
-    floats = inputs[len(LossTensors._fields) + 1]  # after the tensors, num_items
+    floats, ints = inputs[len(LossTensors._fields) + 1 :]  # after the tensors, num_items
     ctx.save_for_backward(*TwoPassSaved.of(tensors, TwoPassOutputs.from_flat(output)).flat())
     ctx.n_inputs = len(inputs)
-    ctx.temperature = floats[TEMPERATURE]
-    ctx.entropy_grad = floats[ENTROPY_COEF] != 0.0
+    ctx.config = unpack_config(floats, ints, None)
     ctx.set_materialize_grads(False)  # only the loss takes a gradient: no zeros for the other outputs
 
 
@@ -234,7 +233,7 @@ def _backward(ctx, grad_loss, *_unused_grads):
     none = (None,) * (ctx.n_inputs - 3)
     if grad_loss is None or not (need_hidden or need_weight or need_bias):
         return (None, None, None) + none
-    flags = BackwardFlags(ctx.temperature, ctx.entropy_grad, need_hidden, need_weight, need_bias)
+    flags = BackwardFlags.of(ctx.config, need_hidden, need_weight, need_bias)
     grad_hidden, grad_weight, grad_bias = torch.ops.sage_kernels.triton_sage_loss_backward(
         grad_loss, *saved.flat(), **flags._asdict()
     )
@@ -250,13 +249,19 @@ _sage_loss_op.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("sage_kernels::triton_logprobs_entropy", mutates_args=())
 def _logprobs_entropy_op(
-    hidden2d: Tensor, weight: Tensor, bias: Tensor | None, token_ids: Tensor, temperature: float
+    hidden2d: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    token_ids: Tensor,
+    logit_inner: float,
+    logit_outer: float,
+    softcap: bool,
 ) -> tuple[Tensor, Tensor]:
-    return scoring_forward(hidden2d, weight, token_ids, bias, temperature)
+    return scoring_forward(hidden2d, weight, token_ids, bias, LogitMap(logit_inner, logit_outer, softcap))
 
 
 @_logprobs_entropy_op.register_fake
-def _logprobs_entropy_fake(hidden2d, weight, bias, token_ids, temperature):
+def _logprobs_entropy_fake(hidden2d, weight, bias, token_ids, *_logit_map):
     n = hidden2d.shape[0]
     return (hidden2d.new_empty((n,), dtype=torch.float32), hidden2d.new_empty((n,), dtype=torch.float32))
 
@@ -299,8 +304,17 @@ def sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutput:
 
 
 def logprobs_and_entropy(
-    hidden2d: Tensor, weight: Tensor, token_ids_flat: Tensor, bias: Tensor | None, temperature: float
+    hidden2d: Tensor,
+    weight: Tensor,
+    token_ids_flat: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """logp and entropy [N] in float32 for every row of `hidden2d` (no gradient)."""
     _check_device(hidden2d)
-    return torch.ops.sage_kernels.triton_logprobs_entropy(hidden2d, weight, bias, token_ids_flat, float(temperature))
+    inner, outer, softcap = logit_map(float(temperature), float(logit_scale), logit_softcap)
+    return torch.ops.sage_kernels.triton_logprobs_entropy(
+        hidden2d, weight, bias, token_ids_flat, float(inner), float(outer), bool(softcap)
+    )

@@ -5,7 +5,8 @@ by the upstream gradient, on the device), each tile of the gradient of the logit
 
     dz_{t,v} = ( g_t (1[v = y_t] - p_v) - c_t p_v (log p_v + H_t) ) / T,
 
-with p_v = exp(z_v - lse_t) from the saved lse. The kernel recomputes z exactly as the
+with p_v = exp(z_v - lse_t) from the saved lse (times the logit scale s, and 1 - tanh^2 under a
+softcap: d(head output), `spec.LogitMap`). The kernel recomputes z exactly as the
 forward sweep does (`tl.dot`, fp32 accumulator) and forms dz in fp32.
 
 Why the products with W and h are not fused into the kernel: grad_h[t] = sum_v dz W_v
@@ -48,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..spec import LogitMap
 from .gemm import addmm_f32_, on_device
 from .stages import stage
 from .tiles import dot_precision, dot_upcast, new_buffer, tiles_for
@@ -80,8 +82,10 @@ def _dlogits_kernel(
     stride_h,
     stride_w,
     stride_dz,
-    inv_temperature,
+    logit_inner,
+    logit_outer,
     HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
@@ -124,18 +128,27 @@ def _dlogits_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         # the epilogue keeps two [BLOCK_N, BLOCK_V] values live at most (log p, then p and dz in its
-        # place): at the register limit a third one spills. 1/T is folded into the per-row g and c.
+        # place): at the register limit a third one spills (the softcap's sigmoids do: its own variant).
+        # dz/da at tanh 0 (s / T) is folded into the per-row g and c.
+        slope = logit_inner * logit_outer
         lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
-        g = tl.load(g_ptr + rows, mask=valid, other=0.0) * inv_temperature
-        log_p = acc * inv_temperature - lse[:, None]
+        g = tl.load(g_ptr + rows, mask=valid, other=0.0) * slope
+        if SOFTCAP:  # tanh x = 2 up - 1, 1 - tanh^2 x = 4 up down (no cancellation where a logit saturates)
+            up = tl.sigmoid(2.0 * logit_inner * acc)
+            down = tl.sigmoid(-2.0 * logit_inner * acc)
+            log_p = logit_outer * (2.0 * up - 1.0) - lse[:, None]
+        else:
+            log_p = acc * logit_inner - lse[:, None]
         if HAS_ENTROPY_GRAD:
             entropy = tl.load(entropy_ptr + rows, mask=valid, other=0.0)
-            c = tl.load(c_ptr + rows, mask=valid, other=0.0) * inv_temperature
+            c = tl.load(c_ptr + rows, mask=valid, other=0.0) * slope
             dz = -tl.exp(log_p) * (g[:, None] + c[:, None] * (log_p + entropy[:, None]))
         else:
             dz = -tl.exp(log_p) * g[:, None]
         targets = tl.load(ids_ptr + rows, mask=valid, other=-1)
         dz = tl.where(cols[None, :] == targets[:, None], dz + g[:, None], dz)
+        if SOFTCAP:
+            dz = dz * (4.0 * up * down)
         # rows past the count: zero, whatever exp gave for their (bias-only) logits
         dz = tl.where(valid[:, None], dz, 0.0)
         out_ptrs = dz_ptr + idx[:, None] * stride_dz + local[None, :]  # dz rows in compacted order
@@ -166,7 +179,7 @@ def sweep_backward(
     entropy,
     g,
     c,
-    temperature: float,
+    logits: LogitMap,
     entropy_grad: bool,
     need_weight: bool,
     need_bias: bool,
@@ -220,7 +233,9 @@ def sweep_backward(
                 hidden.stride(0),
                 weight.stride(0),
                 dz.stride(0),
-                1.0 / temperature,
+                logits.inner,
+                logits.outer,
+                SOFTCAP=logits.softcap,
                 HAS_ENTROPY_GRAD=entropy_grad,
                 DOT_PRECISION=dot_precision(dtype),
                 DOT_UPCAST=dot_upcast(dtype),

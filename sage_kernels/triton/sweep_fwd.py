@@ -1,9 +1,10 @@
 """Forward vocabulary sweep: log-sum-exp, the target log-prob and the entropy per token.
 
 For each token the kernel walks the vocabulary in [BLOCK_N tokens x BLOCK_V vocab] tiles
-of z = (h W^T + b) / T, computed with `tl.dot` into an fp32 accumulator over D in
-BLOCK_D chunks (tails masked, so any V and D work). The logits never leave registers and
-are never rounded to the input dtype. Per token it keeps, relative to the running max m:
+of z = (h W^T + b) / T (scaled, and softcapped under SOFTCAP: `head_logits`), computed with
+`tl.dot` into an fp32 accumulator over D in BLOCK_D chunks (tails masked, so any V and D work).
+The logits never leave registers and are never rounded to the input dtype. Per token it keeps,
+relative to the running max m:
 
     s = sum_v exp(z_v - m)                      (rescaled sum-exp)
     t = sum_v exp(z_v - m) (z_v - m)            (rescaled sum of p*z, shifted by m)
@@ -28,12 +29,23 @@ import torch
 import triton
 import triton.language as tl
 
+from ..spec import LogitMap
 from .gemm import on_device
 from .tiles import dot_precision, dot_upcast, interpreting, new_buffer, tiles_for
 
 #: running-max start value: finite, so the first rescale computes 0 * finite, never 0 * inf
 #: (a constexpr: jitted code may read only constexpr globals).
 _NEG_START = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def head_logits(a, logit_inner, logit_outer, SOFTCAP: tl.constexpr):
+    """Logits from the fp32 head output `a` (`spec.LogitMap`): inner * a, or outer * tanh(inner * a)
+    under SOFTCAP, with tanh(x) = 2 sigmoid(2x) - 1 (a tanh that both the compiler and the
+    interpreter have; it saturates to +-1, finite, for any |x|)."""
+    if SOFTCAP:
+        return logit_outer * (2.0 * tl.sigmoid(2.0 * logit_inner * a) - 1.0)
+    return a * logit_inner
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
@@ -54,10 +66,12 @@ def _sweep_fwd_kernel(
     D,
     stride_h,
     stride_w,
-    inv_temperature,
+    logit_inner,
+    logit_outer,
     tiles_per_split,
     n_splits,
     HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -103,7 +117,7 @@ def _sweep_fwd_kernel(
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             # columns past V at a finite -1e30: exp gives exactly 0 there and 0 * shifted stays 0,
             # so one select covers them (fewer live [BLOCK_N, BLOCK_V] values: no spills)
-            z = tl.where(col_ok[None, :], acc * inv_temperature, _NEG_START)
+            z = tl.where(col_ok[None, :], head_logits(acc, logit_inner, logit_outer, SOFTCAP), _NEG_START)
             new_max = tl.maximum(run_max, tl.max(z, axis=1))
             rescale = tl.exp(run_max - new_max)
             shifted = z - new_max[:, None]
@@ -170,10 +184,10 @@ def sweep_forward(
     token_ids: torch.Tensor,
     rows: torch.Tensor,
     count: torch.Tensor,
-    temperature: float,
+    logits: LogitMap,
     rows_to_do: int | None = None,
 ):
-    """lse, logp and entropy [N] in float32 for the valid rows (`rows[:count]`).
+    """lse, logp and entropy [N] in float32 for the valid rows (`rows[:count]`), of the logits `logits` maps.
 
     Entries of other rows are unspecified (the caller masks them). `hidden` [N, D] and
     `weight` [V, D] have unit stride along D; `token_ids` [N] int64. `rows_to_do`: the valid
@@ -204,9 +218,11 @@ def sweep_forward(
             D,
             hidden.stride(0),
             weight.stride(0),
-            1.0 / temperature,
+            logits.inner,
+            logits.outer,
             tiles_per_split,
             splits,
+            SOFTCAP=logits.softcap,
             DOT_PRECISION=dot_precision(hidden.dtype),
             DOT_UPCAST=dot_upcast(hidden.dtype),
             BLOCK_N=tiles.block_n,
@@ -235,12 +251,10 @@ def _combine_splits(run_max, sumexp, shifted_pz, target):
     return lse, target - lse, entropy
 
 
-def scoring_forward(hidden2d, weight, token_ids, bias, temperature):
+def scoring_forward(hidden2d, weight, token_ids, bias, logits: LogitMap):
     """logp and entropy [N] float32 for every row (the forward-only entry point)."""
     N = hidden2d.shape[0]
     rows = torch.arange(N, device=hidden2d.device)
     count = torch.full((), N, dtype=torch.int64, device=hidden2d.device)
-    _, logp, entropy = sweep_forward(
-        hidden2d.contiguous(), weight.contiguous(), bias, token_ids, rows, count, temperature
-    )
+    _, logp, entropy = sweep_forward(hidden2d.contiguous(), weight.contiguous(), bias, token_ids, rows, count, logits)
     return logp, entropy

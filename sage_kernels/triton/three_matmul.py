@@ -60,7 +60,7 @@ from . import token_stage
 from .boundary import GradsWanted, LossTensors, RowOrder
 from .gemm import addmm_f32_, mm_f32, on_device
 from .stages import stage
-from .sweep_fwd import _NEG_START
+from .sweep_fwd import _NEG_START, head_logits
 from .tiles import new_buffer, tiles_for
 
 #: paths taken by the loss forward, by name ("three-matmul", "two-pass"): tests read it.
@@ -110,8 +110,10 @@ def _row_stats_kernel(
     row_begin,
     V,
     stride_z,
-    inv_temperature,
+    logit_inner,
+    logit_outer,
     HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     local = tl.program_id(0).to(tl.int64)
@@ -132,7 +134,7 @@ def _row_stats_kernel(
             z = tl.load(z_row + cols, mask=ok, other=0.0)
             if HAS_BIAS:
                 z += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            z = tl.where(ok, z * inv_temperature, _NEG_START)
+            z = tl.where(ok, head_logits(z, logit_inner, logit_outer, SOFTCAP), _NEG_START)
             new_max = tl.maximum(run_max, z)
             rescale = tl.exp(run_max - new_max)
             shifted = z - new_max
@@ -168,8 +170,10 @@ def _dlogits_in_place_kernel(
     row_begin,
     V,
     stride_z,
-    inv_temperature,
+    logit_inner,
+    logit_outer,
     HAS_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
     DZ: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -182,6 +186,7 @@ def _dlogits_in_place_kernel(
         row = tl.load(rows_ptr + idx)
         target_id = tl.load(ids_ptr + row)
         lse = tl.load(lse_ptr + row)
+        slope = logit_inner * logit_outer  # dz/da where tanh is 0: s / T
         g = tl.load(g_ptr + row)
         if HAS_ENTROPY_GRAD:
             entropy = tl.load(entropy_ptr + row)
@@ -192,13 +197,20 @@ def _dlogits_in_place_kernel(
             z = tl.load(z_row + cols, mask=ok, other=0.0)
             if HAS_BIAS:
                 z += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            log_p = z * inv_temperature - lse
+            if SOFTCAP:  # tanh x = 2 up - 1, 1 - tanh^2 x = 4 up down (no cancellation where a logit saturates)
+                up = tl.sigmoid(2.0 * logit_inner * z)
+                down = tl.sigmoid(-2.0 * logit_inner * z)
+                log_p = logit_outer * (2.0 * up - 1.0) - lse
+            else:
+                log_p = z * logit_inner - lse
             p = tl.exp(log_p)
             dz = g * ((cols == target_id).to(tl.float32) - p)
             if HAS_ENTROPY_GRAD:
                 dz -= c * p * (log_p + entropy)
+            if SOFTCAP:
+                dz = dz * (4.0 * up * down)
             tl.debug_barrier()  # every warp has read this block before any warp overwrites it
-            tl.store(dz_row + cols, (dz * inv_temperature).to(DZ), mask=ok)
+            tl.store(dz_row + cols, (dz * slope).to(DZ), mask=ok)
     else:
         # rows past the valid count (only when the count stayed on the device) add nothing
         for v0 in range(0, V, BLOCK_V):
@@ -281,7 +293,7 @@ def _fused_loss(tensors: LossTensors, config: LossConfig, order: RowOrder, wante
     if need_hidden and rows_to_do and not (dtype == torch.float32 and rows_are_identity):
         grad_h_chunk = new_buffer((min(step, rows_to_do), D), torch.float32, device)
     per_token = None
-    inv_temperature = 1.0 / config.temperature
+    logits = config.logit_map
     weight_t = weight.t()
     for begin in range(0, rows_to_do, step):
         t = min(step, rows_to_do - begin)
@@ -302,7 +314,9 @@ def _fused_loss(tensors: LossTensors, config: LossConfig, order: RowOrder, wante
                 begin,
                 V,
                 z.stride(0),
-                inv_temperature,
+                logits.inner,
+                logits.outer,
+                SOFTCAP=logits.softcap,
                 BLOCK_V=tiles.row_block_v,
                 num_warps=4,
             )
@@ -324,7 +338,9 @@ def _fused_loss(tensors: LossTensors, config: LossConfig, order: RowOrder, wante
                 begin,
                 V,
                 z.stride(0),
-                inv_temperature,
+                logits.inner,
+                logits.outer,
+                SOFTCAP=logits.softcap,
                 HAS_ENTROPY_GRAD=config.entropy_coef != 0.0,
                 DZ=_DZ_DTYPES[dtype],
                 BLOCK_V=tiles.row_block_v,

@@ -47,6 +47,10 @@ OPTION_CASES = {
     ),
     "luspo-sequence": dict(loss_type="luspo", importance_sampling="sequence"),
     "kl-clamp": dict(kl_clamp=0.3, kl="fk3"),
+    # the head's output reaches ~8 sqrt(D)/sqrt(D) * |w| ~ 20: a softcap of 4 saturates many logits
+    "logit-scale": dict(logit_scale=0.4, temperature=0.7),
+    "logit-softcap-scale-entropy": dict(logit_softcap=4.0, logit_scale=1.6, temperature=1.3, entropy_coef=0.05),
+    "logit-softcap-sequence": dict(logit_softcap=4.0, importance_sampling="sequence"),
 }
 
 
@@ -234,14 +238,30 @@ def test_property_random_shapes_and_options(B, L, D, V, path, options, seed):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_scoring_matches_reference(path, dtype):
+@pytest.mark.parametrize("softcap", [None, 4.0], ids=["scale-only", "softcap"])
+def test_scaled_and_softcapped_logits(path, dtype, softcap):
+    # head outputs up to ~20 (make_case), scaled by 1.6: a softcap of 4 saturates many of them
+    config = LossConfig(logit_scale=1.6, logit_softcap=softcap, temperature=0.8, entropy_coef=0.05)
+    check_against_reference(make_case(dtype=dtype, seed=43), config, path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("logits", [{}, dict(logit_scale=0.7, logit_softcap=3.0)], ids=["plain", "scaled-softcapped"])
+def test_scoring_matches_reference(path, dtype, logits):
     case = make_case(dtype=dtype, seed=31, masked_rows=())
     B, L, D = case["hidden"].shape
     ids = case["token_ids"].clamp(max=case["weight"].shape[0] - 1)
     inputs = (case["hidden"].reshape(B * L, D), case["weight"], ids.reshape(-1), case["bias"], 0.8)
-    logp, entropy = cpu.logprobs_and_entropy(*inputs, native=path == "native")
+    logp, entropy = cpu.logprobs_and_entropy(*inputs, **logits, native=path == "native")
     ref_logp, ref_entropy = reference_logprobs_and_entropy(
-        inputs[0].double(), inputs[1].double(), inputs[2], bias=inputs[3].double(), temperature=0.8, dtype=torch.float64
+        inputs[0].double(),
+        inputs[1].double(),
+        inputs[2],
+        bias=inputs[3].double(),
+        temperature=0.8,
+        dtype=torch.float64,
+        **logits,
     )
     assert logp.dtype == entropy.dtype == torch.float32
     assert_close(logp, ref_logp, dtype, "token", "logp")

@@ -460,6 +460,7 @@ def test_reference_matches_independent_trl_style_float64(
         {"guide": "none", "kl": "k1", "importance_sampling": "sequence", "loss_type": "dapo", "temperature": 0.7},
         {"guide": "none", "loss_type": "dr_grpo", "delta_clip": 1.5, "top_entropy_quantile": 0.5},
         {"log_q": torch.full((2, 3), 0.2, dtype=F64), "entropy_coef": 0.05},
+        {"guide": "none", "logit_scale": 1.7, "logit_softcap": 1.5, "temperature": 0.8, "entropy_coef": 0.1},
     ],
 )
 def test_gradcheck_float64(options):
@@ -568,3 +569,74 @@ def test_masked_positions_get_zero_gradient():
     out.loss.backward()
     assert h.grad[~p["mask"]].abs().max().item() == 0.0
     assert (out.logp[~p["mask"]] == 0).all() and (out.entropy[~p["mask"]] == 0).all()
+
+
+# ---------------------------------------------------------------- scaled and softcapped logits, against HF models
+
+
+def tiny_hf_lm(kind: str):
+    """A float64 one-layer Gemma2 (final_logit_softcapping 2: most logits of this head reach it)
+    or Cohere (logit_scale 0.3) causal LM; vocab 40, hidden 16."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=2.0)
+        config._attn_implementation = "eager"
+        model = transformers.Gemma2ForCausalLM(config)
+    else:
+        model = transformers.CohereForCausalLM(transformers.CohereConfig(**common, logit_scale=0.3))
+    with torch.no_grad():  # a head large enough that the transform matters
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere"])
+def test_reference_logits_are_the_hf_models_own(kind):
+    # logp and entropy of the reference (given the model's hidden states and head, the transform read
+    # from its config) equal log_softmax of the model's own output logits / T, with equal gradients
+    from sage_kernels.integrations.hf_logits import logit_options
+    from sage_kernels.reference import reference_logprobs_and_entropy
+
+    model = tiny_hf_lm(kind)
+    options = logit_options(model.config)
+    assert options == (
+        {"logit_scale": 1.0, "logit_softcap": 2.0} if kind == "gemma2" else {"logit_scale": 0.3, "logit_softcap": None}
+    )
+    ids = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))
+    hidden = model.model(input_ids=ids).last_hidden_state.detach().requires_grad_(True)
+    # the model's forward from these same hidden states (a leaf): its own head, transform and loss path
+    model.model.register_forward_hook(lambda module, args, output: output.__class__(last_hidden_state=hidden))
+    T = 0.7
+    logits = model(input_ids=ids).logits / T
+    assert kind != "gemma2" or logits.abs().max() * T > 1.9  # the softcap binds
+    targets = torch.roll(ids, -1, 1)
+    logprobs = torch.log_softmax(logits, -1)
+    hf_logp = logprobs.gather(-1, targets[..., None])[..., 0]
+    hf_entropy = -(logprobs.exp() * logprobs).sum(-1)
+    weight = model.get_output_embeddings().weight
+    logp, entropy = reference_logprobs_and_entropy(
+        hidden.reshape(14, 16), weight, targets.reshape(14), temperature=T, dtype=F64, **options
+    )
+    torch.testing.assert_close(logp, hf_logp.reshape(14), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(entropy, hf_entropy.reshape(14), atol=1e-12, rtol=1e-12)
+    upstream = torch.randn(2, 14, generator=torch.Generator().manual_seed(2), dtype=F64)
+    ours = torch.autograd.grad((upstream[0] * logp + upstream[1] * entropy).sum(), (hidden, weight))
+    theirs = torch.autograd.grad(
+        (upstream[0] * hf_logp.reshape(14) + upstream[1] * hf_entropy.reshape(14)).sum(), (hidden, weight)
+    )
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+    # the scoring entry point takes the same options
+    scored, _ = logprobs_and_entropy(
+        hidden.detach(), weight.detach(), targets, temperature=T, backend="reference", **options
+    )
+    torch.testing.assert_close(scored, hf_logp.detach(), atol=1e-12, rtol=1e-12)

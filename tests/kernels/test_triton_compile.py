@@ -82,7 +82,8 @@ def sweep_types(dtype: str, kernel: str) -> dict:
         D="i32",
         stride_h="i32",
         stride_w="i32",
-        inv_temperature="fp32",
+        logit_inner="fp32",
+        logit_outer="fp32",
     )
     if kernel == "fwd":
         return dict(
@@ -119,7 +120,8 @@ def row_pass_types(dtype: str, kernel: str) -> dict:
         row_begin="i32",
         V="i32",
         stride_z="i32",
-        inv_temperature="fp32",
+        logit_inner="fp32",
+        logit_outer="fp32",
     )
     if kernel == "stats":
         return dict(common, logp_ptr="*fp32")
@@ -142,20 +144,33 @@ def compile_all() -> None:
     dz_types = {"bf16": tl.bfloat16, "fp32": tl.float32}
 
     tiles = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, DOT_UPCAST=False)
-    for dtype, precision, bias in (("bf16", "tf32", True), ("fp16", "tf32", False), ("fp32", "ieee", True)):
+    # the softcapped variants (Gemma 2/3) are compiled and their spills reported; the no-spill gate
+    # below holds for the plain bf16 sweeps, whose names end in "bf16"
+    variants = (("bf16", "tf32", True, False), ("fp16", "tf32", False, False), ("fp32", "ieee", True, False))
+    variants += (("bf16", "tf32", False, True), ("fp32", "ieee", True, True))
+    for dtype, precision, bias, softcap in variants:
         stages = 2 if dtype == "fp32" else 3
         no_bias = {} if bias else {"bias_ptr": None}
-        fwd, SPILLS[f"forward sweep {dtype}"] = compile_with_ptxas_log(
+        name = f"{dtype} softcap" if softcap else dtype
+        fwd, SPILLS[f"forward sweep {name}"] = compile_with_ptxas_log(
             sweep_fwd._sweep_fwd_kernel,
             sweep_types(dtype, "fwd"),
-            dict(tiles, HAS_BIAS=bias, DOT_PRECISION=precision, **no_bias),
+            dict(tiles, HAS_BIAS=bias, SOFTCAP=softcap, DOT_PRECISION=precision, **no_bias),
             8,
             stages,
         )
-        bwd, SPILLS[f"backward d(logits) {dtype}"] = compile_with_ptxas_log(
+        bwd, SPILLS[f"backward d(logits) {name}"] = compile_with_ptxas_log(
             sweep_bwd._dlogits_kernel,
             sweep_types(dtype, "bwd"),
-            dict(tiles, HAS_BIAS=bias, HAS_ENTROPY_GRAD=True, DOT_PRECISION=precision, GROUP_N=16, **no_bias),
+            dict(
+                tiles,
+                HAS_BIAS=bias,
+                SOFTCAP=softcap,
+                HAS_ENTROPY_GRAD=True,
+                DOT_PRECISION=precision,
+                GROUP_N=16,
+                **no_bias,
+            ),
             8,
             stages,
         )
@@ -166,7 +181,7 @@ def compile_all() -> None:
             continue  # fp16 takes the two-pass path only (loss scaling): no row passes
         # the three-matmul path's row passes (one program per token, 4 warps, BLOCK_V 1024); V
         # specialises there, so a vocabulary divisible by 16 gives 128-bit loads of the fp32 row
-        row = dict(HAS_BIAS=bias, BLOCK_V=1024, **no_bias)
+        row = dict(HAS_BIAS=bias, SOFTCAP=softcap, BLOCK_V=1024, **no_bias)
         stats = compile_for_sm90(three_matmul._row_stats_kernel, row_pass_types(dtype, "stats"), row, 4, 3)
         dz = compile_for_sm90(
             three_matmul._dlogits_in_place_kernel,

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from sage_kernels import LossConfig
 from sage_kernels.reference import reference_logprobs_and_entropy
-from sage_kernels.triton import tiles
+from sage_kernels.triton import three_matmul, tiles
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F64 = torch.float64
@@ -40,7 +40,7 @@ def make_problem(
     dtype=torch.float32,
     seed=0,
     bias=True,
-    logit_scale=1.0,
+    weight_scale=1.0,
     mask="random",
     adv_per_token=False,
     old=True,
@@ -56,7 +56,7 @@ def make_problem(
         return torch.randn(*shape, generator=gen, dtype=F64)
 
     hidden = randn(B, L, D).to(dtype)
-    weight = (randn(V, D) * logit_scale / math.sqrt(D)).to(dtype)
+    weight = (randn(V, D) * weight_scale / math.sqrt(D)).to(dtype)
     b = (randn(V) * 0.5).to(dtype) if bias else None
     token_ids = torch.randint(0, V, (B, L), generator=gen)
     if mask == "random":
@@ -120,6 +120,8 @@ options = st.fixed_dictionaries(
         "top_entropy_quantile": st.sampled_from([1.0, 0.8, 0.3]),
         "entropy_coef": st.sampled_from([0.0, 0.02]),
         "temperature": st.floats(0.5, 1.5),
+        "logit_scale": st.floats(0.5, 2.0),
+        "logit_softcap": st.one_of(st.none(), st.floats(0.5, 5.0)),
         "kl_clamp": st.one_of(st.none(), st.floats(0.2, 2.0)),
     }
 )
@@ -194,14 +196,14 @@ def test_dtypes_on_hostile_shapes(dtype, V, D):
     check_against_reference(problem, LossConfig(entropy_coef=0.01, temperature=0.7, dual_clip_c=3.0), dtype)
 
 
-@pytest.mark.parametrize("logit_scale", [0.0, 40.0], ids=["flat", "confident"])
-def test_flat_and_confident_logits(logit_scale):
-    problem = make_problem(B=2, L=9, V=1000, D=64, seed=11, logit_scale=logit_scale)
+@pytest.mark.parametrize("weight_scale", [0.0, 40.0], ids=["flat", "confident"])
+def test_flat_and_confident_logits(weight_scale):
+    problem = make_problem(B=2, L=9, V=1000, D=64, seed=11, weight_scale=weight_scale)
     check_against_reference(problem, LossConfig(entropy_coef=0.05, beta=0.1), torch.float32)
 
 
 def test_flat_logits_have_entropy_log_v():
-    problem = make_problem(B=2, L=5, V=1000, D=32, logit_scale=0.0, bias=False, mask="all")
+    problem = make_problem(B=2, L=5, V=1000, D=32, weight_scale=0.0, bias=False, mask="all")
     out, _ = run(problem, LossConfig(), "triton", torch.float32)
     torch.testing.assert_close(out.entropy, torch.full_like(out.entropy, math.log(1000)), atol=1e-5, rtol=0)
     torch.testing.assert_close(out.logp, torch.full_like(out.logp, -math.log(1000)), atol=1e-5, rtol=0)
@@ -230,6 +232,25 @@ def test_vocab_splits_token_blocks_and_backward_chunks(monkeypatch):
     monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_v", 2 * tile.block_v)
     problem = make_problem(B=5, L=15, V=1271, D=72, seed=2, mask="tail")
     check_against_reference(problem, LossConfig(entropy_coef=0.02, importance_sampling="sequence"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", ["three-matmul", "two-pass"])
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["scale-only", "softcap"])
+def test_scaled_and_softcapped_logits(softcap, path, dtype):
+    # head outputs ~N(0, 1.5^2) scaled by 2.5: a softcap of 1.5 saturates most of them (tanh' small)
+    problem = make_problem(B=3, L=9, V=300, D=40, dtype=dtype, seed=31, weight_scale=1.5)
+    sequence = path == "two-pass"  # sequence-level ratios need every token first: the two-pass path
+    config = LossConfig(
+        logit_scale=2.5,
+        logit_softcap=softcap,
+        temperature=0.8,
+        entropy_coef=0.02,
+        importance_sampling="sequence" if sequence else "token",
+    )
+    before = three_matmul.PATHS_TAKEN.copy()
+    check_against_reference(problem, config, dtype)
+    assert three_matmul.PATHS_TAKEN - before == {path: 1}
 
 
 def test_temperature_and_beta_are_runtime_scalars():

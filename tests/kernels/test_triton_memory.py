@@ -71,9 +71,7 @@ def test_forward_and_backward_stay_under_the_limit(dtype):
     with KernelMemoryRecorder(LIMIT) as recorder:
         tensors = boundary.LossTensors.of(inputs)
         out = ops.loss_forward(tensors, config)
-        flags = boundary.BackwardFlags(
-            config.temperature, entropy_grad=True, need_hidden=True, need_weight=True, need_bias=True
-        )
+        flags = boundary.BackwardFlags.of(config, need_hidden=True, need_weight=True, need_bias=True)
         grads = ops.loss_backward(torch.tensor(1.5, device=DEVICE), boundary.TwoPassSaved.of(tensors, out), flags)
     recorder.check()
     assert recorder.largest > 0

@@ -73,7 +73,9 @@ def test_opcheck_scoring_operator():
         problem["weight"],
         problem["bias"],
         problem["token_ids"].reshape(10),
-        0.9,
+        0.4,  # logit_inner, logit_outer, softcap: a softcap of 2.5 at T = 0.8 and scale 1
+        3.125,
+        True,
     )
     torch.library.opcheck(
         torch.ops.sage_kernels.triton_logprobs_entropy.default, args, test_utils=("test_schema", "test_faketensor")
@@ -131,7 +133,7 @@ def test_torch_compile_full_graph_of_the_operators():
     def step(*op_args):
         loss = torch.ops.sage_kernels.triton_sage_loss(*op_args)[0]
         logp, _ = torch.ops.sage_kernels.triton_logprobs_entropy(
-            op_args[0].detach(), op_args[1].detach(), None, op_args[3].reshape(-1), 1.0
+            op_args[0].detach(), op_args[1].detach(), None, op_args[3].reshape(-1), 1.0, 1.0, False
         )
         return loss, logp
 
@@ -155,9 +157,20 @@ def test_boundary_records_round_trip_their_flat_form():
     problem = make_problem(B=2, L=5, V=200, D=32, seed=6)
     tensors = boundary.LossTensors.from_flat(loss_op_args(problem, LossConfig())[: len(boundary.LossTensors._fields)])
     assert tensors.flat()[4] is tensors.mask and boundary.LossTensors.from_flat(tensors.flat()) == tensors
-    flags = boundary.BackwardFlags(0.7, entropy_grad=False, need_hidden=True, need_weight=False, need_bias=True)
+    flags = boundary.BackwardFlags.of(
+        LossConfig(logit_scale=1.5, logit_softcap=3.0, temperature=0.5),
+        need_hidden=True,
+        need_weight=False,
+        need_bias=True,
+    )
     assert flags._asdict() == dict(
-        temperature=0.7, entropy_grad=False, need_hidden=True, need_weight=False, need_bias=True
+        logit_inner=0.5,
+        logit_outer=6.0,
+        softcap=True,
+        entropy_grad=False,
+        need_hidden=True,
+        need_weight=False,
+        need_bias=True,
     )
     schema = torch.ops.sage_kernels.triton_sage_loss_backward.default._schema
     keyword_only = [a.name for a in schema.arguments if a.kwarg_only]

@@ -27,14 +27,21 @@ def poisoned_buffers(monkeypatch):
     monkeypatch.setattr(tiles, "POISON_BUFFERS", True)
 
 
-def check_scoring(N, V, D, dtype, *, seed=0, bias=True, temperature=1.0, logit_scale=1.0):
+def check_scoring(N, V, D, dtype, *, seed=0, bias=True, temperature=1.0, weight_scale=1.0, **logits):
+    """`logits`: the scoring's logit_scale and logit_softcap."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, D, generator=gen, dtype=F64).to(dtype)
-    weight = (torch.randn(V, D, generator=gen, dtype=F64) * logit_scale / math.sqrt(D)).to(dtype)
+    weight = (torch.randn(V, D, generator=gen, dtype=F64) * weight_scale / math.sqrt(D)).to(dtype)
     b = (torch.randn(V, generator=gen, dtype=F64) * 0.5).to(dtype) if bias else None
     ids = torch.randint(0, V, (N,), generator=gen)
     expected = reference_logprobs_and_entropy(
-        hidden.to(F64), weight.to(F64), ids, bias=None if b is None else b.to(F64), temperature=temperature, dtype=F64
+        hidden.to(F64),
+        weight.to(F64),
+        ids,
+        bias=None if b is None else b.to(F64),
+        temperature=temperature,
+        dtype=F64,
+        **logits,
     )
     logp, entropy = logprobs_and_entropy(
         hidden.to(DEVICE),
@@ -43,6 +50,7 @@ def check_scoring(N, V, D, dtype, *, seed=0, bias=True, temperature=1.0, logit_s
         bias=None if b is None else b.to(DEVICE),
         temperature=temperature,
         backend="triton",
+        **logits,
     )
     assert logp.dtype == entropy.dtype == torch.float32
     assert_close(logp.cpu(), expected[0], dtype, "token", "logp")
@@ -56,10 +64,18 @@ def test_hostile_shapes_and_dtypes(N, V, D, dtype):
     check_scoring(N, V, D, dtype, seed=N + V + D, temperature=0.8)
 
 
-@pytest.mark.parametrize("logit_scale", [0.0, 60.0], ids=["flat", "confident"])
-def test_flat_and_confident_logits(logit_scale):
-    logp, entropy = check_scoring(33, 1000, 64, torch.float32, logit_scale=logit_scale, bias=False)
-    if logit_scale == 0.0:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["scale-only", "softcap"])
+def test_scaled_and_softcapped_logits(softcap, dtype):
+    check_scoring(
+        37, 1000, 48, dtype, seed=5, temperature=0.7, weight_scale=2.0, logit_scale=1.8, logit_softcap=softcap
+    )
+
+
+@pytest.mark.parametrize("weight_scale", [0.0, 60.0], ids=["flat", "confident"])
+def test_flat_and_confident_logits(weight_scale):
+    logp, entropy = check_scoring(33, 1000, 64, torch.float32, weight_scale=weight_scale, bias=False)
+    if weight_scale == 0.0:
         torch.testing.assert_close(entropy, torch.full_like(entropy, math.log(1000)), atol=1e-5, rtol=0)
     else:
         assert (entropy >= 0).all()

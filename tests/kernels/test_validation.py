@@ -70,6 +70,11 @@ META = torch.device("meta")
         ({"log_q": torch.ones(B)}, ValueError, "log_q must have shape"),
         ({"temperature": 0.0}, ValueError, "temperature must be > 0"),
         ({"temperature": -1.0}, ValueError, "temperature must be > 0"),
+        ({"logit_scale": 0.0}, ValueError, "logit_scale must be > 0"),
+        ({"logit_scale": math.inf}, ValueError, "logit_scale must be a finite number"),
+        ({"logit_softcap": 0.0}, ValueError, "logit_softcap must be None or a finite number > 0"),
+        ({"logit_softcap": -30.0}, ValueError, "logit_softcap must be None or a finite number > 0"),
+        ({"logit_softcap": math.inf}, ValueError, "logit_softcap must be None or a finite number > 0"),
         ({"loss_type": "ppo"}, ValueError, "loss_type must be one of"),
         ({"kl": "k4"}, ValueError, "kl must be one of"),
         ({"guide": "entropy"}, ValueError, "guide must be one of"),
@@ -137,6 +142,10 @@ def test_scoring_validation():
         logprobs_and_entropy(args["hidden"], args["weight"], args["token_ids"], temperature=0)
     with pytest.raises(ValueError, match="hidden must have shape"):
         logprobs_and_entropy(args["hidden"], args["weight"], args["token_ids"][:, :2])
+    with pytest.raises(ValueError, match="logit_scale must be > 0"):
+        logprobs_and_entropy(args["hidden"], args["weight"], args["token_ids"], logit_scale=-1.0)
+    with pytest.raises(ValueError, match="logit_softcap must be None or a finite number > 0"):
+        logprobs_and_entropy(args["hidden"], args["weight"], args["token_ids"], logit_softcap=0.0)
     with pytest.raises(ValueError, match=r"token_ids must be in \[0, V=5\)"):
         logprobs_and_entropy(args["hidden"], args["weight"], args["token_ids"] + V, backend="reference")
 
