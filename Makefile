@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 
 LINTED := sage_kernels sage_train benchmarks tests
 
-.PHONY: setup setup-real test demo demo-real bench lint format clean
+.PHONY: setup setup-real test trl-suite demo demo-real bench lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ setup-real: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# TRL's own GRPO tests on SAGEGRPOTrainer (docs/integrations.md, TRL): long, not part of `make test`.
+# TRL_GIT: a git clone of huggingface/trl holding the pinned commit (without it, GitHub's raw files).
+trl-suite: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) scripts/trl_suite.py $(if $(TRL_GIT),--trl-git $(TRL_GIT))
 
 demo: $(STAMP)
 	$(VENV)/bin/sage-train
