@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .reference import logits_of, reference_logprobs_and_entropy
+from .spec import logit_map
 
 
 def shard_stats(hidden2d, weight, bias, token_ids, temperature: float, backend: str):
@@ -44,7 +45,7 @@ class _CpuShardSweep:
         from . import cpu
 
         n = hidden2d.shape[0]
-        self.sweep = cpu._Sweep(hidden2d, weight, bias, token_ids, None, temperature, cpu._ops_for(None), n)
+        self.sweep = cpu._Sweep(hidden2d, weight, bias, token_ids, None, logit_map(temperature), cpu._ops_for(None), n)
 
     def forward(self):
         for block in self.sweep.blocks:
@@ -72,7 +73,7 @@ class _TritonShardSweep:
         _check_device(hidden2d)
         n, device = hidden2d.shape[0], hidden2d.device
         self.hidden, self.weight, self.bias = hidden2d.contiguous(), weight.contiguous(), bias
-        self.token_ids, self.temperature = token_ids, temperature
+        self.token_ids, self.logits = token_ids, logit_map(temperature)
         self.rows = torch.arange(n, device=device)
         self.count = torch.full((), n, dtype=torch.int64, device=device)
 
@@ -80,7 +81,7 @@ class _TritonShardSweep:
         from .triton.sweep_fwd import sweep_forward
 
         self.stats = sweep_forward(
-            self.hidden, self.weight, self.bias, self.token_ids, self.rows, self.count, self.temperature
+            self.hidden, self.weight, self.bias, self.token_ids, self.rows, self.count, self.logits
         )
         return tuple(t.clone() for t in self.stats)
 
@@ -100,7 +101,7 @@ class _TritonShardSweep:
             entropy,
             g,
             c,
-            self.temperature,
+            self.logits,
             True,
             need_weight=need_weight,
             need_bias=need_bias,

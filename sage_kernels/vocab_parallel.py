@@ -80,6 +80,12 @@ def vocab_parallel_sage_loss(
     ``reduce_hidden_grad=False`` only this shard's share (for callers whose autograd sums it).
     """
     config = resolve_config(config, options)
+    if config.logit_scale != 1.0 or config.logit_softcap is not None:
+        # the shard sweeps and the target-row term are written for z = (W h + b) / T only
+        raise ValueError(
+            "logit_scale and logit_softcap must be 1.0 and None for a vocabulary-parallel head (not supported yet), "
+            f"got {config.logit_scale!r} and {config.logit_softcap!r}"
+        )
     name = resolve_backend(backend, _device_of(hidden))
     vocab_start, vocab = _shard_layout(weight, group)
     inputs = validate_inputs(
