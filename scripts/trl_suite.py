@@ -184,7 +184,10 @@ def trl_defaults_config():
             [(name, type(value), dataclasses.field(default=value)) for name, value in overrides.items()],
             bases=(SAGEGRPOConfig,),
         )
+        # a module attribute under its own name, so pickle (used by the trainer's dataloader
+        # workers and deepcopy) finds the class again
         _TRL_DEFAULTS_CONFIG.__module__ = __name__
+        globals()[_TRL_DEFAULTS_CONFIG.__name__] = _TRL_DEFAULTS_CONFIG
     return _TRL_DEFAULTS_CONFIG
 
 

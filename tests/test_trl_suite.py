@@ -4,6 +4,7 @@ set's schema) and the skip of tests naming hub resources without a stand-in."""
 
 import hashlib
 import importlib.util
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,8 @@ def test_substitutes_per_mode(suite, tmp_path):
     assert (args.beta, args.use_bias_correction_kl) == (trl_args.beta, trl_args.use_bias_correction_kl)
     assert (sage_args.sage_guide, sage_args.beta, sage_args.use_bias_correction_kl) == ("branch", 0.05, False)
     assert args.loss_type == trl_args.loss_type and args.epsilon == trl_args.epsilon
+    # the trainer pickles its arguments (dataloader workers, deepcopy): the class must be found again
+    assert pickle.loads(pickle.dumps(args)).sage_guide == "none"
     with pytest.raises(ValueError, match="mode"):
         suite.substitutes("liger")
 

@@ -156,7 +156,7 @@ class SAGEGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose loss is the fused SAGE loss. Takes `GRPOTrainer`'s arguments; `args`
     must be a `SAGEGRPOConfig`."""
 
-    def __init__(self, model, reward_funcs, args: SAGEGRPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: SAGEGRPOConfig | None = None, **kwargs):
         if args is not None and not isinstance(args, SAGEGRPOConfig):
             raise TypeError(f"args must be a SAGEGRPOConfig, got {type(args).__name__}")
         if args is None:
