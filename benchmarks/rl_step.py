@@ -8,7 +8,8 @@ clip 0.2, lr 1e-3, micro-batches of 16 rows, one optimizer step per generation. 
 recipe (the branch guide on: the peer has none; it costs the loss a few percent); TRL 1.16 runs
 ``GRPOTrainer`` with ``per_device_train_batch_size=16``, ``gradient_accumulation_steps=4`` (so one
 generation of 64 rows feeds one optimizer step, as ours), ``loss_type="grpo"``, the same LoRA via
-``peft_config``, ``gradient_checkpointing=False`` (its default is True; ours does not checkpoint),
+``peft_config``, ``gradient_checkpointing`` as ours (``--gradient-checkpointing`` turns it on for both;
+off by default, as sage-train's; TRL's own default is on),
 and a reward that is the recipe task's own grader. Both draw their prompts from the same pool (the
 first ``prompts x steps`` training problems of the recipe's seed, through the model's chat template).
 
@@ -46,7 +47,7 @@ def peak_rss_mib() -> float:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def recipe_config(model: str, steps: int, out: str, threads: int):
+def recipe_config(model: str, steps: int, out: str, threads: int, checkpointing: bool = False):
     """The recipe's TrainConfig for a benchmark run: no evaluation, no plots, a pool of exactly the
     prompts `steps` steps draw."""
     from sage_train.config import parse_args, resolve
@@ -65,17 +66,18 @@ def recipe_config(model: str, steps: int, out: str, threads: int):
                 "--plots=false",
                 f"--cpu_threads={threads}",
                 f"--output_dir={out}",
+                f"--gradient_checkpointing={str(checkpointing).lower()}",
             ]
         )
     )
 
 
-def sage_worker(model: str, steps: int, threads: int) -> dict:
+def sage_worker(model: str, steps: int, threads: int, checkpointing: bool) -> dict:
     """`steps` steps of sage-train on the recipe; the last step's parts, tokens and peak RSS."""
     from sage_train.run import train
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = recipe_config(model, steps, out, threads)
+        cfg = recipe_config(model, steps, out, threads, checkpointing)
         seen = {}
 
         def on_step(step: int, row: dict) -> None:
@@ -93,7 +95,7 @@ def sage_worker(model: str, steps: int, threads: int) -> dict:
     }
 
 
-def trl_worker(model: str, steps: int, threads: int) -> dict:
+def trl_worker(model: str, steps: int, threads: int, checkpointing: bool) -> dict:
     """`steps` steps of TRL's GRPOTrainer in the recipe's setting (module docstring)."""
     import torch
     from datasets import Dataset
@@ -106,7 +108,7 @@ def trl_worker(model: str, steps: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out:
-        cfg = recipe_config(model, steps, out, threads)
+        cfg = recipe_config(model, steps, out, threads, checkpointing)
         task, train_problems = check_inputs(cfg, 1)[:2]
         by_id = {p.id: p for p in train_problems}
         dataset = Dataset.from_list(
@@ -135,7 +137,7 @@ def trl_worker(model: str, steps: int, threads: int) -> dict:
             learning_rate=cfg.lr,
             lr_scheduler_type="constant",
             max_grad_norm=cfg.max_grad_norm,
-            gradient_checkpointing=False,
+            gradient_checkpointing=checkpointing,
             logging_steps=1,
             save_strategy="no",
             report_to="none",
@@ -202,9 +204,18 @@ def trl_worker(model: str, steps: int, threads: int) -> dict:
 WORKERS = {"sage": sage_worker, "trl": trl_worker}
 
 
-def run_side(side: str, model: str, steps: int, threads: int) -> dict:
+def run_side(side: str, model: str, steps: int, threads: int, checkpointing: bool) -> dict:
     """One side in a fresh process; its result row (or {"failed": the last lines of its output})."""
-    command = [sys.executable, "-m", "benchmarks.rl_step", side, model, str(steps), str(threads)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.rl_step",
+        side,
+        model,
+        str(steps),
+        str(threads),
+        str(int(checkpointing)),
+    ]
     # one process of its own: no rendezvous inherited from a launcher (accelerate would join it)
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
@@ -250,7 +261,7 @@ def main(args) -> list[dict]:
                 "side": side,
                 "repeat": repeat,
                 "load_before": load,
-                **run_side(side, args.model, args.steps, args.threads),
+                **run_side(side, args.model, args.steps, args.threads, args.gradient_checkpointing),
             }
             if "failed" not in row:
                 row["tokens_per_s"] = row["completion_tokens"] / row["step"]
@@ -260,5 +271,11 @@ def main(args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    side, model, steps, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    print("RESULT " + json.dumps(WORKERS[side](model, steps, threads)), flush=True)
+    side, model, steps, threads, checkpointing = (
+        sys.argv[1],
+        sys.argv[2],
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        sys.argv[5] == "1",
+    )
+    print("RESULT " + json.dumps(WORKERS[side](model, steps, threads, checkpointing)), flush=True)

@@ -51,6 +51,11 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument(
         "--steps", type=int, default=2, help="--part step: RL steps per run, the last timed (default 2)"
     )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="--part step: activation checkpointing of the decoder layers on both sides (TRL's default)",
+    )
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="output directory")
     args = parser.parse_args(argv)
     for key in ("prompts", "group", "new_tokens", "threads", "repeats", "steps"):

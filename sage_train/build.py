@@ -27,7 +27,7 @@ def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: tor
 
     local_rows = check_batch_shape(cfg, world)
     ds_config = deepspeed_config(cfg, world, local_rows // cfg.micro_batch_size, device)
-    policy = PolicyHead(model.to(device), cfg.loss_backend)
+    policy = PolicyHead(model.to(device), cfg.loss_backend, cfg.gradient_checkpointing)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # the adapter only under LoRA
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = cfg.steps * cfg.num_iterations

@@ -97,6 +97,9 @@ class RunOptions:
     prompts_per_step: int = 8
     group_size: int = 8
     micro_batch_size: int = 16
+    # activation checkpointing of the policy's decoder layers in the update (`policy.checkpoint_layers`):
+    # one layer's activations held instead of all, for a second forward in the backward; same gradient
+    gradient_checkpointing: bool = False
     num_iterations: int = 1
     # optimizer steps fed by one generation of prompts_per_step x steps_per_generation prompts (its
     # rows shuffled, log-probs fixed at generation, so later steps are off-policy: TRL's option)

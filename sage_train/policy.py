@@ -17,9 +17,11 @@ for the backward, so the fused loss always sees the full [V, D] weight.
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from sage_kernels import fused_linear_sage_loss, logprobs_and_entropy
@@ -39,9 +41,11 @@ class PolicyHead(nn.Module):
     and its log q goes to the loss. Both run inside this module's forward so that ZeRO-3 gathers the LM head.
     """
 
-    def __init__(self, lm: nn.Module, backend: str = "auto") -> None:
+    def __init__(self, lm: nn.Module, backend: str = "auto", gradient_checkpointing: bool = False) -> None:
         super().__init__()
         self.lm, self.backend = lm, backend
+        if gradient_checkpointing:
+            checkpoint_layers(decoder_of(base_lm(lm)))
 
     def forward(
         self,
@@ -90,6 +94,32 @@ class PolicyHead(nn.Module):
             hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend, **loss_inputs, **logits
         )
         return output.loss, output  # the loss as a plain tensor output, so ZeRO-3 hooks its backward
+
+
+def checkpoint_layers(decoder: nn.Module) -> None:
+    """Activation checkpointing of each of `decoder`'s layers (``decoder.layers``): a layer's forward
+    under autograd keeps only its inputs and runs again in the backward, so an update holds one
+    layer's activations instead of every layer's. Whatever the module's train/eval mode (transformers'
+    own checkpointing acts only in training mode, which would also turn dropout on); without autograd
+    (scoring, generation) the layer runs as it is. The layer's submodules are called again in the
+    recompute, so their hooks (ZeRO-3's gathers) run again too. Non-reentrant checkpointing: frozen
+    inputs (the embeddings under LoRA) need no ``requires_grad``."""
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"gradient_checkpointing: {type(decoder).__name__} has no `layers` list of decoder layers to checkpoint"
+        )
+    for layer in layers:
+        # a method bound to the layer: a deepcopy of the model (the hf engine's bf16 sampling copy)
+        # rebinds it to the copied layer
+        layer.forward = types.MethodType(_checkpointed_forward, layer)
+
+
+def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
+    forward = type(layer).forward.__get__(layer)
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 @dataclass
