@@ -24,14 +24,9 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-@pytest.fixture(scope="session")
-def tiny_lm_dir(tmp_path_factory):
-    """Path of a saved tiny Qwen2 model and its tokenizer (vocab 26, hidden 32, 2 layers)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(
+def tiny_decoder_options(tokenizer) -> dict:
+    """The config options of the tests' tiny decoders (hidden 32, 2 layers, untied head) for `tokenizer`."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
@@ -44,7 +39,16 @@ def tiny_lm_dir(tmp_path_factory):
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tmp_path_factory):
+    """Path of a saved tiny Qwen2 model and its tokenizer (vocab 26, hidden 32, 2 layers)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    Qwen2ForCausalLM(Qwen2Config(**tiny_decoder_options(tokenizer))).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

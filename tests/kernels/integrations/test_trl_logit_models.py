@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
-from conftest import build_tokenizer  # noqa: E402
+from conftest import build_tokenizer, tiny_decoder_options  # noqa: E402
 from test_trl_options import assert_same, pair  # noqa: E402
 from test_trl_trainer import (  # noqa: E402
     COMPARED_METRICS,
@@ -36,19 +36,7 @@ def save_tiny(kind: str, path) -> str:
     import transformers
 
     tokenizer = build_tokenizer()
-    common = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    common = tiny_decoder_options(tokenizer)
     torch.manual_seed(0)
     if kind == "gemma2":
         config = transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=2.0)
