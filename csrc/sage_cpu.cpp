@@ -19,9 +19,11 @@
 // The same bits for any number of threads: every result element is computed by one thread in an
 // order fixed by the shapes alone. Rows are whole tasks; each product is cut into tiles of fixed
 // size (never by the thread count) whose inner dimension is never split, and each tile is one BLAS
-// call made inside the parallel region, where the BLAS runs sequentially; the bias gradient sums
-// the rows in order. A BLAS left to thread a whole product may split its inner dimension by the
-// number of threads, and at::sum splits by threads too: both would change the last bits.
+// call made on one thread with the BLAS told to use one thread (SequentialBlas); the bias gradient
+// sums the rows in order. A BLAS that may use several threads plans its split of a product by that
+// number even inside a parallel region, where it then runs the pieces on one thread: MKL's AVX-512
+// kernels split the inner dimension of d(hidden) = dZ W (V long) in two for two threads, which
+// changes the last bits. at::sum splits by threads too.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,6 +36,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+// MKL's per-thread thread count, its C entry (mkl_service.h maps mkl_set_num_threads_local to it; the
+// lower-case symbol is the Fortran one, which takes a pointer). libtorch_cpu exports it where torch is
+// built with MKL, as the x86 wheels are; weak, so that under another BLAS the symbol is null.
+extern "C" int MKL_Set_Num_Threads_Local(int nthreads) __attribute__((weak));
 
 namespace {
 
@@ -94,12 +101,28 @@ constexpr int64_t kHiddenTile = 256;  // hidden columns per task (grad_hidden, w
 
 int64_t tiles_of(int64_t size, int64_t tile) { return (size + tile - 1) / tile; }
 
-// fn(tile) for every tile, each inside the parallel region, where a BLAS call runs sequentially.
-// At least two tasks, so that the region opens whenever there are two or more threads, even for
-// one tile (a product left to the calling thread could be threaded, and split, by the BLAS).
+// While alive, the BLAS plans for one thread on this thread (MKL's thread-local count, restored on exit);
+// the global count, which torch.set_num_threads sets, would otherwise decide its split. Other BLAS
+// libraries (OpenBLAS) run on one thread inside a parallel region of their own accord.
+class SequentialBlas {
+ public:
+  SequentialBlas() : previous_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous_);
+  }
+  SequentialBlas(const SequentialBlas&) = delete;
+  SequentialBlas& operator=(const SequentialBlas&) = delete;
+
+ private:
+  int previous_;
+};
+
+// fn(tile) for every tile, each on one thread with a sequential BLAS. At least two tasks, so that the
+// region opens whenever there are two or more threads, even for one tile.
 template <typename F>
 void for_each_tile(int64_t count, const F& fn) {
   at::parallel_for(0, std::max<int64_t>(count, 2), 1, [&](int64_t begin, int64_t end) {
+    const SequentialBlas sequential;
     for (int64_t t = begin; t < std::min(end, count); ++t) fn(t);
   });
 }
