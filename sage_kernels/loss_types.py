@@ -47,5 +47,7 @@ LOSS_TYPES = {
     "luspo": LossType(6, clipped=True, aggregation="sequence_sum"),
     "vespo": LossType(7, clipped=False, aggregation="token_sum", normaliser="given_tokens", sequence_weight=True),
     "gmpo": LossType(8, clipped=False, aggregation="sequence_mean", sequence_weight=True),
+    "dppo_tv": LossType(9, clipped=False, aggregation="token_sum", normaliser="given_tokens"),
+    "dppo_kl": LossType(10, clipped=False, aggregation="token_sum", normaliser="given_tokens"),
 }
 LOSS_TYPE_CODES = {name: kind.code for name, kind in LOSS_TYPES.items()}

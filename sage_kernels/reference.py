@@ -19,6 +19,10 @@ Choices where TRL leaves room (docs/loss.md lists them all), following TRL's GRP
   when beta != 0; with use_bias_correction_kl the reported KL is the ratio-weighted one.
 - cispo's clip fraction is TRL's ``cispo_clip_ratio`` (r > eps_high and A > 0), reported as
   clip_ratio/high_mean and region_mean; sapo and vespo clip nothing (all three are 0).
+- dppo_tv and dppo_kl follow verl's ``compute_policy_loss_dppo_tv/kl``: a token whose trust region
+  binds (`dppo_trust_region`) is dropped from the PG term; verl's pg_clipfrac, the fraction of
+  such tokens, is clip_ratio/region_mean (low: A <= 0, high: A > 0, as verl splits the sides). verl
+  clamps the log-ratio to [-20, 20] before exp; below the cap e^20 that changes nothing.
 - gmpo follows the official GMPO code (`gmpo_ratio`): its clip fractions count the tokens whose
   log-ratio clip binds (their gradient is cut): low = log r < -eps_low and A < 0, high =
   log r > eps_high and A > 0; the per-token ``ratio`` output stays the token ratio r.
@@ -86,7 +90,12 @@ def kl_estimate(delta: torch.Tensor, kl: str) -> torch.Tensor:
     k1, k2, k3 (Schulman's) estimate the reverse KL(pi || anchor). fk3 = r*delta - (r - 1) with
     r = anchor/pi = exp(delta) estimates the forward KL(anchor || pi): E_pi[r log r] is that KL
     and E_pi[r - 1] = 0 is a control variate; it is >= 0 like k3 (our choice for grpo-forward-kl).
+    "k1+" and "k3+" are verl's straight-through estimators: k1's or k3's value, k2's gradient (k2's
+    expected gradient is the reverse KL's; k1's and k3's are not).
     """
+    if kl.endswith("+"):
+        k2 = 0.5 * delta * delta
+        return kl_estimate(delta, kl[:-1]).detach() + (k2 - k2.detach())
     if kl == "k1":
         return -delta
     if kl == "k2":
@@ -199,6 +208,11 @@ def policy_gradient_term(logp, ratio, token_log_ratio, A, inputs: SageInputs, co
     if config.loss_type == "vespo":
         phi = vespo_weight(token_log_ratio.detach(), A, inputs.mask, inputs.is_weights, config)
         return -phi * A * logp, none, none
+    if config.loss_type in ("dppo_tv", "dppo_kl"):
+        old_logp = logp.detach() if inputs.old_logp is None else inputs.old_logp.to(logp.dtype)
+        inside = dppo_trust_region(logp.detach(), old_logp, A, config)
+        weight = ratio.detach().clamp(max=config.dppo_ratio_cap) * inside.to(logp.dtype)
+        return -weight * A * logp, ~inside & (A <= 0), ~inside & (A > 0)
     if config.loss_type == "gmpo":
         geometric_ratio, low, high = gmpo_ratio(token_log_ratio, A, inputs.mask, config)
         return -gmpo_weight(inputs.is_weights, inputs.mask, A) * geometric_ratio * A, low, high
@@ -213,6 +227,29 @@ def policy_gradient_term(logp, ratio, token_log_ratio, A, inputs: SageInputs, co
 def _by_sign(condition: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor) -> torch.Tensor:
     """`if_true` where `condition`, else `if_false`, exactly in `like`'s dtype."""
     return torch.where(condition, like.new_tensor(if_true), like.new_tensor(if_false))
+
+
+#: verl's guard in DPPO's binary KL: log((1 - p_old + 1e-8) / (1 - p + 1e-8)) stays finite at p = 1.
+DPPO_KL_EPS = 1e-8
+
+
+def dppo_trust_region(logp, old_logp, A, config: LossConfig) -> torch.Tensor:
+    """DPPO's trust region (verl's ``compute_policy_loss_dppo_tv/kl``): True where the token's PG term
+    is kept. With p = exp(logp), p_old = exp(old_logp), by the sign of A (A > 0, else A <= 0):
+    dppo_tv keeps p - p_old <= eps_high (A > 0) or p - p_old >= -eps_low; dppo_kl keeps a binary KL
+    D = p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)) <= eps_high with
+    p <= p_old allowed (A > 0), or D <= eps_low with p >= p_old allowed. [B, L] bool, no gradient.
+    """
+    p, p_old = logp.exp(), old_logp.exp()
+    if config.loss_type == "dppo_tv":
+        up, down = (p - p_old) <= config.eps_high, (p - p_old) >= -config.eps_low
+    else:
+        divergence = p_old * (old_logp - logp) + (1.0 - p_old) * torch.log(
+            (1.0 - p_old + DPPO_KL_EPS) / (1.0 - p + DPPO_KL_EPS)
+        )
+        up = (divergence <= config.eps_high) | (p <= p_old)
+        down = (divergence <= config.eps_low) | (p >= p_old)
+    return torch.where(A > 0, up, down)
 
 
 #: VESPO's floor on the sequence weight w, in log space: log(1e-8) (TRL's), and its ceiling.

@@ -20,7 +20,7 @@ import torch
 
 from .loss_types import LOSS_TYPES
 
-KL_CODES = {"k1": 1, "k2": 2, "k3": 3, "fk3": 4}
+KL_CODES = {"k1": 1, "k2": 2, "k3": 3, "fk3": 4, "k1+": 5, "k3+": 6}
 GUIDE_CODES = {"none": 0, "branch": 1}
 IS_LEVEL_CODES = {"token": 0, "sequence": 1}
 
@@ -55,7 +55,8 @@ class LossConfig:
     """Options of the SAGE loss; defaults are the official SAGE code's. docs/loss.md gives each formula.
 
     beta: weight of the KL term. kl: estimator of KL(pi || q*pi_ref) per sampled token,
-    "k1", "k2" or "k3" (default, TRL's); or "fk3" for the forward direction KL(q*pi_ref || pi).
+    "k1", "k2" or "k3" (default, TRL's); or "fk3" for the forward direction KL(q*pi_ref || pi); or verl's
+    straight-through "k1+" and "k3+" (k1's or k3's value, k2's gradient).
     guide: "branch" (q from the policy's entropy) or
     "none" (q = 1, plain GRPO); an explicit ``log_q`` passed to the loss overrides it.
     gamma, tau, q_min, q_max: branch guide q = clamp(1 + gamma*(H - tau)+, q_min, q_max).
@@ -91,6 +92,11 @@ class LossConfig:
     of a sequence with A < 0 is dropped when the mean over its tokens of sampling_logp - logp (a
     KL estimate against the sampler; old_logp when no sampling_logp is given) exceeds it; None
     (default) masks nothing. Where A is per token, the condition A < 0 is read per token.
+    dppo_ratio_cap: "dppo_tv" and "dppo_kl" (DPPO, arXiv 2602.04879, as verl defines them) replace the
+    clip by a trust region on the sampled token's probability (binary total variation p - p_old within
+    [-eps_low, eps_high], or the binary KL within eps_high / eps_low, on the side the advantage's sign
+    makes greedy); the PG term is the detached ratio, truncated at dppo_ratio_cap (verl's 20), times
+    A logp, token mean over the batch (the dapo normaliser).
     """
 
     beta: float = 0.05
@@ -123,6 +129,7 @@ class LossConfig:
     luspo_include_padding: bool = False
     kl_clamp: float | None = None
     off_policy_mask_threshold: float | None = None
+    dppo_ratio_cap: float = 20.0
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
@@ -177,11 +184,12 @@ class LossConfig:
             )
         if self.loss_type == "cispo":
             _require(self.eps_high > 0, "eps_high", "> 0 for loss_type 'cispo' (the cap on the ratio)", self.eps_high)
-        if self.loss_type == "gmpo":
+        _require(self.dppo_ratio_cap > 0, "dppo_ratio_cap", "> 0", self.dppo_ratio_cap)
+        if self.loss_type in ("gmpo", "dppo_tv", "dppo_kl"):
             _require(
                 self.importance_sampling == "token",
                 "importance_sampling",
-                "'token' for loss_type 'gmpo' (its ratio is already the row's geometric mean)",
+                f"'token' for loss_type {self.loss_type!r} (its ratio is a token's, or the row's geometric mean)",
                 self.importance_sampling,
             )
         if self.luspo_include_padding:

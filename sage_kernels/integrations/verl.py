@@ -29,7 +29,10 @@ verl's hooks see the SAGE loss in three places, and this module fills each:
 - `compute_policy_loss_sage`: registered as ``"sage"`` in verl's policy-loss registry
   (``actor.policy_loss.loss_mode=sage``) when verl imports; `compute_policy_loss_sage_sapo`
   likewise as ``"sage_sapo"``, the loss type verl and TRL define alike (verl's ``"sapo"``:
-  ``tau_pos``/``tau_neg`` from the actor config, sequence-mean aggregation). verl's ``cispo``
+  ``tau_pos``/``tau_neg`` from the actor config, sequence-mean aggregation), and
+  `compute_policy_loss_sage_dppo_tv` / `_kl` as ``"sage_dppo_tv"`` / ``"sage_dppo_kl"`` (verl's
+  ``dppo_tv`` / ``dppo_kl``: the thresholds from ``clip_ratio_low`` / ``clip_ratio_high``, the ratio
+  cap from ``clip_ratio_c``, 20 by default, as verl reads them). verl's ``cispo``
   clips the ratio on both sides (TRL's caps it above only) and its ``gspo`` differentiates a
   per-token combined ratio, so neither maps onto this loss's definitions. verl passes a policy loss only
   log-probs, so it is the PG term of ``docs/loss.md`` (the same per-token stage as the
@@ -50,7 +53,7 @@ import torch.distributed as dist
 
 from ..function import logprobs_and_entropy
 from ..guides import branch_guide
-from ..reference import policy_gradient_term, reference_logprobs_and_entropy
+from ..reference import dppo_trust_region, policy_gradient_term, reference_logprobs_and_entropy
 from ..spec import LossConfig, SageInputs
 from ..vocab_parallel import sharded_logprobs_and_entropy
 
@@ -288,6 +291,52 @@ def compute_policy_loss_sage_sapo(
     }
 
 
+def _dppo_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, weights_in):
+    """verl's dppo_tv / dppo_kl with docs/loss.md's PG term: (loss, verl's metrics)."""
+    if config is None:
+        raise ValueError("config (verl's ActorConfig) is required for the trust-region thresholds")
+    clip = _config_value(config, "clip_ratio", 0.2)
+    cap = float(_config_value(config, "clip_ratio_c", 20.0))
+    loss_config = LossConfig(
+        beta=0.0,
+        guide="none",
+        loss_type=loss_type,
+        eps_low=_config_value(config, "clip_ratio_low", clip),
+        eps_high=_config_value(config, "clip_ratio_high", clip),
+        dppo_ratio_cap=cap,
+    )
+    mask = response_mask.bool()
+    weights = _aggregation_weights(mask, loss_agg_mode, **dict(_config_value(config, "global_batch_info", {})))
+    if weights_in is not None:
+        weights = weights * weights_in.float()
+    loss, ratio, A = _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, loss_config)
+    old = torch.where(mask, old_log_prob.detach().float(), 0.0)
+    inside = dppo_trust_region(torch.where(mask, log_prob.detach().float(), 0.0), old, A, loss_config)
+    return loss, {
+        "actor/pg_clipfrac": _masked_mean((~inside).float(), mask),
+        "actor/ppo_kl": _ppo_kl(old_log_prob, log_prob, mask),
+        "actor/pg_clipfrac_lower": _masked_mean(((ratio > cap) & inside).float(), mask),
+    }
+
+
+def compute_policy_loss_sage_dppo_tv(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """verl's policy-loss signature: DPPO-Binary-TV (docs/loss.md's dppo_tv), verl's metrics; its
+    ``pg_clipfrac`` is the fraction of tokens outside the trust region, ``pg_clipfrac_lower`` that of
+    kept tokens whose ratio is truncated at ``clip_ratio_c``."""
+    args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+    return _dppo_loss("dppo_tv", *args)
+
+
+def compute_policy_loss_sage_dppo_kl(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """verl's policy-loss signature: DPPO-Binary-KL (docs/loss.md's dppo_kl), verl's metrics."""
+    args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+    return _dppo_loss("dppo_kl", *args)
+
+
 def _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, config: LossConfig):
     """(sum of weights * the PG term of `config.loss_type`, the ratio, the masked advantages)."""
     A = torch.where(mask, advantages.detach().float(), 0.0)
@@ -326,6 +375,8 @@ def _register() -> bool:
         return False
     register_policy_loss("sage")(compute_policy_loss_sage)
     register_policy_loss("sage_sapo")(compute_policy_loss_sage_sapo)
+    register_policy_loss("sage_dppo_tv")(compute_policy_loss_sage_dppo_tv)
+    register_policy_loss("sage_dppo_kl")(compute_policy_loss_sage_dppo_kl)
     return True
 
 

@@ -8,18 +8,23 @@ import triton
 import triton.language as tl
 
 from ..loss_types import LOSS_TYPE_CODES
-from ..reference import VESPO_LOG_W_MAX, VESPO_LOG_W_MIN
+from ..reference import DPPO_KL_EPS, VESPO_LOG_W_MAX, VESPO_LOG_W_MIN
 from ..spec import KL_CODES
 
 # The codes of `spec` as kernel constants (k3 is the kernel's default branch).
 KL_K1 = tl.constexpr(KL_CODES["k1"])
 KL_K2 = tl.constexpr(KL_CODES["k2"])
 KL_FK3 = tl.constexpr(KL_CODES["fk3"])
+KL_K1_ST = tl.constexpr(KL_CODES["k1+"])
+KL_K3_ST = tl.constexpr(KL_CODES["k3+"])
 LOSS_CISPO = tl.constexpr(LOSS_TYPE_CODES["cispo"])
 LOSS_SAPO = tl.constexpr(LOSS_TYPE_CODES["sapo"])
 LOSS_VESPO = tl.constexpr(LOSS_TYPE_CODES["vespo"])
 LOSS_LUSPO = tl.constexpr(LOSS_TYPE_CODES["luspo"])
 LOSS_GMPO = tl.constexpr(LOSS_TYPE_CODES["gmpo"])
+LOSS_DPPO_TV = tl.constexpr(LOSS_TYPE_CODES["dppo_tv"])
+LOSS_DPPO_KL = tl.constexpr(LOSS_TYPE_CODES["dppo_kl"])
+DPPO_EPS = tl.constexpr(DPPO_KL_EPS)
 LOG_W_MIN = tl.constexpr(VESPO_LOG_W_MIN)
 LOG_W_MAX = tl.constexpr(VESPO_LOG_W_MAX)
 
@@ -39,10 +44,14 @@ def log_guide(log_q_ptr, at, m, ent, gamma, tau, q_min, q_max, HAS_LOG_Q: tl.con
 
 @triton.jit
 def kl_and_slope(delta, KL: tl.constexpr):
-    """The KL estimate from delta = log anchor - logp, and its derivative with respect to logp."""
+    """The KL estimate from delta = log anchor - logp, and its derivative with respect to logp (the
+    straight-through k1+ and k3+: k1's or k3's value, k2's slope -delta)."""
     if KL == KL_K1:
         kl = -delta
         slope = tl.full(delta.shape, 1.0, tl.float32)
+    elif KL == KL_K1_ST:
+        kl = -delta
+        slope = -delta
     elif KL == KL_K2:
         kl = 0.5 * delta * delta
         slope = -delta
@@ -53,6 +62,10 @@ def kl_and_slope(delta, KL: tl.constexpr):
         series = delta * delta * (0.5 + delta * (1.0 / 3.0 + delta * (1.0 / 8.0 + series)))
         kl = tl.where(tl.abs(delta) < 0.1, series, r * delta - (r - 1.0))
         slope = -r * delta
+    elif KL == KL_K3_ST:
+        series = delta * delta * (0.5 + delta * (1.0 / 6.0 + delta * (1.0 / 24.0 + delta * (1.0 / 120.0))))
+        kl = tl.where(tl.abs(delta) < 0.1, series, tl.exp(delta) - 1.0 - delta)
+        slope = -delta
     else:
         # exp(d) - 1 - d cancels for small d in fp32: use its Taylor series there (error < 1e-9 relative).
         series = delta * delta * (0.5 + delta * (1.0 / 6.0 + delta * (1.0 / 24.0 + delta * (1.0 / 120.0))))
@@ -107,6 +120,22 @@ def gmpo_clip(log_ratio, adv, eps_low, eps_high):
 
 
 @triton.jit
+def dppo_inside(lp, log_ratio, adv, eps_low, eps_high, LOSS: tl.constexpr):
+    """DPPO's trust region (`reference.dppo_trust_region`) as 1.0 (kept) or 0.0, from logp and the
+    log-ratio logp - old_logp."""
+    p = tl.exp(lp)
+    p_old = tl.exp(lp - log_ratio)
+    if LOSS == LOSS_DPPO_TV:
+        up = (p - p_old) <= eps_high
+        down = (p - p_old) >= -eps_low
+    else:
+        divergence = -p_old * log_ratio + (1.0 - p_old) * tl.log((1.0 - p_old + DPPO_EPS) / (1.0 - p + DPPO_EPS))
+        up = (divergence <= eps_high) | (p <= p_old)
+        down = (divergence <= eps_low) | (p >= p_old)
+    return tl.where(adv > 0, up, down).to(tl.float32)
+
+
+@triton.jit
 def policy_gradient(
     ratio,
     log_ratio,
@@ -125,6 +154,7 @@ def policy_gradient(
     vespo_lambda_pos,
     vespo_k_neg,
     vespo_lambda_neg,
+    dppo_ratio_cap,
     LOSS: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     HAS_DUAL: tl.constexpr,
@@ -154,6 +184,14 @@ def policy_gradient(
         pg = -phi * adv * lp
         d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
         d_pg_logp = -phi * adv
+    elif LOSS == LOSS_DPPO_TV or LOSS == LOSS_DPPO_KL:
+        inside = dppo_inside(lp, log_ratio, adv, eps_low, eps_high, LOSS)
+        weight = tl.minimum(ratio, dppo_ratio_cap) * inside  # detached: no slope in the ratio
+        pg = -weight * adv * lp
+        d_pg = tl.zeros(ratio.shape, dtype=tl.float32)
+        d_pg_logp = -weight * adv
+        low = (inside == 0.0) & (adv <= 0)
+        high = (inside == 0.0) & (adv > 0)
     elif LOSS == LOSS_GMPO:
         d_pg = -adv * gmpo_weight
         pg = d_pg * gmpo_ratio

@@ -118,6 +118,7 @@ def _token_stage_kernel(
     vespo_lambda_neg,
     kl_clamp,
     off_policy_threshold,
+    dppo_ratio_cap,
     KL: tl.constexpr,
     BRANCH: tl.constexpr,
     SEQUENCE: tl.constexpr,
@@ -276,6 +277,7 @@ def _token_stage_kernel(
             vespo_lambda_pos,
             vespo_k_neg,
             vespo_lambda_neg,
+            dppo_ratio_cap,
             LOSS,
             HAS_DELTA,
             HAS_DUAL,
@@ -452,6 +454,7 @@ def token_stage(logp, entropy, tensors: LossTensors, config: LossConfig) -> Stag
                 config.vespo_lambda_neg,
                 config.kl_clamp or 0.0,
                 config.off_policy_mask_threshold or 0.0,
+                config.dppo_ratio_cap,
             )
         ),
         KL=KL_CODES[config.kl],
