@@ -141,9 +141,18 @@ class RunOptions:
     openai_base_url: str = ""  # e.g. http://host:8000 (vllm serve ... --enable-lora)
     openai_model: str = ""  # the served model's name ("": the `model` key)
     openai_shared_dir: str = ""  # where adapters are saved for the server to load
-    # truncated importance sampling between the rollout engine's and the trainer's log-probs
-    tis_level: str = "off"  # "token", "sequence" or "off"
+    # the rollout-mismatch toolkit between the rollout engine's and the trainer's log-probs
+    # (sage_train.importance): truncated importance sampling, min(r, tis_cap) per token or sequence
+    tis_level: str = "off"  # "token", "sequence" (geometric mean) or "off"
     tis_cap: float = 2.0
+    # TRL 1.16's modes ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    # and bounds [clip_min, clip_max] (None: unbounded on that side); both bounds with token_mask: IcePop
+    vllm_importance_sampling_mode: str = "off"
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    # verl's rejection sampling: "" off, or options such as "token_k1,seq_mean_k3", and their thresholds
+    rollout_rs: str = ""
+    rollout_rs_threshold: str | float = ""
 
     # loss options: one key per field of sage_kernels.LossConfig (`LOSS_KEYS`, added below the class)
     loss_backend: str = "auto"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .importance import IS_MODES, parse_rejection
 from .presets import LOSS_KEYS
 
 #: the experiment loggers ``report_to`` may name (`sage_train.report`)
@@ -30,6 +31,7 @@ CHOICES = {
     "sft_lr_schedule": ("cosine", "linear"),
     "sft_format": ("raw", "official"),
     "tis_level": ("token", "sequence", "off"),
+    "vllm_importance_sampling_mode": IS_MODES,
     "loss_backend": ("auto", "reference", "cpu", "triton"),
     "chat_template": ("", "tokenizer", "official"),
     "hf_rollout_dtype": ("", "bfloat16", "float16", "float32"),
@@ -38,6 +40,35 @@ CHOICES = {
 
 class ConfigError(ValueError):
     """A config key is unknown or its value has the wrong type or range."""
+
+
+def check_rollout_correction(cfg, require) -> None:
+    """The rollout-mismatch keys (`sage_train.importance`): one weighting at a time, TRL's bounds,
+    verl's rejection options and thresholds."""
+    mode = cfg.vllm_importance_sampling_mode
+    require(
+        mode == "off" or cfg.tis_level == "off",
+        "vllm_importance_sampling_mode",
+        f"'off' with tis_level {cfg.tis_level!r} (tis_level 'token' is token_truncate at clip_max tis_cap)",
+    )
+    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    require(
+        mode == "off" or low is not None or high is not None,
+        "vllm_importance_sampling_clip_max",
+        "a number when vllm_importance_sampling_clip_min is null (a mode needs a bound)",
+    )
+    require(
+        low is None or high is None or low < high,
+        "vllm_importance_sampling_clip_min",
+        f"< vllm_importance_sampling_clip_max={high}",
+    )
+    require(cfg.rollout_rs or cfg.rollout_rs_threshold == "", "rollout_rs_threshold", "'' without rollout_rs")
+    if cfg.rollout_rs:
+        try:
+            parse_rejection(cfg.rollout_rs, cfg.rollout_rs_threshold)
+        except ValueError as error:  # its message starts with the key it is about
+            key, _, rest = str(error).partition(" ")
+            raise ConfigError(f"config key {key!r} {rest}") from None
 
 
 def validate(cfg) -> None:
@@ -101,14 +132,17 @@ def validate(cfg) -> None:
         "'' unless rollout_engine is 'hf' without ZeRO-3 (the copy it samples from holds whole parameters; "
         "vLLM has vllm_dtype)",
     )
+    check_rollout_correction(cfg, require)
     truncates = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0
+    corrects = [key for key in ("tis_level", "vllm_importance_sampling_mode") if getattr(cfg, key) != "off"]
+    corrects += ["rollout_rs"] if cfg.rollout_rs else []
     require(
-        cfg.tis_level == "off" or cfg.rollout_engine == "hf" or cfg.temperature == 1.0 or not truncates,
-        "tis_level",
+        not corrects or cfg.rollout_engine == "hf" or cfg.temperature == 1.0 or not truncates,
+        corrects[0] if corrects else "tis_level",
         f"'off' with rollout_engine {cfg.rollout_engine!r}, temperature {cfg.temperature} and top_k / top_p / "
         "min_p truncation: vLLM reports log-probs before truncation only at temperature 1 (raw), and its "
         "temperature-scaled ones come after the cuts, which would bias every weight by the kept mass; "
-        "use temperature 1, no truncation, or tis_level 'off'",
+        f"use temperature 1, no truncation, or {corrects[0] if corrects else 'tis_level'} 'off'",
     )
     require(cfg.tis_cap > 0, "tis_cap", "> 0")
     require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")

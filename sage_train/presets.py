@@ -23,6 +23,9 @@ command line win. The resolved values are saved with the run.
 | sage-branch-dapo  | the paper's "DAPO + Branch": loss_type dapo, beta 0.05, the branch guide            |
 | dapo-full         | DAPO with its extras: eps_high 0.28, no KL, dynamic sampling, overlong filtering    |
 | dr_grpo           | Dr. GRPO: constant normaliser (B x max_new_tokens) and unscaled advantages r - mean |
+| dppo-tv           | DPPO-Binary-TV: trust region |p - p_old| <= 0.15 on the token's probability, no KL  |
+| dppo-kl           | DPPO-Binary-KL: the token's binary KL to the old policy <= 0.05, no KL              |
+| sage-branch-dppo  | dppo-tv with beta 0.05 and the branch guide                                         |
 
 The ``*-exact`` presets and grpo-kl-in-reward set ``kl_in_reward`` (`sage_train.reward_kl`): the
 KL goes into the reward at generation, with beta, and the loss's beta is 0. grpo-beta1.4x is the
@@ -35,6 +38,9 @@ The token and random guides' schedule keys (``guide_alpha_*``, ``guide_sigma_*``
 ``guide_num_cycles``, ``guide_decay_rate``, ``guide_normalization``) default to the official
 values of `sage_kernels.guides`; ``guide_sigma_*`` is the token guide's (0.25 -> 0.1) or the
 random guide's (0.15 -> 0.05) by the resolved ``guide``.
+
+The DPPO presets take verl's recipe thresholds (its examples/dppo_trainer: 0.15 for dppo_tv, 0.05
+for dppo_kl, on both sides; the ratio cap ``dppo_ratio_cap`` 20).
 
 The forward-KL estimator. With delta = log(q pi_ref / pi) at a token sampled from pi and
 r = exp(delta), the loss's k3 = r - 1 - delta is Schulman's estimator of the reverse
@@ -100,6 +106,9 @@ PRESETS = {
         "overlong_filter": True,
     },
     "dr_grpo": {"loss_type": "dr_grpo", "scale_rewards": False},
+    "dppo-tv": {"loss_type": "dppo_tv", "eps_low": 0.15, "eps_high": 0.15, "beta": 0.0},
+    "dppo-kl": {"loss_type": "dppo_kl", "eps_low": 0.05, "eps_high": 0.05, "beta": 0.0},
+    "sage-branch-dppo": {"loss_type": "dppo_tv", "eps_low": 0.15, "eps_high": 0.15, "guide": "branch"},
     "grpo-beta1.4x": {"beta": round(LossConfig().beta * LossConfig().q_max, 12)},
     "grpo-kl-in-reward": {"kl_in_reward": True},
     "sage-branch-exact": {"guide": "branch", "kl_in_reward": True},

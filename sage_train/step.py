@@ -30,11 +30,11 @@ import torch.distributed as dist
 
 from sage_kernels.loss_types import LOSS_TYPES
 
+from . import importance
 from .advantages import group_advantages
 from .config import TrainConfig
 from .context import Generation, RunContext
 from .distributed import all_ranks
-from .importance import truncated_is_weights
 from .policy import Batch, entropy_quantiles, make_batch, score
 from .presets import loss_config
 from .report import COMPLETIONS_FILE, write_completions
@@ -181,34 +181,50 @@ def check_finite_steps(ctx: RunContext, step: int, skipped: list[str]) -> None:
 
 
 def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: Batch):
-    """(is_weights [B, L] or None, metrics): truncated importance sampling between the rollout
-    engine's log-probs and the trainer's (`sage_train.importance`), both of the temperature-scaled
-    distribution before top-k / top-p / min-p truncation. None when ``tis_level`` is "off" or the
-    engine returned no log-probs. Non-finite engine log-probs are refused (they would poison the
-    loss through the weights)."""
-    if cfg.tis_level == "off" or any(c.logprobs is None for c in completions):
+    """(is_weights [B, L] or None, metrics): the rollout-mismatch toolkit (`sage_train.importance`)
+    between the rollout engine's log-probs and the trainer's, both of the temperature-scaled
+    distribution before top-k / top-p / min-p truncation: ``tis_level`` or
+    ``vllm_importance_sampling_mode`` weights, and ``rollout_rs`` rejection, which takes the rejected
+    tokens out of ``batch.completion_mask`` (verl's modified response mask). None and no metrics when
+    all are off or the engine returned no log-probs. A NaN engine log-prob is a token it could not
+    score (weight 1, left out of the metrics); an infinite one is refused."""
+    mode = cfg.vllm_importance_sampling_mode
+    if (cfg.tis_level == mode == "off" and not cfg.rollout_rs) or any(c.logprobs is None for c in completions):
         return None, {}
     rollout_logp = torch.zeros(train_logp.shape, dtype=torch.float32)  # filled on the host: no device sync
     for row, c in enumerate(completions):
         rollout_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
-    bad = ~torch.isfinite(rollout_logp)
+    bad = torch.isinf(rollout_logp)
     if bad.any():
         row = int(bad.any(-1).nonzero()[0])
         raise ValueError(
-            f"the rollout engine ({cfg.rollout_engine}) returned {int(bad.sum())} non-finite log-prob(s) "
+            f"the rollout engine ({cfg.rollout_engine}) returned {int(bad.sum())} infinite log-prob(s) "
             f"(first in completion {row} of this step: {rollout_logp[row][bad[row]][:4].tolist()}); "
-            "importance weights need finite log-probs of the sampled tokens"
+            "importance weights need finite log-probs of the sampled tokens (NaN marks an unscored one)"
         )
     rollout_logp = rollout_logp.to(train_logp.device)
     mask = batch.completion_mask
-    weights = truncated_is_weights(train_logp, rollout_logp, mask, level=cfg.tis_level, cap=cfg.tis_cap)
-    tokens = mask.sum().clamp(min=1)
-    log_ratio = torch.where(mask, train_logp.float() - rollout_logp.float(), 0.0)
-    return weights, {
-        "tis/weight_mean": (weights * mask).sum() / tokens,
-        "tis/clipped_frac": ((weights >= cfg.tis_cap) & mask).sum() / tokens,
-        "tis/abs_log_ratio": log_ratio.abs().sum() / tokens,
-    }
+    log_ratio = importance.rollout_log_ratio(train_logp, rollout_logp, mask)
+    weights, outside, kept = None, None, None
+    if cfg.tis_level != "off":
+        weights = importance.truncated_is_weights(train_logp, rollout_logp, mask, level=cfg.tis_level, cap=cfg.tis_cap)
+        outside = (weights >= cfg.tis_cap) & mask
+    elif mode != "off":
+        low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+        weights, outside = importance.is_weights(log_ratio, mask, mode, low, high)
+    if cfg.rollout_rs:
+        kept = importance.rejection_mask(log_ratio, mask, cfg.rollout_rs, cfg.rollout_rs_threshold)
+    metrics = importance.mismatch_metrics(
+        train_logp, rollout_logp, mask, weights=weights, outside=outside, mode=mode, kept=kept
+    )
+    if cfg.tis_level != "off":
+        tokens = mask.sum().clamp(min=1)
+        metrics["tis/weight_mean"] = (weights * mask).sum() / tokens
+        metrics["tis/clipped_frac"] = outside.sum() / tokens
+        metrics["tis/abs_log_ratio"] = log_ratio.abs().sum() / tokens
+    if kept is not None:
+        batch.completion_mask = kept
+    return weights, metrics
 
 
 def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp, guide, is_weights=None) -> LossTotals:

@@ -63,6 +63,11 @@ def source(name: str, member_suffix: str) -> str:
         return archive.read(member).decode()
 
 
+def _target(node) -> str | None:
+    target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
+    return getattr(target, "id", None)
+
+
 def peer_functions(name: str, member_suffix: str, names, namespace: dict) -> dict:
     """The top-level functions, classes and assignments `names` of one peer file, defined verbatim
     (decorators dropped) in `namespace`, which supplies the names their bodies use; returns it."""
@@ -73,9 +78,9 @@ def peer_functions(name: str, member_suffix: str, names, namespace: dict) -> dic
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in wanted:
             node.decorator_list = []
             nodes.append(node)
-        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) in wanted for t in node.targets):
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and _target(node) in wanted:
             nodes.append(node)
-    found = {getattr(n, "name", None) or n.targets[0].id for n in nodes}
+    found = {getattr(n, "name", None) or _target(n) for n in nodes}
     assert found == wanted, f"{member_suffix} of {name} lacks {sorted(wanted - found)}"
     module = ast.Module(body=nodes, type_ignores=[])
     exec(compile(module, f"<{name}:{member_suffix}>", "exec"), namespace)  # the peer's own code, as published

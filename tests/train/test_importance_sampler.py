@@ -83,14 +83,18 @@ def test_sampler_draws_from_the_truncated_distribution():
     torch.testing.assert_close(reported, probs.log()[ids], atol=1e-5, rtol=0)
 
 
-def test_non_finite_engine_logprobs_are_refused(tiny_config):
+def test_infinite_engine_logprobs_are_refused_and_nan_ones_are_unscored(tiny_config):
     completions = [
         Completion(0, [5, 6], [7, 8], "ab", logprobs=[-0.5, -1.0]),
         Completion(0, [5, 6], [9, 1], "cd", logprobs=[-0.5, float("nan")]),
     ]
     batch = make_batch(completions, torch.device("cpu"), 0)
     cfg = tiny_config(tis_level="token")
-    with pytest.raises(ValueError, match=r"returned 1 non-finite log-prob\(s\) \(first in completion 1"):
+    weights, metrics = rollout_correction(cfg, completions, torch.full((2, 2), -0.2), batch)
+    assert weights[1, 1] == 1.0 and weights[0, 1] == 2.0  # NaN: no correction; exp(0.8) capped at 2
+    assert float(metrics["rollout_corr/unscored_frac"]) == 0.25
+    completions[1].logprobs[1] = float("-inf")
+    with pytest.raises(ValueError, match=r"returned 1 infinite log-prob\(s\) \(first in completion 1"):
         rollout_correction(cfg, completions, torch.zeros(2, 2), batch)
 
 
