@@ -1,0 +1,250 @@
+"""OpenRLHF adapters: SAGE's anchor in its KL, the fused LM head in its actor, and a policy loss.
+
+OpenRLHF (0.11) computes the KL between the actor and the reference model in two places, both from
+``base_action_log_probs`` with ``compute_approx_kl``: in the reward (its default: the experience
+maker subtracts ``kl_coef * KL`` per token, k1 by default, which is SAGE's objective with q = 1) or,
+with ``--algo.kl.use_loss``, in the actor's loss. Replacing ``base_action_log_probs`` by the SAGE
+anchor log(q * pi_ref) (`sage_anchor_log_probs`) moves both onto KL(pi || q pi_ref), with q from the
+behaviour policy's entropy, fixed for the update, as in the verl adapter.
+
+- `sage_anchor_log_probs(base_action_log_probs, entropy, action_mask)`: the anchor per response token.
+- `compute_approx_kl`: OpenRLHF's estimator with its signature and semantics (k1/k2/k3, the [-10, 10]
+  value clamp, k3's log-ratio floor at -10, ``unbiased_gradient``'s straight-through k2 gradient
+  with the importance weight clamped at 10); given the anchor as ``log_probs_base`` it is the SAGE KL.
+- `fused_action_log_probs` / `patch_actor_forward`: the actor's forward without the [B, T, V] fp32
+  logits: the decoder's hidden states at the response positions go through the fused log-prob and
+  entropy sweep (`sage_kernels.integrations.verl.linear_cross_entropy`, differentiable), so the
+  behaviour pass yields the entropy the guide needs at no extra cost. Padded rows only: OpenRLHF's
+  ``packing_samples`` layout ([1, total] rows through flash-attn's varlen kernels) is refused until
+  the fused loss takes a packed layout (``cu_seqlens``); models whose config scales or softcaps the
+  logits are refused too (OpenRLHF's head does not apply them either).
+- `SAGEPolicyLoss`: OpenRLHF's ``PolicyLoss`` constructor and forward (returning ``(loss, clip_ratio,
+  ppo_kl, vllm_kl, is_filter_ratio)``) with this package's loss types (``loss_type``: grpo/ppo's
+  clipped surrogate, dppo_tv, cispo, sapo, ... with their `LossConfig` options), OpenRLHF's two
+  aggregations and its train/rollout correction by the ratio (token or sequence; mask or clip).
+  With ``loss_type="grpo"`` it equals OpenRLHF's ``PolicyLoss(policy_loss_type="ppo")`` except that
+  the log-ratio is not clamped to [-20, 20]; the divergence gatings (``binary_kl``, ``tv``) and
+  ``policy_loss_type="gspo"`` (use ``importance_sampling="sequence"``) are refused.
+
+docs/integrations.md writes out the Ray-worker wiring.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..guides import branch_guide
+from ..reference import kl_estimate, policy_gradient_term
+from ..spec import LossConfig, SageInputs
+from .hf_logits import logit_options
+from .verl import linear_cross_entropy
+
+_DEFAULTS = LossConfig()
+#: OpenRLHF's bounds: the estimator's value, k3's log-ratio floor, the unbiased gradient's weight
+KL_VALUE_CLAMP, K3_LOG_RATIO_FLOOR, KL_IS_WEIGHT_CLIP = 10.0, -10.0, 10.0
+
+
+def branch_log_q(
+    entropy, action_mask, *, gamma=_DEFAULTS.gamma, tau=_DEFAULTS.tau, q_min=_DEFAULTS.q_min, q_max=_DEFAULTS.q_max
+):
+    """log q of the branch guide per token (0 at masked positions), at least float32, no gradient."""
+    entropy = entropy.detach().to(torch.promote_types(entropy.dtype, torch.float32))
+    q = branch_guide(entropy, gamma=gamma, tau=tau, q_min=q_min, q_max=q_max)
+    return torch.where(action_mask.bool(), q.log(), 0.0)
+
+
+def sage_anchor_log_probs(base_action_log_probs, entropy, action_mask, **guide) -> torch.Tensor:
+    """log(q * pi_ref) = base_action_log_probs + log q, q the branch guide of the behaviour policy's
+    `entropy` (`guide`: gamma, tau, q_min, q_max; `LossConfig`'s defaults). Put it in place of the
+    experience's ``base_action_log_probs``."""
+    base = base_action_log_probs.detach()
+    base = base.to(torch.promote_types(base.dtype, torch.float32))
+    return base + branch_log_q(entropy, action_mask, **guide).to(base.dtype)
+
+
+def compute_approx_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimator="k1", unbiased_gradient=False):
+    """OpenRLHF's ``compute_approx_kl`` (module docstring): the `kl_estimator` of
+    delta = log_probs_base - log_probs (k1 = -delta, k2 = delta^2 / 2, k3 = e^delta - 1 - delta, delta
+    at most 10 for k3), clamped to [-10, 10]; with `unbiased_gradient`, that value forward and the
+    gradient of w k2 (w = min(pi / pi_old, 10), detached; 1 without `log_probs_old`)."""
+    if kl_estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"kl_estimator must be 'k1', 'k2' or 'k3', got {kl_estimator!r}")
+    delta = log_probs_base.float() - log_probs.float()
+    estimated = delta.clamp(max=-K3_LOG_RATIO_FLOOR) if kl_estimator == "k3" else delta
+    value = kl_estimate(estimated, kl_estimator).clamp(-KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+    if not unbiased_gradient:
+        return value
+    weight = 1.0
+    if log_probs_old is not None:
+        weight = (log_probs.float() - log_probs_old.float()).exp().clamp(max=KL_IS_WEIGHT_CLIP).detach()
+    surrogate = weight * kl_estimate(delta, "k2")
+    return value.detach() + surrogate - surrogate.detach()
+
+
+def fused_action_log_probs(actor, sequences, action_mask, attention_mask, *, with_entropy=False):
+    """(action log-probs [B, n] times `action_mask`, entropies [B, n] or None) of OpenRLHF's `actor`
+    (its ``.model`` a causal LM, possibly PEFT-wrapped; ``.temperature``) on right-aligned responses
+    of n = action_mask.shape[1] tokens, without the logits; both differentiable."""
+    if getattr(actor, "packing_samples", False):
+        raise NotImplementedError(
+            "packing_samples: the fused actor forward takes padded rows only (packed [1, total] rows wait "
+            "for the fused loss's cu_seqlens layout); run OpenRLHF without --ds.packing_samples"
+        )
+    lm = actor.model.get_base_model() if hasattr(actor.model, "get_base_model") else actor.model
+    options = logit_options(lm.config)
+    if options != {"logit_scale": 1.0, "logit_softcap": None}:
+        raise ValueError(f"actor's model scales or softcaps its logits ({options}); the fused forward does not")
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    position_ids.masked_fill_(attention_mask == 0, 1)
+    hidden = lm.get_decoder()(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids)[0]
+    n = action_mask.shape[1]
+    head = lm.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("actor's LM head has a bias; the fused forward takes a bias-free head")
+    logp, entropy = linear_cross_entropy(
+        hidden[:, -n - 1 : -1], head.weight, sequences[:, -n:], temperature=float(getattr(actor, "temperature", 1.0))
+    )
+    return logp * action_mask.float(), (entropy if with_entropy else None)
+
+
+def patch_actor_forward(actor) -> None:
+    """Replace `actor.forward` (an OpenRLHF ``Actor``) by one that returns what OpenRLHF's returns for
+    action log-probs, ``(action_log_probs, output)`` with ``return_output`` (``output.entropy`` [B, T-1]
+    filled at the response positions with ``return_entropy``; no ``logits``), built by
+    `fused_action_log_probs`. Calls without `action_mask` (logits wanted) raise."""
+
+    def forward(sequences, action_mask=None, attention_mask=None, return_output=False, return_entropy=False, **kw):
+        if action_mask is None or kw.get("allgather_logits") or kw.get("return_logprobs"):
+            raise ValueError("the fused actor forward returns action log-probs only: pass action_mask")
+        if kw.get("ring_attn_group") is not None or kw.get("packed_seq_lens") is not None:
+            raise NotImplementedError("ring attention and packed rows are not supported by the fused forward")
+        logp, entropy = fused_action_log_probs(
+            actor, sequences, action_mask, attention_mask, with_entropy=return_entropy
+        )
+        if not return_output:
+            return logp
+        output = _Output()
+        if return_entropy:
+            full = entropy.new_zeros(sequences.shape[0], sequences.shape[1] - 1)
+            full[:, -action_mask.shape[1] :] = entropy
+            output.entropy = full
+        return logp, output
+
+    actor.forward = forward
+
+
+class _Output(dict):
+    """The model output OpenRLHF's trainer reads (``output.entropy``, ``output.aux_loss``)."""
+
+    aux_loss = None
+
+
+class SAGEPolicyLoss(nn.Module):
+    """OpenRLHF's ``PolicyLoss`` with this package's loss types (module docstring). `loss_type` and
+    `loss_options` are `LossConfig`'s; the clip range and dual clip are OpenRLHF's arguments."""
+
+    def __init__(
+        self,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        dual_clip: float | None = None,
+        token_level_loss: bool = True,
+        policy_loss_type: str = "ppo",
+        is_correction_level: str = "off",
+        is_correction_mode: str = "mask",
+        is_correction_gating: str = "ratio",
+        is_correction_threshold=(0.5, 5.0),
+        *,
+        loss_type: str = "grpo",
+        **loss_options,
+    ) -> None:
+        super().__init__()
+        if policy_loss_type != "ppo":
+            raise ValueError(
+                f"policy_loss_type must be 'ppo' (GSPO: importance_sampling='sequence'), got {policy_loss_type!r}"
+            )
+        if is_correction_level not in ("off", "token", "seq") or is_correction_mode not in ("mask", "clip"):
+            raise ValueError(
+                "is_correction_level must be off, token or seq and is_correction_mode mask or clip, "
+                f"got {is_correction_level!r}, {is_correction_mode!r}"
+            )
+        if is_correction_gating != "ratio" or (is_correction_mode == "clip" and is_correction_level == "seq"):
+            raise ValueError("is_correction_gating must be 'ratio', and is_correction_mode 'clip' needs level 'token'")
+        self.config = LossConfig(
+            beta=0.0,
+            guide="none",
+            loss_type=loss_type,
+            eps_low=clip_eps_low,
+            eps_high=clip_eps_high,
+            dual_clip_c=dual_clip,
+            **loss_options,
+        )
+        self.token_level_loss = token_level_loss
+        self.is_correction = (is_correction_level, is_correction_mode, tuple(is_correction_threshold))
+
+    def forward(
+        self,
+        log_probs,
+        old_log_probs,
+        advantages,
+        action_mask=None,
+        rollout_log_probs=None,
+        dp_size=1,
+        batch_num_tokens=None,
+        global_batch_size=None,
+    ):
+        mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask.bool()
+        m = mask.float()
+        A = torch.where(mask, advantages.detach().float().expand_as(mask), 0.0)
+        old = torch.where(mask, old_log_probs.detach().float(), 0.0)
+        logp = torch.where(mask, log_probs.float(), 0.0)
+        inputs = SageInputs(None, None, None, torch.zeros_like(mask, dtype=torch.long), mask, A, old, None, None, None)
+        token_log_ratio = logp - old
+        log_ratio = token_log_ratio
+        if self.config.importance_sampling == "sequence":
+            log_ratio = ((token_log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(
+                m
+            )
+        pg, low, high = policy_gradient_term(logp, log_ratio.exp(), token_log_ratio, A, inputs, self.config)
+        vllm_kl = is_filter_ratio = None
+        level, mode, (lower, upper) = self.is_correction
+        if level != "off":
+            is_log_ratio = old - torch.where(mask, rollout_log_probs.detach().float(), 0.0)
+            stat = (
+                is_log_ratio if level == "token" else (is_log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
+            )
+            stat = stat.exp()
+            if mode == "clip":
+                coef, filtered = stat.clamp(lower, upper), (stat < lower) | (stat > upper)
+            else:
+                keep = (stat >= lower) & (stat <= upper)
+                coef, filtered = torch.where(keep, is_log_ratio.exp(), 0.0), ~keep
+            pg = coef * pg
+            is_filter_ratio = filtered.float().mean() if level == "seq" else _masked_mean(filtered.float(), m)
+            vllm_kl = _masked_mean(rollout_log_probs.float() - old_log_probs.float(), m)
+        loss = _aggregate(pg, m, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
+        return (
+            loss,
+            _masked_mean((low | high).float(), m),
+            _masked_mean(-token_log_ratio.detach(), m),
+            vllm_kl,
+            is_filter_ratio,
+        )
+
+
+def _masked_mean(x, m):
+    return (x * m).sum() / m.sum()
+
+
+def _aggregate(loss, m, token_level, dp_size, batch_num_tokens, global_batch_size):
+    """OpenRLHF's ``aggregate_loss``: the token mean (over `batch_num_tokens` when given), or the mean
+    over the non-empty rows (over `global_batch_size` when given) of each row's token mean."""
+    if token_level:
+        return _masked_mean(loss, m) if batch_num_tokens is None else (loss * m).sum() / batch_num_tokens * dp_size
+    counts = m.sum(-1)
+    rows = (loss * m).sum(-1) / (counts + 1e-8)
+    present = (counts > 0).float()
+    if global_batch_size is None:
+        return (rows * present).sum() / present.sum()
+    return (rows * present).sum() / global_batch_size * dp_size

@@ -1,0 +1,220 @@
+"""The OpenRLHF adapters against OpenRLHF 0.11.2's own ``PolicyLoss``, ``compute_approx_kl`` and
+``Actor.forward`` (taken from its wheel: `peer_source`), guide off (equal) and on (equal to the
+reference's SAGE KL)."""
+
+import typing
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import build_tokenizer, tiny_decoder_options
+from peer_source import peer_functions
+
+from sage_kernels import fused_linear_sage_loss
+from sage_kernels.integrations import openrlhf as sage_openrlhf
+from sage_kernels.integrations import verl as sage_verl
+from sage_kernels.reference import kl_estimate, logits_of
+
+F64 = torch.float64
+
+
+def _not_called(*args, **kwargs):
+    raise AssertionError("OpenRLHF's packed / ring-attention helpers are not on the tested path")
+
+
+@pytest.fixture(scope="module")
+def openrlhf():
+    scope = {"torch": torch, "nn": torch.nn, "F": F, "dist": dist, **{k: getattr(typing, k) for k in typing.__all__}}
+    utils = ["masked_mean", "KL_IS_WEIGHT_CLIP", "compute_approx_kl", "compute_entropy", "_logsumexp_by_chunk"]
+    peer_functions("openrlhf", "openrlhf/models/utils.py", utils + ["log_probs_from_logits"], scope)
+    peer_functions("openrlhf", "openrlhf/models/loss.py", ["aggregate_loss", "PolicyLoss"], scope)
+    scope.update(gather_and_pad_tensor=_not_called, unpad_and_slice_tensor=_not_called)
+    peer_functions("openrlhf", "openrlhf/models/actor.py", ["Actor"], scope)
+    return SimpleNamespace(**scope)
+
+
+def batch(seed, B=4, L=7, spread=0.6):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.log(torch.rand(B, L, generator=g, dtype=F64).clamp(0.02, 0.98))
+    logp = (old + spread * torch.randn(B, L, generator=g, dtype=F64)).clamp(max=-1e-3)
+    rollout = old + 0.4 * torch.randn(B, L, generator=g, dtype=F64)
+    A = torch.randn(B, 1, generator=g, dtype=F64)
+    mask = torch.rand(B, L, generator=g) > 0.2
+    mask[:, 0] = True
+    return old, logp, rollout, A.expand(B, L), mask.to(F64)
+
+
+@pytest.mark.parametrize("unbiased, with_old", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_compute_approx_kl_equals_openrlhf(openrlhf, estimator, unbiased, with_old):
+    old, logp, _, _, _ = batch(1)
+    base = logp + 2.5 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(2), dtype=F64)
+    base[0, :2] = logp[0, :2] + torch.tensor([14.0, -14.0], dtype=F64)  # the clamps bind
+    upstream = torch.randn(logp.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    results = []
+    for fn in (sage_openrlhf.compute_approx_kl, openrlhf.compute_approx_kl):
+        x = logp.clone().requires_grad_(True)
+        value = fn(x, base, old if with_old else None, kl_estimator=estimator, unbiased_gradient=unbiased)
+        (value * upstream).sum().backward()
+        results.append((value.detach(), x.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_to_the_anchor_is_the_sage_kl(openrlhf, estimator):
+    """OpenRLHF's own estimator, given the anchor as base log-probs, is the reference's SAGE KL."""
+    old, logp, ref, _, mask = batch(4)
+    entropy = 3.0 * torch.rand(logp.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+    anchor = sage_openrlhf.sage_anchor_log_probs(ref, entropy, mask, tau=0.8).double()
+    log_q = torch.where(mask.bool(), sage_verl.sage_anchor_log_prob(ref, entropy, mask, tau=0.8).double() - ref, 0.0)
+    assert (log_q > 0).any() and (log_q[~mask.bool()] == 0).all()
+    want = kl_estimate(ref + log_q - logp, estimator)
+    for fn in (openrlhf.compute_approx_kl, sage_openrlhf.compute_approx_kl):
+        torch.testing.assert_close(fn(logp, anchor, kl_estimator=estimator).double(), want, rtol=1e-6, atol=1e-7)
+
+
+def head(seed, B=3, L=6, D=16, V=30):
+    g = torch.Generator().manual_seed(seed)
+    hidden, weight = torch.randn(B, L, D, generator=g, dtype=F64), torch.randn(V, D, generator=g, dtype=F64) * 0.8
+    ids, mask = torch.randint(0, V, (B, L), generator=g), torch.rand(B, L, generator=g) > 0.2
+    mask[:, 0] = True
+    return hidden, weight, ids, mask, torch.randn(B, generator=g, dtype=F64), g
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_use_kl_loss_with_the_anchor_equals_the_fused_sage_loss(openrlhf, estimator):
+    """OpenRLHF's actor loss with --algo.kl.use_loss (its PolicyLoss + kl_coef * token mean of its
+    compute_approx_kl against the anchor) on the first, on-policy update equals the fused SAGE loss
+    (reference backend, branch guide, dapo's token mean): loss and d(hidden)."""
+    hidden, weight, ids, mask, A, g = head(6)
+    B, L = mask.shape
+    ref = torch.log_softmax(logits_of(hidden.reshape(B * L, -1) + 0.3, weight, None, 1.0, F64), -1)
+    ref = ref.gather(-1, ids.reshape(-1, 1)).view(B, L)
+    beta, m = 0.3, mask.to(F64)
+
+    def openrlhf_loss(h):
+        logprobs = torch.log_softmax(logits_of(h.reshape(B * L, -1), weight, None, 1.0, F64), -1)
+        logp = logprobs.gather(-1, ids.reshape(-1, 1)).view(B, L)
+        entropy = -(logprobs.exp() * logprobs).sum(-1).view(B, L)
+        anchor = sage_openrlhf.sage_anchor_log_probs(ref, entropy, m, tau=0.5).double()
+        pg = openrlhf.PolicyLoss(0.2, 0.28)(logp, logp.detach(), A[:, None].expand(B, L), action_mask=m)[0]
+        kl = openrlhf.compute_approx_kl(logp, anchor, logp.detach(), kl_estimator=estimator)
+        return pg + beta * openrlhf.aggregate_loss(kl, m)
+
+    x = hidden.clone().requires_grad_(True)
+    want = openrlhf_loss(x)
+    want.backward()
+    y = hidden.clone().requires_grad_(True)
+    out = fused_linear_sage_loss(
+        y, weight, ids, mask, A, ref_logp=ref, beta=beta, kl=estimator, guide="branch", tau=0.5,
+        loss_type="dapo", eps_low=0.2, eps_high=0.28, backend="reference",
+    )  # fmt: skip
+    out.loss.backward()
+    # OpenRLHF's estimator computes in float32 (its `.float()`), the reference in float64
+    torch.testing.assert_close(out.loss, want, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-5, atol=1e-8)
+    assert float(out.metrics["sage/q_max"]) > 1
+
+
+CORRECTIONS = {
+    "off": {},
+    "icepop": dict(is_correction_level="token", is_correction_mode="mask", is_correction_threshold=(0.7, 1.4)),
+    "tis": dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=(0.0, 1.2)),
+    "seq-mask-tis": dict(is_correction_level="seq", is_correction_mode="mask", is_correction_threshold=(0.8, 1.3)),
+}
+AGGREGATION = {
+    "token-mean": dict(token_level_loss=True, call={}),
+    "token-global": dict(token_level_loss=True, call=dict(dp_size=2, batch_num_tokens=40.0)),
+    "sample-mean": dict(token_level_loss=False, call={}),
+    "sample-global": dict(token_level_loss=False, call=dict(dp_size=2, global_batch_size=7.0)),
+}
+
+
+@pytest.mark.parametrize("aggregation", list(AGGREGATION))
+@pytest.mark.parametrize("correction", list(CORRECTIONS))
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_policy_loss_equals_openrlhf(openrlhf, correction, aggregation, dual_clip):
+    old, logp, rollout, A, mask = batch(7)
+    agg = AGGREGATION[aggregation]
+    options = dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=agg["token_level_loss"])
+    options.update(CORRECTIONS[correction])
+    results = []
+    for cls in (sage_openrlhf.SAGEPolicyLoss, openrlhf.PolicyLoss):
+        x = logp.clone().requires_grad_(True)
+        out = cls(**options)(x, old, A, action_mask=mask, rollout_log_probs=rollout, **agg["call"])
+        out[0].backward()
+        results.append((out, x.grad))
+    (ours, ours_grad), (want, want_grad) = results
+    torch.testing.assert_close(ours_grad.double(), want_grad, rtol=1e-6, atol=1e-8)
+    for name, a, b in zip(("loss", "clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"), ours, want):
+        if b is None:
+            assert a is None, name
+        else:
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-6, atol=1e-8, msg=name)
+    assert 0 < float(want[1]) < 1
+    if correction != "off":
+        assert 0 < float(want[4]) < 1  # the correction binds somewhere
+
+
+def test_policy_loss_adds_the_loss_types():
+    """dppo_tv through OpenRLHF's signature: verl's numbers (the verl adapter equals verl's function)."""
+    old, logp, _, A, mask = batch(8, spread=1.5)
+    config = {"clip_ratio": 0.15, "clip_ratio_low": 0.15, "clip_ratio_high": 0.15, "global_batch_info": {}}
+    want, metrics = sage_verl.compute_policy_loss_sage_dppo_tv(old, logp, A, mask, "token-mean", config)
+    loss, clip_ratio, *_ = sage_openrlhf.SAGEPolicyLoss(0.15, 0.15, loss_type="dppo_tv")(logp, old, A, mask)
+    torch.testing.assert_close(loss.double(), want.double(), rtol=1e-6, atol=1e-8)
+    assert float(clip_ratio) == pytest.approx(metrics["actor/pg_clipfrac"]) and 0 < float(clip_ratio) < 1
+
+
+def openrlhf_actor(openrlhf, model, temperature):
+    """OpenRLHF's own Actor around `model`, as its __init__ leaves it for a text model without packing."""
+    actor = openrlhf.Actor.__new__(openrlhf.Actor)
+    torch.nn.Module.__init__(actor)
+    actor.model, actor.temperature, actor.packing_samples = model, temperature, False
+    return actor
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_patched_actor_forward_equals_openrlhf(openrlhf, temperature):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**tiny_decoder_options(tokenizer)))
+    g = torch.Generator().manual_seed(1)
+    sequences = torch.randint(3, len(tokenizer), (2, 9), generator=g)
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :2] = 0  # a left-padded prompt
+    attention_mask[1, -1] = 0  # and a right-padded response
+    action_mask = attention_mask[:, -4:].clone()
+    sequences[attention_mask == 0] = tokenizer.pad_token_id
+    upstream = torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+
+    def run(actor):
+        model.zero_grad()
+        logp, output = actor(sequences, action_mask, attention_mask, return_output=True, return_entropy=True)
+        entropy = output.entropy[:, -4:]
+        ((logp * upstream[0]).sum() + (entropy * upstream[1] * action_mask).sum()).backward()
+        return logp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want = run(openrlhf_actor(openrlhf, model, temperature))
+    actor = openrlhf_actor(openrlhf, model, temperature)
+    sage_openrlhf.patch_actor_forward(actor)
+    got = run(actor)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)  # the fused sweep accumulates in float32
+    torch.testing.assert_close(got[1] * action_mask, want[1] * action_mask, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got[2], want[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_refusals_name_what_is_not_supported(openrlhf):
+    with pytest.raises(ValueError, match="policy_loss_type"):
+        sage_openrlhf.SAGEPolicyLoss(policy_loss_type="gspo")
+    with pytest.raises(ValueError, match="is_correction_gating"):
+        sage_openrlhf.SAGEPolicyLoss(is_correction_level="token", is_correction_gating="tv")
+    actor = SimpleNamespace(packing_samples=True)
+    with pytest.raises(NotImplementedError, match="packing_samples"):
+        sage_openrlhf.fused_action_log_probs(actor, None, None, None)
