@@ -18,12 +18,12 @@ def needs(block: str) -> list:
     return [name for name in ("liger_kernel", "trl") if f"from {name}" in block or f"integrations.{name}" in block]
 
 
-def test_the_doc_has_its_three_examples():
-    assert len(BLOCKS) == 3
-    assert [bool(needs(block)) for block in BLOCKS] == [True, True, False]  # Liger, TRL, verl (no extra)
+def test_the_doc_has_its_four_examples():
+    assert len(BLOCKS) == 4
+    assert [bool(needs(block)) for block in BLOCKS] == [True, True, False, False]  # Liger, TRL, verl, OpenRLHF
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=["liger", "trl", "verl"][: len(BLOCKS)])
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=["liger", "trl", "verl", "openrlhf"][: len(BLOCKS)])
 def test_block_runs_as_pasted(index, tiny_lm_dir, tmp_path):
     block = BLOCKS[index]
     for name in needs(block):
@@ -43,5 +43,5 @@ def test_block_runs_as_pasted(index, tiny_lm_dir, tmp_path):
         assert lines[0].split()[1:] == lines[1].split()[3:]
     elif HUB_MODEL in block:
         assert "sage/q_mean" in out
-    else:
+    else:  # verl, OpenRLHF
         assert "anchor kl" in out
