@@ -45,6 +45,12 @@ draws = st.fixed_dictionaries(
         "kl_clamp": st.sampled_from([None, 0.5]),
         "temperature": st.sampled_from([1.0, 0.7]),
         "logit_softcap": st.sampled_from([None, 2.5]),
+        "logit_scale": st.sampled_from([1.0, 1.6]),
+        "gamma": st.sampled_from([0.3, 1.0]),
+        "tau": st.sampled_from([1.2, 0.5]),
+        "eps_high": st.sampled_from([0.2, 0.3]),
+        "sapo_temperature_neg": st.sampled_from([1.05, 0.7]),
+        "vespo_lambda_pos": st.sampled_from([3.0, 1.5]),
         "delta_clip": st.sampled_from([None, 1.3]),
         "dual_clip_c": st.sampled_from([None, 2.5]),
         "max_completion_length": st.sampled_from([None, 9]),
@@ -76,6 +82,10 @@ def config_for(loss_type: str, drawn: dict) -> LossConfig:
             "kl_clamp",
             "temperature",
             "logit_softcap",
+            "logit_scale",
+            "gamma",
+            "tau",
+            "eps_high",
         )
     }
     options["importance_sampling"] = "sequence" if drawn["sequence_ratio"] and loss_type != "gmpo" else "token"
@@ -85,6 +95,10 @@ def config_for(loss_type: str, drawn: dict) -> LossConfig:
         options["max_completion_length"] = drawn["max_completion_length"]
     if kind.normaliser == "given_tokens":
         options["num_items_in_batch"] = drawn["num_items_in_batch"]
+    if loss_type == "sapo":
+        options["sapo_temperature_neg"] = drawn["sapo_temperature_neg"]
+    if loss_type == "vespo":
+        options["vespo_lambda_pos"] = drawn["vespo_lambda_pos"]
     return LossConfig(loss_type=loss_type, **options)
 
 
@@ -223,6 +237,12 @@ BASE_DRAW = dict(
     kl_clamp=None,
     temperature=1.0,
     logit_softcap=None,
+    logit_scale=1.0,
+    gamma=0.3,
+    tau=1.2,
+    eps_high=0.2,
+    sapo_temperature_neg=1.05,
+    vespo_lambda_pos=3.0,
     delta_clip=None,
     dual_clip_c=None,
     max_completion_length=None,
@@ -246,9 +266,9 @@ TRITON_CASES = {
         dict(top_entropy_quantile=0.6, entropy_coef=0.05, token_advantages=True, num_items_in_batch=7.0),
     ),
     "cispo": ([2, 3, 4], dict(log_q=True, sampling=True, off_policy_mask_threshold=0.02)),
-    "sapo": ([1, 6], dict(kl="k2", temperature=0.7, kl_clamp=0.5)),
+    "sapo": ([1, 6], dict(kl="k2", temperature=0.7, kl_clamp=0.5, sapo_temperature_neg=0.7, logit_scale=1.6)),
     "luspo": ([4, 0, 0, 5], dict(sequence_ratio=True, guide="none")),
-    "vespo": ([6, 3, 1], dict(is_weights=True, kl="fk3")),
+    "vespo": ([6, 3, 1], dict(is_weights=True, kl="fk3", vespo_lambda_pos=1.5, gamma=1.0, tau=0.5)),
     "gmpo": ([2, 5, 3], dict(is_weights=True, entropy_coef=0.05, max_completion_length=9)),
 }
 
