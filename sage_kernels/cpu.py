@@ -39,6 +39,7 @@ import torch
 
 from .loss_types import LOSS_TYPES
 from .native_build import build_extension, extension_name
+from .packing import layout_of
 from .reference import token_stage
 from .spec import LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
 
@@ -208,7 +209,7 @@ def _per_token_grad_is_local(config: LossConfig) -> bool:
 
 
 def _stage_with_grads(logp, entropy, inputs, config):
-    """`token_stage` on [B, L] and its gradients g, c with respect to logp and entropy."""
+    """`token_stage` on the [B, L] grid and its gradients g, c with respect to logp and entropy."""
     logp = logp.detach().requires_grad_(True)
     entropy = entropy.detach().requires_grad_(True)
     with torch.enable_grad():
@@ -220,21 +221,22 @@ def _stage_with_grads(logp, entropy, inputs, config):
 def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
     """The sweep and the per-token stage. `need` says which gradients to form (hidden, weight, bias).
 
-    Returns (loss, logp [B, L], entropy [B, L], per_token, grads dict or None).
+    Returns (loss, logp [B, L], entropy [B, L], per_token, grads dict or None). The sweep walks the
+    N hidden rows; the per-token stage sees them on its [B, L] grid (`packing.TokenLayout`).
     """
-    B, L = inputs.shape
-    N = B * L
+    layout = layout_of(inputs)
+    N = inputs.hidden.shape[0]
     # only the positions that enter the loss are swept (all of them under luspo_include_padding)
-    flat_mask = inputs.loss_mask.reshape(N)
+    flat_mask = layout.to_rows(inputs.loss_mask)
     rows = None if bool(flat_mask.all()) else flat_mask.nonzero().squeeze(1)
     sweep = _Sweep(
-        inputs.hidden, inputs.weight, inputs.bias, inputs.token_ids.reshape(N), rows, config.logit_map, ops, N
+        inputs.hidden, inputs.weight, inputs.bias, layout.to_rows(inputs.token_ids), rows, config.logit_map, ops, N
     )
     logp = torch.zeros(N, dtype=torch.float32)
     entropy = torch.zeros(N, dtype=torch.float32)
 
     def gather_valid(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(N) if rows is None else t.reshape(N).index_select(0, rows)
+        return layout.to_rows(t) if rows is None else layout.to_rows(t).index_select(0, rows)
 
     def stage(with_grads: bool):
         """token_stage on everything swept so far: (loss, per_token, g and c at the valid rows)."""
@@ -244,16 +246,16 @@ def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
             else:
                 full.index_copy_(0, rows, part)
         if not with_grads:
-            loss, per_token = token_stage(logp.view(B, L), entropy.view(B, L), inputs, config)
+            loss, per_token = token_stage(layout.to_grid(logp), layout.to_grid(entropy), inputs, config)
             return loss, per_token, None, None
-        loss, per_token, g, c = _stage_with_grads(logp.view(B, L), entropy.view(B, L), inputs, config)
+        loss, per_token, g, c = _stage_with_grads(layout.to_grid(logp), layout.to_grid(entropy), inputs, config)
         return loss, per_token, gather_valid(g), gather_valid(c)
 
     if not any(need.values()):
         for block in sweep.blocks:
             sweep.stats(block)
         loss, per_token, _, _ = stage(with_grads=False)
-        return loss, logp.view(B, L), entropy.view(B, L), per_token, None
+        return loss, layout.to_grid(logp), layout.to_grid(entropy), per_token, None
 
     grads = {
         "hidden": torch.empty_like(sweep.hidden) if need["hidden"] else None,
@@ -274,7 +276,7 @@ def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
         for block in sweep.blocks:
             sweep.grad(block, sweep.stats(block), g, c, grads["hidden"], grads["weight"], grads["bias"])
     loss, per_token, _, _ = stage(with_grads=False)
-    return loss, logp.view(B, L), entropy.view(B, L), per_token, _finish_grads(grads, rows, N, inputs)
+    return loss, layout.to_grid(logp), layout.to_grid(entropy), per_token, _finish_grads(grads, rows, N, inputs)
 
 
 def _finish_grads(grads: dict, rows, N: int, inputs: SageInputs) -> dict:

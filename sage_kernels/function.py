@@ -15,6 +15,7 @@ import importlib
 
 import torch
 
+from .packing import check_scoring_layout, rows_output, validate_packed_inputs
 from .spec import (
     FAST_DTYPES,
     OPTION_NAMES,
@@ -56,6 +57,7 @@ def fused_linear_sage_loss(
     is_weights: torch.Tensor | None = None,
     log_q: torch.Tensor | None = None,
     sampling_logp: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     config: LossConfig | None = None,
     backend: str = "auto",
     **options,
@@ -78,6 +80,11 @@ def fused_linear_sage_loss(
         sampling_logp: [B, L] the sampler's log-probs (e.g. vLLM's), read only by the off-policy
             mask (``off_policy_mask_threshold``), which otherwise uses `old_logp`; NaN marks a
             token the sampler could not score.
+        cu_seqlens: [S + 1] int32/int64 boundaries of S packed sequences (flash-attention's varlen
+            layout, `packing.py`): then `hidden` is [N, D] or [1, N, D], `token_ids`, `mask` and
+            every per-token input [N] or [1, N], `advantages` [S] per sequence or [N] per token,
+            and the per-token outputs are shaped like `token_ids`; each option means what it means
+            for the padded call on the same sequences (luspo_include_padding is refused).
         config: a `LossConfig`; keyword `options` override its fields ({options}).
         backend: "auto", "reference", "cpu" or "triton".
 
@@ -87,12 +94,7 @@ def fused_linear_sage_loss(
     """
     config = resolve_config(config, options)
     name = resolve_backend(backend, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
-    inputs = validate_inputs(
-        hidden,
-        weight,
-        token_ids,
-        mask,
-        advantages,
+    arguments = dict(
         bias=bias,
         old_logp=old_logp,
         ref_logp=ref_logp,
@@ -102,7 +104,11 @@ def fused_linear_sage_loss(
         config=config,
         allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
     )
-    return _backend_module(name).sage_loss(inputs, config)
+    if cu_seqlens is None:
+        inputs = validate_inputs(hidden, weight, token_ids, mask, advantages, **arguments)
+        return _backend_module(name).sage_loss(inputs, config)
+    inputs = validate_packed_inputs(hidden, weight, token_ids, mask, advantages, cu_seqlens=cu_seqlens, **arguments)
+    return rows_output(_backend_module(name).sage_loss(inputs, config), inputs, tuple(token_ids.shape))
 
 
 fused_linear_sage_loss.__doc__ = fused_linear_sage_loss.__doc__.replace("{options}", ", ".join(OPTION_NAMES))
@@ -117,6 +123,7 @@ def logprobs_and_entropy(
     temperature: float = 1.0,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each token and the entropy (nats) of its next-token distribution, in float32.
@@ -124,7 +131,9 @@ def logprobs_and_entropy(
     For reference-model and behaviour-policy scoring: no gradient, no [N, V] logits on the
     fast backends. `hidden` is [*S, D] and `token_ids` is [*S] (S = (B, L) or (N,)); the
     outputs have shape S. The logits are those of `LossConfig` with these `temperature`,
-    `logit_scale` and `logit_softcap`.
+    `logit_scale` and `logit_softcap`. `cu_seqlens` (packed sequences, as in
+    `fused_linear_sage_loss`) is checked against `token_ids` [N] or [1, N]; each token's values do
+    not depend on its sequence.
     """
     name = resolve_backend(backend, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
     hidden2d, ids, lead = validate_scoring_inputs(
@@ -137,6 +146,8 @@ def logprobs_and_entropy(
         logit_softcap=logit_softcap,
         allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
     )
+    if cu_seqlens is not None:
+        check_scoring_layout(token_ids, cu_seqlens, hidden.device)
     with torch.no_grad():
         logp, entropy = _backend_module(name).logprobs_and_entropy(
             hidden2d, weight, ids, bias, temperature, logit_scale, logit_softcap

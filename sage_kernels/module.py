@@ -35,6 +35,7 @@ from torch import nn
 
 from .function import fused_linear_sage_loss, logprobs_and_entropy
 from .loss_types import LOSS_TYPES
+from .packing import per_token, read_cu_seqlens
 from .spec import LossConfig
 
 
@@ -134,12 +135,17 @@ class FusedLinearSAGELoss(nn.Module):
         ref_bias: torch.Tensor | None = None,
         vllm_is_ratio: torch.Tensor | None = None,
         num_items_in_batch=None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
     ):
         """Liger's arguments: `_input` [B, T, D] hidden states, `lin_weight` [V, D], the sampled
         `selected_token_ids` [B, T], `attention_mask` [B, T] (completion mask), `advantages` [B].
         Reference log-probs come from `ref_per_token_logps`, or are computed from `ref_input`
         with `ref_weight` / `ref_bias` (the policy's head when `ref_weight` is None).
-        `vllm_is_ratio` ([B], [B, 1] or [B, T]) multiplies the PG term."""
+        `vllm_is_ratio` ([B], [B, 1] or [B, T]) multiplies the PG term. With `cu_seqlens` [S + 1]
+        the batch is S packed sequences (`fused_linear_sage_loss`'s layout): `_input` [N, D] or
+        [1, N, D], the per-token arguments [N] or [1, N], `advantages` and `vllm_is_ratio` [S]
+        per sequence or [N] per token; luspo then needs ``luspo_include_padding=False``."""
         config = self.config
         kind = LOSS_TYPES[config.loss_type]
         # Liger refuses sequence-level ratios for the types that replace PPO's surrogate
@@ -178,7 +184,7 @@ class FusedLinearSAGELoss(nn.Module):
                 backend=self.backend,
             )
         if vllm_is_ratio is not None:
-            vllm_is_ratio = vllm_is_ratio.reshape(vllm_is_ratio.shape[0], -1).expand_as(selected_token_ids)
+            vllm_is_ratio = _weights_per_token(vllm_is_ratio, selected_token_ids, _input, cu_seqlens)
         out = fused_linear_sage_loss(
             _input,
             lin_weight,
@@ -189,12 +195,27 @@ class FusedLinearSAGELoss(nn.Module):
             old_logp=old_per_token_logps,
             ref_logp=ref_per_token_logps,
             is_weights=vllm_is_ratio,
+            cu_seqlens=cu_seqlens,
             config=config,
             backend=self.backend,
         )
+        A = advantages.detach()
+        if cu_seqlens is not None:  # checked by the loss call
+            A = per_token("advantages", A, cu_seqlens, selected_token_ids.numel()).reshape(out.ratio.shape)
+        elif A.dim() == 1:
+            A = A[:, None]
         values = [out.metrics["kl"]] if self.config.beta != 0 else []
-        values.append(_liger_clip_fraction(out.ratio, advantages, attention_mask, config))
+        values.append(_liger_clip_fraction(out.ratio, A, attention_mask, config))
         return out.loss, SageMetrics(values, out.metrics)
+
+
+def _weights_per_token(weights: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor, cu_seqlens):
+    """Liger's `vllm_is_ratio` ([B], [B, 1] or [B, T]; packed: [S], [S, 1], [N] or [1, N]) shaped
+    like `token_ids`."""
+    if cu_seqlens is None:
+        return weights.reshape(weights.shape[0], -1).expand_as(token_ids)
+    read_cu_seqlens(cu_seqlens, token_ids.numel(), hidden.device)  # checked before it expands anything
+    return per_token("vllm_is_ratio", weights, cu_seqlens, token_ids.numel()).reshape(token_ids.shape)
 
 
 def _liger_dapo_normaliser(mask: torch.Tensor, num_items_in_batch):
@@ -215,12 +236,9 @@ def _liger_dapo_normaliser(mask: torch.Tensor, num_items_in_batch):
     return (total / world_size).clamp(min=1.0)
 
 
-def _liger_clip_fraction(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, config: LossConfig
-) -> torch.Tensor:
-    """Fraction of unmasked tokens whose ratio (before the delta cap) is clipped in the advantage's sign."""
-    A = advantages.detach()
-    A = A[:, None] if A.dim() == 1 else A
+def _liger_clip_fraction(ratio: torch.Tensor, A: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """Fraction of unmasked tokens whose ratio (before the delta cap) is clipped in the sign of the
+    advantages `A` (broadcastable to `ratio`)."""
     if config.loss_type == "cispo":
         clipped = (ratio > config.eps_high) & (A > 0)
     elif config.loss_type == "gmpo":  # GMPO's clip is on the log-ratio (reference.gmpo_ratio)
@@ -310,12 +328,14 @@ def fused_linear_grpo(
     vespo_lambda_neg=2.0,
     num_items_in_batch=None,
     *,
+    cu_seqlens=None,
     backend: str = "auto",
     **options,
 ):
     """Liger's functional ``liger_fused_linear_grpo`` (same positional order and defaults), computed by
     the fused SAGE loss with the guide off: returns ``(loss, metrics)`` like `FusedLinearSAGELoss`.
-    Keyword `options` are further `LossConfig` fields (guide, gamma, ...)."""
+    `cu_seqlens` takes packed sequences (`FusedLinearSAGELoss.forward`). Keyword `options` are
+    further `LossConfig` fields (guide, gamma, ...)."""
     module = FusedLinearSAGELoss.from_liger(
         beta=beta,
         compiled=compiled,
@@ -352,4 +372,5 @@ def fused_linear_grpo(
         ref_bias,
         vllm_is_ratio,
         num_items_in_batch,
+        cu_seqlens=cu_seqlens,
     )

@@ -40,6 +40,7 @@ import torch
 from .guides import branch_guide
 from .loss_types import LOSS_TYPES
 from .ordered import ordered_sum
+from .packing import layout_of
 from .spec import LossConfig, SageInputs, SageLossOutput
 
 
@@ -360,19 +361,19 @@ def aggregate(per_token_loss: torch.Tensor, m: torch.Tensor, config: LossConfig)
 
 def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutput:
     """The SAGE loss with materialised logits; autograd gives the gradients."""
-    B, L = inputs.shape
+    layout = layout_of(inputs)
     dtype = inputs.compute_dtype
     logp, entropy = reference_logprobs_and_entropy(
         inputs.hidden,
         inputs.weight,
-        inputs.token_ids.reshape(-1),
+        layout.to_rows(inputs.token_ids),
         bias=inputs.bias,
         temperature=config.temperature,
         logit_scale=config.logit_scale,
         logit_softcap=config.logit_softcap,
         dtype=dtype,
     )
-    logp, entropy = logp.view(B, L), entropy.view(B, L)
+    logp, entropy = layout.to_grid(logp), layout.to_grid(entropy)
     loss, per_token = token_stage(logp, entropy, inputs, config)
     active = inputs.loss_mask
     return SageLossOutput(

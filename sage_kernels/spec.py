@@ -293,7 +293,9 @@ class SageInputs:
     `hidden` is float64) and replaced outside `loss_mask` by neutral values (0 for log-probs,
     1 for `is_weights`), so garbage there cannot reach the loss. `sampling_logp` (the sampler's
     log-probs, read by the off-policy mask only) may hold NaN where the sampler could not score a
-    token: such a token adds nothing to its sequence's KL estimate, as in TRL.
+    token: such a token adds nothing to its sequence's KL estimate, as in TRL. Packed sequences
+    (`packing.py`): the per-token tensors are on the [S, L] grid of the sequences, `hidden` holds
+    the N token rows and `cells` [N] the grid cell of each (None: row n is cell n).
     """
 
     hidden: torch.Tensor
@@ -308,6 +310,7 @@ class SageInputs:
     log_q: torch.Tensor | None
     loss_mask: torch.Tensor | None = None
     sampling_logp: torch.Tensor | None = None
+    cells: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -386,13 +389,15 @@ def validate_inputs(
     sampling_logp=None,
     config: LossConfig,
     allowed_dtypes=FAST_DTYPES,
+    cells=None,
 ) -> SageInputs:
     """Check everything docs/loss.md lists under "Bad input" and return canonical `SageInputs`.
 
     Raises ValueError / TypeError naming the argument and what was expected, before any
     computation (an empty batch, B = 0 or L = 0, is an error: there is no loss to return; a
     batch whose mask is all false gives a zero loss); values are scanned too (token-id range,
-    non-finite numbers).
+    non-finite numbers). `cells`: packed calls only (`packing.validate_packed_inputs`), the grid
+    cell of each of hidden's [N, D] rows.
     """
     _check_tensor("hidden", hidden, ndim=(2, 3), float_=True)
     device = hidden.device
@@ -426,7 +431,7 @@ def validate_inputs(
         )
     if hidden.dim() == 3 and tuple(hidden.shape[:2]) != (B, L):
         raise ValueError(f"hidden must have shape [B={B}, L={L}, D] to match token_ids, got {tuple(hidden.shape)}")
-    if hidden.dim() == 2 and hidden.shape[0] != B * L:
+    if hidden.dim() == 2 and cells is None and hidden.shape[0] != B * L:
         raise ValueError(f"hidden given as [N, D] must have N = B*L = {B * L} rows, got {hidden.shape[0]}")
 
     _check_tensor("mask", mask, device=device)
@@ -478,7 +483,7 @@ def validate_inputs(
         torch._assert_async(~bad.any(), f"token_ids must be in [0, V={V}) {where}")
 
     return SageInputs(
-        hidden=hidden.reshape(B * L, D),
+        hidden=hidden.reshape(-1, D),
         weight=weight,
         bias=bias,
         token_ids=torch.where(loss_mask, token_ids.long(), 0),
@@ -486,6 +491,7 @@ def validate_inputs(
         advantages=torch.where(loss_mask, adv, 0.0),
         **per_token,
         loss_mask=loss_mask,
+        cells=cells,
     )
 
 

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from ..function import logprobs_and_entropy
 from ..guides import branch_guide
+from ..packing import on_grid, packed_layout
 from ..reference import dppo_trust_region, policy_gradient_term, reference_logprobs_and_entropy
 from ..spec import LossConfig, SageInputs
 from ..vocab_parallel import sharded_logprobs_and_entropy
@@ -220,16 +221,23 @@ def compute_policy_loss_sage(
     loss_agg_mode: str = "token-mean",
     config=None,
     rollout_is_weights: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """verl's policy-loss signature: the SAGE PG term, aggregated with `loss_agg_mode`.
 
     Reads ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c`` (dual clip)
     and ``global_batch_info`` from `config` (verl's ActorConfig or a dict-like). Returns
     ``(loss, metrics)`` with verl's metric names: ``actor/pg_clipfrac``, ``actor/ppo_kl``,
-    ``actor/pg_clipfrac_lower``.
+    ``actor/pg_clipfrac_lower``. `cu_seqlens`: the per-token tensors are S packed sequences
+    (`packed_policy_inputs`).
     """
     if config is None:
         raise ValueError("config (verl's ActorConfig) is required for the clip ranges")
+    if cu_seqlens is not None:
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights = packed_policy_inputs(
+            cu_seqlens, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights
+        )
     clip = _config_value(config, "clip_ratio", 0.2)
     eps_low = _config_value(config, "clip_ratio_low", clip)
     eps_high = _config_value(config, "clip_ratio_high", clip)
@@ -261,15 +269,22 @@ def compute_policy_loss_sage_sapo(
     loss_agg_mode: str = "seq-mean-token-mean",
     config=None,
     rollout_is_weights: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
 ):
     """verl's policy-loss signature: the sapo PG term (docs/loss.md) as verl's ``"sapo"`` aggregates it.
 
     Reads ``tau_pos``, ``tau_neg`` (verl's names for the gate temperatures, defaults 1.0 and 1.05)
     and ``global_batch_info`` from `config`. Like verl's sapo, the aggregation is always
     seq-mean-token-mean (`loss_agg_mode` is taken for the signature only) and the clip fractions are 0.
+    `cu_seqlens`: packed sequences, as in `compute_policy_loss_sage`.
     """
     if config is None:
         raise ValueError("config (verl's ActorConfig) is required for the gate temperatures")
+    if cu_seqlens is not None:
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights = packed_policy_inputs(
+            cu_seqlens, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights
+        )
     del loss_agg_mode
     mask = response_mask.bool()
     batch_info = dict(_config_value(config, "global_batch_info", {}))
@@ -291,7 +306,7 @@ def compute_policy_loss_sage_sapo(
     }
 
 
-def _dppo_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, weights_in):
+def _dppo_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, weights_in, loss_agg_mode, config):
     """verl's dppo_tv / dppo_kl with docs/loss.md's PG term: (loss, verl's metrics)."""
     if config is None:
         raise ValueError("config (verl's ActorConfig) is required for the trust-region thresholds")
@@ -320,21 +335,63 @@ def _dppo_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, los
 
 
 def compute_policy_loss_sage_dppo_tv(
-    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="token-mean",
+    config=None,
+    rollout_is_weights=None,
+    *,
+    cu_seqlens=None,
 ):
     """verl's policy-loss signature: DPPO-Binary-TV (docs/loss.md's dppo_tv), verl's metrics; its
     ``pg_clipfrac`` is the fraction of tokens outside the trust region, ``pg_clipfrac_lower`` that of
-    kept tokens whose ratio is truncated at ``clip_ratio_c``."""
-    args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
-    return _dppo_loss("dppo_tv", *args)
+    kept tokens whose ratio is truncated at ``clip_ratio_c``. `cu_seqlens`: packed sequences, as in
+    `compute_policy_loss_sage`."""
+    args = (old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    if cu_seqlens is not None:
+        args = packed_policy_inputs(cu_seqlens, *args)
+    return _dppo_loss("dppo_tv", *args, loss_agg_mode, config)
 
 
 def compute_policy_loss_sage_dppo_kl(
-    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="token-mean",
+    config=None,
+    rollout_is_weights=None,
+    *,
+    cu_seqlens=None,
 ):
-    """verl's policy-loss signature: DPPO-Binary-KL (docs/loss.md's dppo_kl), verl's metrics."""
-    args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
-    return _dppo_loss("dppo_kl", *args)
+    """verl's policy-loss signature: DPPO-Binary-KL (docs/loss.md's dppo_kl), verl's metrics; `cu_seqlens` as
+    in `compute_policy_loss_sage`."""
+    args = (old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    if cu_seqlens is not None:
+        args = packed_policy_inputs(cu_seqlens, *args)
+    return _dppo_loss("dppo_kl", *args, loss_agg_mode, config)
+
+
+def packed_policy_inputs(cu_seqlens, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights):
+    """The policy losses' per-token tensors, given as S packed sequences of N tokens ([N] or [1, N]
+    each, as verl's remove-padding stream holds them: ``log_probs.values()`` of its nested output,
+    ``offsets()`` for `cu_seqlens`), on the [S, L] grid of those sequences (`packing.TokenLayout`,
+    L the longest), where every aggregation mode reads them as it reads verl's padded rows;
+    ``seq-mean-token-sum-norm`` divides by that L unless ``global_batch_info`` gives
+    ``loss_scale_factor``. The gradient flows back to the packed `log_prob`."""
+    if not isinstance(log_prob, torch.Tensor):
+        raise TypeError(f"log_prob must be a torch.Tensor, got {type(log_prob).__name__}")
+    layout = packed_layout(cu_seqlens, log_prob.numel(), log_prob.device)
+    named = dict(
+        old_log_prob=old_log_prob,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
+    return tuple(on_grid(layout, name, value, log_prob.device) for name, value in named.items())
 
 
 def _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, config: LossConfig):

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..loss_types import LOSS_TYPE_CODES
+from ..packing import layout_of
 from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LogitMap, LossConfig, SageInputs
 from . import token_stage as stage
 from .stages import stage as timed
@@ -56,7 +57,9 @@ def _checked(cls, values: Sequence):
 
 
 class LossTensors(NamedTuple):
-    """The tensors of one loss call, in the order both loss operators take them (hidden [N, D])."""
+    """The tensors of one loss call, in the order both loss operators take them: hidden [N, D], the
+    per-token tensors on the token stage's [B, L] grid, and for packed sequences the grid cell of
+    each hidden row (`packing.TokenLayout`; None: row n is cell n)."""
 
     hidden: Tensor
     weight: Tensor
@@ -69,6 +72,7 @@ class LossTensors(NamedTuple):
     is_weights: MaybeTensor
     log_q: MaybeTensor
     sampling_logp: MaybeTensor
+    cells: MaybeTensor
 
     @classmethod
     def of(cls, inputs: SageInputs) -> LossTensors:
@@ -173,7 +177,8 @@ class LocalOutputs(NamedTuple):
 
 
 class TwoPassSaved(NamedTuple):
-    """The tensors the two-pass backward reads, in the backward operator's order after grad_loss."""
+    """The tensors the two-pass backward reads, in the backward operator's order after grad_loss
+    (token_ids and entropy in the hidden rows' order, as the sweeps read them)."""
 
     hidden: Tensor
     weight: Tensor
@@ -189,7 +194,9 @@ class TwoPassSaved(NamedTuple):
 
     @classmethod
     def of(cls, tensors: LossTensors, out: TwoPassOutputs) -> TwoPassSaved:
-        fields = {**tensors._asdict(), **out._asdict()}
+        layout = layout_of(tensors)
+        rows = {"token_ids": layout.to_rows(tensors.token_ids), "entropy": layout.to_rows(out.entropy)}
+        fields = {**tensors._asdict(), **out._asdict(), **rows}
         return cls(*(fields[name] for name in cls._fields))
 
     def flat(self) -> tuple:

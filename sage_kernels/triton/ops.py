@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..packing import layout_of
 from ..spec import METRIC_NAMES, LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
 from . import ops_local  # noqa: F401  (registers the three-matmul operator)
 from . import token_stage as stage
@@ -68,24 +69,23 @@ def loss_forward(tensors: LossTensors, config: LossConfig) -> TwoPassOutputs:
 
 def _two_pass_forward(tensors: LossTensors, config: LossConfig) -> TwoPassOutputs:
     PATHS_TAKEN["two-pass"] += 1
-    mask = tensors.mask
-    B, L = mask.shape
-    # the swept positions are those that enter the loss: every one under luspo_include_padding
-    order = row_order(torch.ones_like(mask) if config.luspo_include_padding else mask)
+    mask, layout = tensors.mask, layout_of(tensors)
+    # the swept rows are those that enter the loss: every one under luspo_include_padding
+    order = row_order(layout.to_rows(torch.ones_like(mask) if config.luspo_include_padding else mask))
     with timed("forward sweep"):
         lse, logp, entropy = sweep_forward(
             tensors.hidden,
             tensors.weight,
             tensors.bias,
-            tensors.token_ids.reshape(-1),
+            layout.to_rows(tensors.token_ids),
             order.rows,
             order.count,
             config.logit_map,
             order.n,
         )
     lse = torch.where(order.flat_mask, lse, 0.0)
-    logp = torch.where(order.flat_mask, logp, 0.0).view(B, L)
-    entropy = torch.where(order.flat_mask, entropy, 0.0).view(B, L)
+    logp = layout.to_grid(torch.where(order.flat_mask, logp, 0.0))
+    entropy = layout.to_grid(torch.where(order.flat_mask, entropy, 0.0))
     with timed("token stage"):
         per_token = stage.token_stage(logp, entropy, tensors, config)
     # the host's row count travels to the backward as a CPU tensor (-1: nothing masked); reading
@@ -100,8 +100,8 @@ def _two_pass_forward(tensors: LossTensors, config: LossConfig) -> TwoPassOutput
         ratio=per_token.ratio,
         metrics=metrics_vector(per_token.row_stats, mask),
         lse=lse,
-        g=per_token.g,
-        c=per_token.c,
+        g=layout.to_rows(per_token.g),
+        c=layout.to_rows(per_token.c),
         rows=order.rows,
         count=order.count,
         rows_to_do=rows_to_do,
@@ -149,12 +149,13 @@ def _sage_loss_op(
     is_weights: MaybeTensor,
     log_q: MaybeTensor,
     sampling_logp: MaybeTensor,
+    cells: MaybeTensor,
     num_items: MaybeTensor,
     floats: list[float],
     ints: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     tensors = LossTensors(
-        hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, sampling_logp
+        hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, sampling_logp, cells
     )
     return loss_forward(tensors, unpack_config(floats, ints, num_items)).flat()
 
@@ -164,15 +165,16 @@ def _sage_loss_fake(*args):
     tensors = LossTensors.from_flat(args[: len(LossTensors._fields)])
     B, L = tensors.mask.shape
     hidden = tensors.hidden
+    N = hidden.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     per_token = [hidden.new_empty((B, L), **f32) for _ in range(5)]
-    flat = [hidden.new_empty((B * L,), **f32) for _ in range(3)]
+    flat = [hidden.new_empty((N,), **f32) for _ in range(3)]
     return (
         hidden.new_empty((), **f32),
         *per_token,
         hidden.new_empty((len(METRIC_NAMES),), **f32),
         *flat,
-        hidden.new_empty((B * L,), dtype=torch.int64),
+        hidden.new_empty((N,), dtype=torch.int64),
         hidden.new_empty((), dtype=torch.int64),
         torch.empty((), dtype=torch.int64, device="cpu"),
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..packing import layout_of
 from ..spec import METRIC_NAMES, LossConfig
 from . import token_stage as stage
 from .boundary import (
@@ -24,12 +25,12 @@ from .three_matmul import fused_loss
 
 def local_forward(tensors: LossTensors, config: LossConfig, wanted: GradsWanted) -> LocalOutputs:
     """The three-matmul path behind the local loss operator; gradients None where not `wanted`."""
-    B, L = tensors.mask.shape
-    out = fused_loss(tensors.for_kernels(), config, row_order(tensors.mask), wanted)
+    layout = layout_of(tensors)
+    out = fused_loss(tensors.for_kernels(), config, row_order(layout.to_rows(tensors.mask)), wanted)
     return LocalOutputs(
         loss=out.stage.row_stats[:, stage.ROW_LOSS].sum(),
-        logp=out.logp.view(B, L),
-        entropy=out.entropy.view(B, L),
+        logp=layout.to_grid(out.logp),
+        entropy=layout.to_grid(out.entropy),
         q=out.stage.q,
         kl=out.stage.kl,
         ratio=out.stage.ratio,
@@ -53,13 +54,14 @@ def _local_loss_op(
     is_weights: MaybeTensor,
     log_q: MaybeTensor,
     sampling_logp: MaybeTensor,
+    cells: MaybeTensor,
     num_items: MaybeTensor,
     floats: list[float],
     ints: list[int],
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     tensors = LossTensors(
-        hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, sampling_logp
+        hidden, weight, bias, token_ids, mask, advantages, old_logp, ref_logp, is_weights, log_q, sampling_logp, cells
     )
     out = local_forward(tensors, unpack_config(floats, ints, num_items), GradsWanted.from_flat(needs))
     empty_if_none = dict(

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from ..loss_types import LOSS_TYPES, LossType
+from ..packing import layout_of
 from ..spec import LossConfig
 from . import token_stage
 from .boundary import GradsWanted, LossTensors, RowOrder
@@ -219,9 +220,11 @@ def _dlogits_in_place_kernel(
 
 
 def stage_of_tokens(logp, entropy, tensors, config) -> token_stage.StageOutputs:
-    """`token_stage.token_stage` on the flat [N] logp and entropy seen as [B, L]."""
-    B, L = tensors.mask.shape
-    return token_stage.token_stage(logp.view(B, L), entropy.view(B, L), tensors, config)
+    """`token_stage.token_stage` on the per-row [N] logp and entropy put on the [B, L] grid, with g
+    and c back in the rows' order."""
+    layout = layout_of(tensors)
+    out = token_stage.token_stage(layout.to_grid(logp), layout.to_grid(entropy), tensors, config)
+    return out._replace(g=layout.to_rows(out.g), c=layout.to_rows(out.c))
 
 
 class FusedResult(NamedTuple):
@@ -269,7 +272,8 @@ def fused_loss(tensors: LossTensors, config: LossConfig, order: RowOrder, wanted
 
 
 def _fused_loss(tensors: LossTensors, config: LossConfig, order: RowOrder, wanted: GradsWanted) -> FusedResult:
-    hidden, weight, bias, token_ids = tensors.hidden, tensors.weight, tensors.bias, tensors.token_ids.reshape(-1)
+    hidden, weight, bias = tensors.hidden, tensors.weight, tensors.bias
+    token_ids = layout_of(tensors).to_rows(tensors.token_ids)
     rows, count, rows_to_do, rows_are_identity = order.rows, order.count, order.n, order.identity
     need_hidden, need_weight, need_bias = wanted
     N, D = hidden.shape

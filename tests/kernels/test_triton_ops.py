@@ -32,6 +32,7 @@ def loss_op_args(problem, config):
         is_weights=None,
         log_q=None,
         sampling_logp=None,
+        cells=None,
     )
     return (*tensors.flat(), num_items, floats, ints)
 
@@ -184,5 +185,5 @@ def test_boundary_records_round_trip_their_flat_form():
     assert len(loss_schema.returns) == len(boundary.TwoPassOutputs._fields)
     local = torch.ops.sage_kernels.triton_sage_loss_local.default._schema
     assert len(local.returns) == len(boundary.LocalOutputs._fields)
-    with pytest.raises(ValueError, match="LossTensors has 11 fields, got 9"):
+    with pytest.raises(ValueError, match="LossTensors has 12 fields, got 9"):
         boundary.LossTensors.from_flat(tensors.flat()[:9])
