@@ -22,6 +22,8 @@ class LossType:
     "max_length" (B x max_completion_length) or "given_tokens" (`num_items_in_batch`, else this
     call's count: a caller may pass a count that spans more than the call). sequence_weight: the
     PG weight of a token is a function of its whole row, so the per-token gradient is not local.
+    token_ratio: the type reads each token's own ratio (or forms the row's geometric mean itself), so
+    `importance_sampling` must stay "token".
     """
 
     code: int
@@ -29,6 +31,7 @@ class LossType:
     aggregation: str
     normaliser: str | None = None
     sequence_weight: bool = False
+    token_ratio: bool = False
 
     @property
     def token_local_gradient(self) -> bool:
@@ -46,8 +49,8 @@ LOSS_TYPES = {
     "sapo": LossType(5, clipped=False, aggregation="sequence_mean"),
     "luspo": LossType(6, clipped=True, aggregation="sequence_sum"),
     "vespo": LossType(7, clipped=False, aggregation="token_sum", normaliser="given_tokens", sequence_weight=True),
-    "gmpo": LossType(8, clipped=False, aggregation="sequence_mean", sequence_weight=True),
-    "dppo_tv": LossType(9, clipped=False, aggregation="token_sum", normaliser="given_tokens"),
-    "dppo_kl": LossType(10, clipped=False, aggregation="token_sum", normaliser="given_tokens"),
+    "gmpo": LossType(8, clipped=False, aggregation="sequence_mean", sequence_weight=True, token_ratio=True),
+    "dppo_tv": LossType(9, clipped=False, aggregation="token_sum", normaliser="given_tokens", token_ratio=True),
+    "dppo_kl": LossType(10, clipped=False, aggregation="token_sum", normaliser="given_tokens", token_ratio=True),
 }
 LOSS_TYPE_CODES = {name: kind.code for name, kind in LOSS_TYPES.items()}

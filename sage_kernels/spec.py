@@ -185,7 +185,7 @@ class LossConfig:
         if self.loss_type == "cispo":
             _require(self.eps_high > 0, "eps_high", "> 0 for loss_type 'cispo' (the cap on the ratio)", self.eps_high)
         _require(self.dppo_ratio_cap > 0, "dppo_ratio_cap", "> 0", self.dppo_ratio_cap)
-        if self.loss_type in ("gmpo", "dppo_tv", "dppo_kl"):
+        if LOSS_TYPES[self.loss_type].token_ratio:
             _require(
                 self.importance_sampling == "token",
                 "importance_sampling",

@@ -88,7 +88,7 @@ def config_for(loss_type: str, drawn: dict) -> LossConfig:
             "eps_high",
         )
     }
-    options["importance_sampling"] = "sequence" if drawn["sequence_ratio"] and loss_type != "gmpo" else "token"
+    options["importance_sampling"] = "sequence" if drawn["sequence_ratio"] and not kind.token_ratio else "token"
     if kind.clipped:
         options.update(delta_clip=drawn["delta_clip"], dual_clip_c=drawn["dual_clip_c"])
     if kind.normaliser == "max_length":
