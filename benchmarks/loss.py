@@ -4,8 +4,10 @@ Every point (shape, N, dtype, masked fraction) runs in a fresh worker process
 (`benchmarks/worker.py`; on CUDA one per provider, so a CUDA fault costs only that provider's
 rows) that measures each provider in each mode on the same inputs. The rows (JSONL, long
 format) and a markdown report with the ratio of ours to each peer are written to --out as each
-worker ends, and a plot of time and memory against N at the end. Without --shapes, the device's default
-plan of `shapes.DEFAULT_PLANS` runs (about 10 minutes on a 2-core CPU).
+worker ends, and a plot of time and memory against N at the end. A provider that cannot run
+here (its package or device absent) and rows past --time-limit-s are reported as skipped by this
+process, with no worker started for them. Without --shapes, the device's default plan of
+`shapes.DEFAULT_PLANS` runs (about 10 minutes on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -140,6 +142,13 @@ def run_worker(points: list[tuple[Point, list[str]]], providers: list[str], args
     return rows
 
 
+def skipped_rows(points: list[tuple[Point, list[str]]], provider: str, reason: str) -> list[dict]:
+    """The rows of `provider` at `points`, reported as skipped for `reason` without measuring."""
+    rows = [{**base_row(p, provider, mode), "status": f"skipped: {reason}"} for p, modes in points for mode in modes]
+    print(f"{provider}: skipped: {reason} (no worker started)", file=sys.stderr, flush=True)
+    return rows
+
+
 def _write_report(rows: list[dict], rows_path: Path, out: Path, command: str, args, started: float) -> str:
     """loss.jsonl (with the rows of any worker that died) and loss.md from the rows so far."""
     machine = next((r for r in rows if "cpu" in r), None)
@@ -169,6 +178,7 @@ def main(argv=None) -> int:
     rows_path = out / "loss.jsonl"
     rows_path.write_text("")
     points = plan(args)
+    missing = {name: PROVIDERS[name].unavailable(args.device) for name in args.providers}
     if args.device == "cuda":
         # one worker per provider, at every point: a CUDA fault poisons only its own process (the
         # providers after it still run), and each peer compiles once
@@ -176,7 +186,16 @@ def main(argv=None) -> int:
     else:
         groups = [([p], args.providers) for p in points]  # a clean heap per point for the memory measurement
     for group, providers in groups:
-        rows += run_worker(group, providers, args, rows_path)
+        for name in providers:
+            if missing[name]:
+                rows += skipped_rows(group, name, missing[name])
+        late = args.deadline is not None and time.time() > args.deadline
+        runnable = [name for name in providers if not missing[name]]
+        if late:
+            for name in runnable:
+                rows += skipped_rows(group, name, "past --time-limit-s")
+        elif runnable:
+            rows += run_worker(group, runnable, args, rows_path)
         text = _write_report(rows, rows_path, out, command, args, started)  # as each worker ends
     problem = report.plot(rows, str(out / "loss.png"))
     print(text)

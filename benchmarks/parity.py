@@ -8,16 +8,20 @@ term, and rows spread over the vocabulary) and of a sample of hidden rows (valid
 over the batch). The float64 side is chunked over tokens, so no [N, V] tensor exists at once:
 lse, log p and the entropy per token, then g = dloss/dlogp and c = dloss/dH from the reference's
 token stage by autograd, then d(logits) = (g (1[v = y] - p) - c p (log p + H)) / T for the
-sampled rows only.
+sampled rows only, times d(logits)/d(head output) (1/T, or the softcap's slope).
 
 Errors as `tests/kernels/tolerances.py` measures them (loss: absolute; gradients:
 max |g - g64| / max |g64|), each gradient beside the error of rounding the float64 gradient to
-the dtype once, the least any output in that dtype can have. Each path runs in a process of its
-own (`isolated.py`); rows go to ``parity.jsonl`` and ``parity.md`` is rewritten as each ends.
+the dtype once, the least any output in that dtype can have, and a verdict against that file's
+tolerances for the dtype (read from the checkout; none outside one) with the worst element of
+each gradient. Parts: the two paths, and (named, not run by default) the two-pass path under a
+logit softcap. Each part runs in a process of its own (`isolated.py`); rows go to
+``parity.jsonl`` and ``parity.md`` is rewritten as each ends.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -26,7 +30,7 @@ import torch
 
 from . import isolated
 from .measure import machine, relative_error
-from .profile_stages import PATHS, parse_args
+from .profile_stages import PATHS, REPO_ROOT, parse_args
 from .shapes import DTYPES, Inputs, Point, make_inputs
 
 F64 = torch.float64
@@ -37,6 +41,24 @@ SPREAD_ROWS = 32
 HIDDEN_ROWS = 64
 #: tokens per float64 logits chunk ([chunk, V] float64 at once: 1.2 GB at V 152k).
 CHUNK = 1024
+#: the softcap of the softcap part: at the benchmark's logit spread (std 3, top logits ~13) it
+#: saturates the top of each row (tanh' ~ 0.02 there), where the backward's slope must stay exact.
+SOFTCAP = 5.0
+#: part name -> loss options (on top of the benchmark's shared settings, guide off).
+PARTS = {**PATHS, "two-pass-softcap": {**PATHS["two-pass"], "logit_softcap": SOFTCAP}}
+#: the parts run without --paths.
+DEFAULT_PARTS = tuple(PATHS)
+TOLERANCES_FILE = REPO_ROOT / "tests" / "kernels" / "tolerances.py"
+
+
+def tolerance_table() -> dict | None:
+    """TOLERANCES of tests/kernels/tolerances.py (their one home), or None outside a checkout."""
+    if not TOLERANCES_FILE.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("sage_test_tolerances", TOLERANCES_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TOLERANCES
 
 
 def sampled_rows(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,12 +74,21 @@ def sampled_rows(x: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     return weight_rows, torch.unique(valid[picks])
 
 
-def _d_logits(z, rows_ids, cols, lse, entropy, g, c, inv_t):
-    """float64 d(loss)/d(logits) of the [rows, cols] block whose scaled logits are `z`."""
+def _head(a, logits):
+    """(logits z, dz/da) of the float64 head output `a` under `logits` (a `spec.LogitMap`)."""
+    if logits.softcap:
+        t = torch.tanh(logits.inner * a)
+        return logits.outer * t, logits.inner * logits.outer * (1 - t * t)
+    return logits.inner * a, logits.inner
+
+
+def _d_head(a, rows_ids, cols, lse, entropy, g, c, logits):
+    """float64 d(loss)/d(head output) of the [rows, cols] block whose head output is `a`."""
+    z, slope = _head(a, logits)
     log_p = z - lse[:, None]
     p = log_p.exp()
     dz = g[:, None] * ((rows_ids[:, None] == cols[None, :]).to(F64) - p) - c[:, None] * p * (log_p + entropy[:, None])
-    return dz * inv_t
+    return dz * slope
 
 
 def float64_reference(x: Inputs, config, weight_rows: torch.Tensor, hidden_rows: torch.Tensor):
@@ -70,10 +101,10 @@ def float64_reference(x: Inputs, config, weight_rows: torch.Tensor, hidden_rows:
     w64 = x.weight.to(F64)
     ids = x.token_ids.reshape(-1)
     N = h.shape[0]
-    inv_t = 1.0 / config.temperature
+    logits = config.logit_map
     lse, logp, entropy = (torch.empty(N, dtype=F64, device=h.device) for _ in range(3))
     for s in range(0, N, CHUNK):
-        z = (h[s : s + CHUNK].to(F64) @ w64.t()) * inv_t
+        z, _ = _head(h[s : s + CHUNK].to(F64) @ w64.t(), logits)
         lse[s : s + CHUNK] = z.logsumexp(-1)
         logp[s : s + CHUNK] = z.gather(1, ids[s : s + CHUNK, None]).squeeze(1) - lse[s : s + CHUNK]
         entropy[s : s + CHUNK] = lse[s : s + CHUNK] - ((z - lse[s : s + CHUNK, None]).exp() * z).sum(-1)
@@ -92,12 +123,11 @@ def float64_reference(x: Inputs, config, weight_rows: torch.Tensor, hidden_rows:
     for s in range(0, N, CHUNK):
         h_chunk = h[s : s + CHUNK].to(F64)
         part = slice(s, s + CHUNK)
-        z = (h_chunk @ w_rows.t()) * inv_t
-        grad_w += _d_logits(z, ids[part], weight_rows, lse[part], entropy[part], g[part], c[part], inv_t).t() @ h_chunk
+        a = h_chunk @ w_rows.t()
+        grad_w += _d_head(a, ids[part], weight_rows, lse[part], entropy[part], g[part], c[part], logits).t() @ h_chunk
     r = hidden_rows
-    z = (h[r].to(F64) @ w64.t()) * inv_t
     cols = torch.arange(w64.shape[0], device=h.device)
-    grad_h = _d_logits(z, ids[r], cols, lse[r], entropy[r], g[r], c[r], inv_t) @ w64
+    grad_h = _d_head(h[r].to(F64) @ w64.t(), ids[r], cols, lse[r], entropy[r], g[r], c[r], logits) @ w64
     return loss.detach(), grad_w, grad_h
 
 
@@ -109,7 +139,7 @@ def check_path(name: str, point: Point) -> dict:
     from .providers import SETTINGS
 
     x = make_inputs(point)
-    config = LossConfig(**{**SETTINGS, "guide": "none", **PATHS[name]})
+    config = LossConfig(**{**SETTINGS, "guide": "none", **PARTS[name]})
     hidden = x.hidden.detach().requires_grad_()
     weight = x.weight.detach().requires_grad_()
     before = three_matmul.PATHS_TAKEN.copy()
@@ -131,17 +161,20 @@ def check_path(name: str, point: Point) -> dict:
     dtype = DTYPES[point.dtype]
     grad_w = weight.grad[weight_rows]
     grad_h = hidden.grad.reshape(-1, point.d)[hidden_rows]
-    return {
+    row = {
         "path": name,
         "path_taken": taken,
         "status": "ok",
+        "logit_softcap": config.logit_softcap,
         "loss": out.loss.item(),
         "loss64": loss64.item(),
         "err_loss_abs": abs(out.loss.double().item() - loss64.item()),
         "err_grad_weight_rel": relative_error(grad_w, grad_w64),
         "rounding_grad_weight_rel": relative_error(grad_w64.to(dtype), grad_w64),
+        "worst_grad_weight": worst_element(grad_w, grad_w64, weight_rows),
         "err_grad_hidden_rel": relative_error(grad_h, grad_h64),
         "rounding_grad_hidden_rel": relative_error(grad_h64.to(dtype), grad_h64),
+        "worst_grad_hidden": worst_element(grad_h, grad_h64, hidden_rows),
         "weight_rows": weight_rows.numel(),
         "hidden_rows": hidden_rows.numel(),
         "shape": point.shape,
@@ -151,6 +184,32 @@ def check_path(name: str, point: Point) -> dict:
         "dtype": point.dtype,
         "mask_fraction": point.mask_fraction,
         **machine(point.device),
+    }
+    return {**row, **verdict(row, dtype)}
+
+
+def worst_element(actual: torch.Tensor, expected: torch.Tensor, rows: torch.Tensor) -> dict:
+    """The element of a sampled gradient farthest from float64: its row in the whole tensor, its
+    column, and both values."""
+    diff = (actual.double() - expected).abs()
+    r, col = divmod(int(diff.argmax()), diff.shape[1])
+    return {"row": int(rows[r]), "col": col, "actual": float(actual[r, col]), "expected": float(expected[r, col])}
+
+
+def verdict(row: dict, dtype: torch.dtype) -> dict:
+    """Pass or fail against tests/kernels/tolerances.py's tolerances for `dtype`, measured as it does:
+    the loss within atol + rtol |loss64|, each gradient's max-norm relative error within `grad`."""
+    table = tolerance_table()
+    if table is None:
+        return {"verdict": "no verdict: tests/kernels/tolerances.py is not in this checkout"}
+    atol, rtol = table[dtype]["loss"]
+    grad = table[dtype]["grad"]
+    failed = ["loss"] if row["err_loss_abs"] > atol + rtol * abs(row["loss64"]) else []
+    failed += [f"d({name})" for name in ("weight", "hidden") if row[f"err_grad_{name}_rel"] > grad]
+    return {
+        "tolerance_loss": [atol, rtol],
+        "tolerance_grad": grad,
+        "verdict": f"fail: {', '.join(failed)}" if failed else "pass",
     }
 
 
@@ -175,12 +234,26 @@ def markdown(point: Point, rows: list[dict], command: str) -> str:
             f"{r['rounding_grad_weight_rel']:.2e} | {r['err_grad_hidden_rel']:.2e} ({r['hidden_rows']} rows) | "
             f"{r['rounding_grad_hidden_rel']:.2e} |"
         )
+    lines += [
+        "",
+        "| path | verdict (tests/kernels/tolerances.py) | worst d(weight) element | worst d(hidden) element |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["status"] == "ok":
+            tolerance = f" (loss {r['tolerance_loss']}, grad {r['tolerance_grad']})" if "tolerance_grad" in r else ""
+            worst = (describe_element("W", r["worst_grad_weight"]), describe_element("h", r["worst_grad_hidden"]))
+            lines.append(f"| {r['path']} | {r['verdict']}{tolerance} | {worst[0]} | {worst[1]} |")
     return "\n".join(lines) + "\n"
+
+
+def describe_element(name: str, worst: dict) -> str:
+    return f"{name}[{worst['row']}, {worst['col']}]: {worst['actual']:.6g} vs {worst['expected']:.6g}"
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv, prog="python -m benchmarks.parity", doc=__doc__, parts=tuple(PATHS))
+    args = parse_args(argv, prog="python -m benchmarks.parity", doc=__doc__, parts=tuple(PARTS), default=DEFAULT_PARTS)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported
     out = Path(args.out)
@@ -200,7 +273,7 @@ def main(argv=None) -> int:
         lambda rows: (out / "parity.md").write_text(markdown(point, rows, command)),
     )
     print((out / "parity.md").read_text())
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+    return 0 if all(r["status"] == "ok" and not r["verdict"].startswith("fail") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ stage (logits GEMM, row stats, token stage, d(logits), each gradient GEMM; forwa
 backward d(logits), ...), and the bare GEMM floor (`providers.gemm-floor`: the three products
 and nothing else). Per path: the median over the timed runs of every stage, the whole call,
 the share of the whole and the ratio to the floor, and the peak memory above the inputs.
+A further part (named, not run by default), ``three-matmul-1280``, runs the three-matmul path
+at token chunks of 1280 rows instead of the ones its fp32 logits workspace budget gives
+(`three_matmul.chunk_rows`: 640 at V 152k): the chunk-height lever (a taller d(hidden) GEMM and
+half the roundings of a 16-bit weight gradient, for twice the workspace).
 
 Each part (a path, the floor) runs in a process of its own (`isolated.py`), at most
 --part-timeout-s seconds: a part that fails or is cut short is reported as failed and the
@@ -37,20 +41,28 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: path name -> the loss options that select it (on top of the benchmark's shared settings).
 PATHS = {"three-matmul": {}, "two-pass": {"importance_sampling": "sequence"}}
 FLOOR = "gemm-floor"
-#: what one process measures: a path or the floor.
-PARTS = (*PATHS, FLOOR)
+#: token rows per logits chunk of the tall-chunk part (`tiles.SweepTiles.chunk_n`).
+TALL_CHUNK_ROWS = 1280
+TALL = f"three-matmul-{TALL_CHUNK_ROWS}"
+#: what one process measures: a path, the path at tall chunks, or the floor; the default ones.
+PARTS = (*PATHS, TALL, FLOOR)
+DEFAULT_PARTS = (*PATHS, FLOOR)
 
 
-def parse_args(argv, prog: str = "python -m benchmarks.profile_stages", doc: str = __doc__, parts=PARTS):
+def parse_args(
+    argv, prog: str = "python -m benchmarks.profile_stages", doc: str = __doc__, parts=PARTS, default=DEFAULT_PARTS
+):
     """The point (device, shape, N, dtype, masked fraction), the parts to run and where to write;
-    shared with `benchmarks.parity` (its own `prog`, `doc` and `parts`)."""
+    shared with `benchmarks.parity` (its own `prog`, `doc`, `parts` and `default` ones)."""
     parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--shape", default=None, help=f"one of {sorted(SHAPES)}; default qwen2.5-7b (cuda), tiny (cpu)")
     parser.add_argument("--n", type=int, default=None, help="tokens N; default 16384 (cuda), 64 (cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (cuda), fp32 (cpu)")
     parser.add_argument("--mask", type=float, default=0.0, help="masked fraction (default 0)")
-    parser.add_argument("--paths", default=",".join(parts), help=f"comma-separated, from {list(parts)}")
+    parser.add_argument(
+        "--paths", default=",".join(default), help=f"comma-separated, from {list(parts)} (default {list(default)})"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per path after one warm-up (default 3)")
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="output directory")
     parser.add_argument(
@@ -88,11 +100,16 @@ def _fwd_bwd(loss_fn, inputs):
 
 
 def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
-    """Stage times (median ms over `repeats` runs), the whole call and the peak memory of one path."""
+    """Stage times (median ms over `repeats` runs), the whole call and the peak memory of one path
+    (of the three-matmul path at `TALL_CHUNK_ROWS` for `TALL`: this process measures nothing else)."""
     from sage_kernels import fused_linear_sage_loss
-    from sage_kernels.triton import stages, three_matmul
+    from sage_kernels.triton import stages, three_matmul, tiles
 
     from .providers import SETTINGS
+
+    if name == TALL:
+        tiles.TILE_OVERRIDE["chunk_n"] = TALL_CHUNK_ROWS
+    options = PATHS["three-matmul" if name == TALL else name]
 
     def loss_fn(hidden, weight):
         return fused_linear_sage_loss(
@@ -106,7 +123,7 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
             backend="triton",
             guide="none",
             **SETTINGS,
-            **PATHS[name],
+            **options,
         ).loss
 
     before = three_matmul.PATHS_TAKEN.copy()
@@ -128,9 +145,11 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
     names = list(dict.fromkeys(n for run in stage_runs for n in run))
     stage_ms = {n: statistics.median(run.get(n, 0.0) for run in stage_runs) for n in names}
     grads = inputs.hidden.numel() * inputs.hidden.element_size() + inputs.weight.numel() * inputs.weight.element_size()
+    valid = int(inputs.mask.sum())
     return {
         "path": name,
         "path_taken": sorted(taken),
+        "chunk_rows": three_matmul.chunk_rows(point.n, valid, point.v) if "three-matmul" in taken else None,
         "ms_total": statistics.median(totals),
         "stages_ms": stage_ms,
         "peak_mem_mib": None if peak is None else peak / 2**20,
@@ -194,16 +213,18 @@ def markdown(point: Point, rows: list[dict], command: str) -> str:
         lines.append(f"| {r['path']} | **whole call** | {r['ms_total']:.2f} | 100% | {ratio} |")
     lines += [
         "",
-        "| path | ran as | peak MiB | extra MiB (without the gradients) | TFLOP/s (6NDV) |",
-        "|---|---|---|---|---|",
+        "| path | ran as | token chunk | peak MiB | extra MiB (without the gradients) | TFLOP/s (6NDV) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in paths:
         if r["status"] != "ok":
             continue
         peak = "—" if r["peak_mem_mib"] is None else f"{r['peak_mem_mib']:.0f}"
         extra = "—" if r["extra_mem_mib"] is None else f"{r['extra_mem_mib']:.0f}"
+        chunk = f"{r['chunk_rows']} rows" if r.get("chunk_rows") else "—"
         lines.append(
-            f"| {r['path']} | {', '.join(r['path_taken'])} | {peak} | {extra} | {flop / r['ms_total'] / 1e9:.3g} |"
+            f"| {r['path']} | {', '.join(r['path_taken'])} | {chunk} | {peak} | {extra} | "
+            f"{flop / r['ms_total'] / 1e9:.3g} |"
         )
     if floor is None:
         failed = [r["status"] for r in rows if r["path"] == FLOOR]

@@ -119,27 +119,43 @@ def ratio_table(rows: list[dict], ours_names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def targets_table(rows: list[dict]) -> str:
-    """The targets at the points this run measured: ours / peer against the bound."""
+def target_verdicts(rows: list[dict], targets=TARGETS) -> list[dict]:
+    """`targets` (as `TARGETS`) at the points this run measured: ours and the peer's value, their
+    ratio (None when either is missing) and the verdict ("met", "not met", "not measured (why)")."""
     points = _by_point(rows)
     status = {(_point_key(r), r["provider"]): r["status"] for r in rows}
-    lines = ["| shape | N | dtype | ours / peer | measure | ratio | bound | verdict |", "|" + "---|" * 8]
-    for shape, n, dtype, ours, peer, measure, bound in TARGETS:
+    verdicts = []
+    for shape, n, dtype, ours, peer, measure, bound in targets:
         key = (shape, n, dtype, 0.0, "fwd+bwd")
         if not any(k == key for k, _ in status):
             continue
         measured = points.get(key, {})
         field = MEASURES[measure]
         mine, theirs = measured.get(ours, {}).get(field), measured.get(peer, {}).get(field)
-        if mine is None or not theirs:
+        ratio = None if mine is None or not theirs else mine / theirs
+        if ratio is None:
             missing = ours if mine is None else peer
             names = ("liger-compiled", "liger-eager") if missing == "liger (best)" else (missing,)
             why = "; ".join(f"{name}: {status.get((key, name), 'not in this run')}" for name in names)
-            ratio, verdict = "—", f"not measured ({why})"
+            verdict = f"not measured ({why})"
         else:
-            ratio = f"{mine / theirs:.3f}"
-            verdict = "met" if mine / theirs <= bound else "not met"
-        lines.append(f"| {shape} | {n} | {dtype} | {ours} / {peer} | {measure} | {ratio} | ≤ {bound} | {verdict} |")
+            verdict = "met" if ratio <= bound else "not met"
+        verdicts.append(
+            dict(shape=shape, n=n, dtype=dtype, ours=ours, peer=peer, measure=measure, mine=mine, theirs=theirs)
+            | dict(ratio=ratio, bound=bound, verdict=verdict)
+        )
+    return verdicts
+
+
+def targets_table(rows: list[dict]) -> str:
+    """The targets at the points this run measured: ours / peer against the bound."""
+    lines = ["| shape | N | dtype | ours / peer | measure | ratio | bound | verdict |", "|" + "---|" * 8]
+    for t in target_verdicts(rows):
+        ratio = "—" if t["ratio"] is None else f"{t['ratio']:.3f}"
+        lines.append(
+            f"| {t['shape']} | {t['n']} | {t['dtype']} | {t['ours']} / {t['peer']} | {t['measure']} | {ratio} "
+            f"| ≤ {t['bound']} | {t['verdict']} |"
+        )
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

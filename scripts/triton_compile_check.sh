@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The sm_90 compile test (tests/kernels/test_triton_compile.py: every kernel compiled down to a cubin
-# for the H200 at the GPU tile shapes, the bf16 sweeps spill-free, a table of spill bytes) under
-# several Triton versions, on a machine without a GPU. A version other than "installed" runs in a side
+# The sm_90 compile test (tests/kernels/test_triton_compile.py --all: every kernel compiled down to a
+# cubin for the H200 at the GPU tile shapes, every sweep variant (dtype x bias x softcap x entropy
+# gradient) within its spill bound, a table of spill bytes) under several Triton versions, on a machine
+# without a GPU. A version other than "installed" runs in a side
 # virtual environment, $SAGE_CACHE/triton-<version> (default ~/.cache/sage), made on first use with
 # `pip install triton==<version>.*` and seeing the project's environment (torch, sage) after its own
 # site-packages, so its Triton is the one imported. Nothing is written to the repository.
@@ -9,7 +10,8 @@
 #   scripts/triton_compile_check.sh              # the installed Triton and 3.6 (the lent H200's)
 #   scripts/triton_compile_check.sh 3.6 3.7      # those versions only
 #
-# Slow (half a minute per version, plus the first install): not part of `make test`.
+# Slow (a minute per version on two cores, plus the first install): not part of `make test`, whose run
+# of the test compiles the bf16 variants and the unbiased fp16 and fp32 ones under the installed Triton.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -35,7 +37,7 @@ for version in "${versions[@]}"; do
     echo "== $version: $("$python" -c 'import triton; print("triton", triton.__version__)')"
     cache=$(mktemp -d)  # a fresh cache: ptxas runs and reports its spills
     if ! env -u TRITON_INTERPRET TRITON_CACHE_DIR="$cache" TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH="$PWD" \
-        "$python" tests/kernels/test_triton_compile.py; then
+        "$python" tests/kernels/test_triton_compile.py --all; then
         echo "== $version: FAILED"
         status=1
     fi

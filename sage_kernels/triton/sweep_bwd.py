@@ -106,12 +106,17 @@ def _dlogits_kernel(
     count = tl.load(count_ptr).to(tl.int64)
     start = pid_n * BLOCK_N
     idx = start + tl.arange(0, BLOCK_N)
-    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    # the tile's columns as int32 offsets from its first one, bounded by one scalar: in the epilogue's
+    # layout a thread holds a column vector's value for each of its 32 columns, two registers each
+    # for an int64 vector, and at the register limit those spill
+    tile_in_chunk = pid_v * BLOCK_V
+    first_col = v_begin + tile_in_chunk
+    tile_cols = tl.arange(0, BLOCK_V)
+    col_ok = tile_cols < (tl.minimum(v_begin + chunk_width, V) - first_col).to(tl.int32)
     if start < count:
         valid = idx < count
         rows = tl.load(rows_ptr + idx, mask=valid, other=0)
-        cols = v_begin + local
-        col_ok = (local < chunk_width) & (cols < V)
+        cols = first_col + tile_cols
         acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
         for k0 in range(0, D, BLOCK_D):
             ks = k0 + tl.arange(0, BLOCK_D)
@@ -126,17 +131,18 @@ def _dlogits_kernel(
                 h, w = h.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        # the epilogue keeps two [BLOCK_N, BLOCK_V] values live at most (log p, then p and dz in its
-        # place): at the register limit a third one spills (the softcap's sigmoids do: its own variant).
+            acc += tl.load(bias_ptr + first_col + tile_cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        # the epilogue's [BLOCK_N, BLOCK_V] values: log p, then p and dz in its place, and under a
+        # softcap gap = 1 - |tanh x| = 2 sigmoid(-2 |x|) (x = inner a), the one value kept for the
+        # derivative 1 - tanh^2 x = gap (2 - gap), exact where a logit saturates. At the register
+        # limit one more such value spills (sigmoid(2x) and sigmoid(-2x) kept to the end did).
         # dz/da at tanh 0 (s / T) is folded into the per-row g and c.
         slope = logit_inner * logit_outer
         lse = tl.load(lse_ptr + rows, mask=valid, other=0.0)
         g = tl.load(g_ptr + rows, mask=valid, other=0.0) * slope
-        if SOFTCAP:  # tanh x = 2 up - 1, 1 - tanh^2 x = 4 up down (no cancellation where a logit saturates)
-            up = tl.sigmoid(2.0 * logit_inner * acc)
-            down = tl.sigmoid(-2.0 * logit_inner * acc)
-            log_p = logit_outer * (2.0 * up - 1.0) - lse[:, None]
+        if SOFTCAP:
+            gap = 2.0 * tl.sigmoid(-2.0 * logit_inner * tl.abs(acc))
+            log_p = logit_outer * tl.where(acc >= 0, 1.0 - gap, gap - 1.0) - lse[:, None]
         else:
             log_p = acc * logit_inner - lse[:, None]
         if HAS_ENTROPY_GRAD:
@@ -146,17 +152,18 @@ def _dlogits_kernel(
         else:
             dz = -tl.exp(log_p) * g[:, None]
         targets = tl.load(ids_ptr + rows, mask=valid, other=-1)
-        dz = tl.where(cols[None, :] == targets[:, None], dz + g[:, None], dz)
+        target_col = (targets - first_col).to(tl.int32)
+        dz = tl.where(tile_cols[None, :] == target_col[:, None], dz + g[:, None], dz)
         if SOFTCAP:
-            dz = dz * (4.0 * up * down)
+            dz = dz * (gap * (2.0 - gap))
         # rows past the count: zero, whatever exp gave for their (bias-only) logits
         dz = tl.where(valid[:, None], dz, 0.0)
-        out_ptrs = dz_ptr + idx[:, None] * stride_dz + local[None, :]  # dz rows in compacted order
+        out_ptrs = (dz_ptr + idx * stride_dz + tile_in_chunk)[:, None] + tile_cols[None, :]  # compacted row order
         tl.store(out_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=(idx < N)[:, None] & col_ok[None, :])
     else:
-        out_ptrs = dz_ptr + idx[:, None] * stride_dz + local[None, :]
-        out_mask = (idx < N)[:, None] & ((local < chunk_width) & (v_begin + local < V))[None, :]
-        tl.store(out_ptrs, tl.zeros([BLOCK_N, BLOCK_V], dtype=dz_ptr.dtype.element_ty), mask=out_mask)
+        out_ptrs = (dz_ptr + idx * stride_dz + tile_in_chunk)[:, None] + tile_cols[None, :]
+        zeros = tl.zeros([BLOCK_N, BLOCK_V], dtype=dz_ptr.dtype.element_ty)
+        tl.store(out_ptrs, zeros, mask=(idx < N)[:, None] & col_ok[None, :])
 
 
 def chunk_width(n_rows: int, vocab: int, element_size: int, block_v: int) -> int:

@@ -54,3 +54,11 @@ def test_each_path_against_float64_on_the_whole_point(tmp_path):
         assert 0 < row["err_grad_weight_rel"] <= 1e-4 and 0 < row["err_grad_hidden_rel"] <= 1e-4
     text = (tmp_path / "parity.md").read_text()
     assert "| three-matmul | three-matmul |" in text and "| two-pass | two-pass |" in text
+
+
+def test_the_verdict_holds_each_figure_to_the_tolerance_file():
+    row = {"loss64": 2.0, "err_loss_abs": 1e-5, "err_grad_weight_rel": 2e-4, "err_grad_hidden_rel": 5e-5}
+    judged = parity.verdict(row, torch.float32)  # loss: 1e-5 <= 1e-5 + 1e-5 * 2; grad: 1e-4
+    assert judged == {"tolerance_loss": [1e-5, 1e-5], "tolerance_grad": 1e-4, "verdict": "fail: d(weight)"}
+    assert parity.verdict({**row, "err_loss_abs": 4e-5}, torch.float32)["verdict"] == "fail: loss, d(weight)"
+    assert parity.verdict(row, torch.bfloat16)["verdict"] == "pass"

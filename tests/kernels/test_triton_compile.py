@@ -3,14 +3,19 @@
 The interpreter accepts code that the compiler rejects (a non-constexpr global, a dot
 shape below the hardware minimum, mismatched loop-carried types), so on CPU-only machines
 this test runs Triton's real compiler down to a cubin with `ptxas` for the GPU tile
-shapes, in a subprocess without TRITON_INTERPRET. It also checks that the 16-bit sweeps
-use Hopper's warpgroup MMA with a pipelined (cp.async) operand stream, as they must to
-run near GEMM speed, and that the bf16 sweeps stay spill-free (ptxas -v, at Hopper's
-255-register limit they sit at). Pointers and the integers the JIT specialises (D, the row
+shapes (`tiles.sweep_tiles`), in a subprocess without TRITON_INTERPRET. It also checks that
+the 16-bit sweeps use Hopper's warpgroup MMA with a pipelined (cp.async) operand stream, as
+they must to run near GEMM speed, and gates the register spills ptxas reports (`SPILL_BOUND`):
+the 16-bit sweeps spill nothing (at Hopper's 255-register limit they sit at), the fp32 ones at
+most 1 KiB per thread. Pointers and the integers the JIT specialises (D, the row
 strides) get the divisibility-by-16 hint it gives them for real model shapes; integers in a
 kernel's ``do_not_specialize`` (token counts, V, offsets) never get one at run time, so
 they get none here either: the variant compiled is the one that runs. On a CUDA machine
 the other kernel tests compile and run the kernels for real, so this one is not needed there.
+
+`python tests/kernels/test_triton_compile.py --all` (scripts/triton_compile_check.sh) compiles every
+sweep variant (dtype x bias x softcap x entropy gradient); the test compiles every bf16 one and the
+unbiased fp16 and fp32 ones.
 """
 
 from __future__ import annotations
@@ -128,60 +133,88 @@ def row_pass_types(dtype: str, kernel: str) -> dict:
     return dict(common, g_ptr="*fp32", c_ptr="*fp32")
 
 
-#: spill bytes per thread of each sweep variant, as `compile_all` found them (name -> bytes).
-SPILLS: dict = {}
+#: spill stores ptxas may report per thread, per sweep dtype. 16-bit: none (at the 255-register limit
+#: a spill stalls every tile). fp32 (exact products on the CUDA cores, no tensor-core op): 1 KiB, a
+#: quarter of one thread's operand fragments for a BLOCK_D step of its FMA dot (8 rows + 8 columns
+#: x 64 x 4 B = 4 KiB), so a compiler that spills those inside the D loop (Triton 3.9: 5.2 KiB,
+#: ~0.8 local-memory instruction per FMA, in the loop body by nvdisasm) fails, while the epilogue's
+#: spills (16-472 B measured under 3.6 and 3.9, none in the D loop by nvdisasm; stored and reloaded
+#: once per [128, 128] tile, at 1 KiB about 3% of an fp32 tile's FMA time at D 1024, less above) pass.
+SPILL_BOUND = {"bf16": 0, "fp16": 0, "fp32": 1024}
+
+#: (Triton major.minor, sweep) spilling past its bound for a reason outside the kernel source, with
+#: that reason. Strict: an entry that no longer spills past its bound fails until it is removed.
+KNOWN_OVER_BOUND = {
+    (version, name): "Triton 3.9's FMA dot at a 128-row fp32 tile spills its operands inside the D loop "
+    "(the same source at a 64-row tile: 0 B; under Triton 3.6: 280 B, none in the D loop)"
+    for version in ("3.9",)
+    for name in ("forward sweep fp32", "forward sweep fp32 bias")
+}
 
 
-def compile_all() -> None:
-    """Compile every kernel family in its main variants; assert the 16-bit sweeps use wgmma + cp.async,
-    the bf16 sweeps do not spill and the row passes load vectors; print each sweep's spill bytes."""
+def sweep_variants(every: bool):
+    """(kernel, dtype, bias, softcap, entropy gradient) of the sweeps to compile: every combination
+    with `every`, else every bf16 one and the unbiased fp16 and fp32 ones with the entropy gradient."""
+    for kernel in ("fwd", "bwd"):
+        for dtype in ("bf16", "fp16", "fp32"):
+            for bias in (False, True):
+                for softcap in (False, True):
+                    for entropy_grad in (True, False) if kernel == "bwd" else (False,):
+                        if every or dtype == "bf16" or not bias and (kernel == "fwd" or entropy_grad):
+                            yield kernel, dtype, bias, softcap, entropy_grad
+
+
+def variant_name(kernel: str, dtype: str, bias: bool, softcap: bool, entropy_grad: bool) -> str:
+    words = ["forward sweep" if kernel == "fwd" else "backward d(logits)", dtype]
+    words += ["bias"] * bias + ["softcap"] * softcap + ["entropy-grad"] * entropy_grad
+    return " ".join(words)
+
+
+def compile_all(every: bool = False) -> None:
+    """Compile every kernel family in its main variants (`sweep_variants`); assert the 16-bit sweeps use
+    wgmma + cp.async, each sweep's spills stay within `SPILL_BOUND` and the row passes load vectors;
+    print each sweep's spill bytes."""
     import triton
     import triton.language as tl
 
     from sage_kernels.loss_types import LOSS_TYPES
     from sage_kernels.triton import sweep_bwd, sweep_fwd, three_matmul, token_stage
+    from sage_kernels.triton.tiles import dot_precision, dot_upcast, sweep_tiles
 
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     dz_types = {"bf16": tl.bfloat16, "fp32": tl.float32}
-
-    tiles = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, DOT_UPCAST=False)
-    # the softcapped variants (Gemma 2/3) are compiled and their spills reported; the no-spill gate
-    # below holds for the plain bf16 sweeps, whose names end in "bf16"
-    variants = (("bf16", "tf32", True, False), ("fp16", "tf32", False, False), ("fp32", "ieee", True, False))
-    variants += (("bf16", "tf32", False, True), ("fp32", "ieee", True, True))
-    for dtype, precision, bias, softcap in variants:
-        stages = 2 if dtype == "fp32" else 3
-        no_bias = {} if bias else {"bias_ptr": None}
-        name = f"{dtype} softcap" if softcap else dtype
-        fwd, SPILLS[f"forward sweep {name}"] = compile_with_ptxas_log(
-            sweep_fwd._sweep_fwd_kernel,
-            sweep_types(dtype, "fwd"),
-            dict(tiles, HAS_BIAS=bias, SOFTCAP=softcap, DOT_PRECISION=precision, **no_bias),
-            8,
-            stages,
+    row_passes = set()
+    spills = []  # (sweep, spill bytes per thread, bound)
+    for kernel, dtype, bias, softcap, entropy_grad in sweep_variants(every):
+        tiles = sweep_tiles(dtypes[dtype])  # the GPU tiles: TRITON_INTERPRET is unset here
+        constexprs = dict(
+            BLOCK_N=tiles.block_n,
+            BLOCK_V=tiles.block_v,
+            BLOCK_D=tiles.block_d,
+            DOT_UPCAST=dot_upcast(dtypes[dtype]),
+            DOT_PRECISION=dot_precision(dtypes[dtype]),
+            HAS_BIAS=bias,
+            SOFTCAP=softcap,
+            **({} if bias else {"bias_ptr": None}),
         )
-        bwd, SPILLS[f"backward d(logits) {name}"] = compile_with_ptxas_log(
-            sweep_bwd._dlogits_kernel,
-            sweep_types(dtype, "bwd"),
-            dict(
-                tiles,
-                HAS_BIAS=bias,
-                SOFTCAP=softcap,
-                HAS_ENTROPY_GRAD=True,
-                DOT_PRECISION=precision,
-                GROUP_N=16,
-                **no_bias,
-            ),
-            8,
-            stages,
+        if kernel == "fwd":
+            source = sweep_fwd._sweep_fwd_kernel
+        else:
+            source = sweep_bwd._dlogits_kernel
+            constexprs.update(HAS_ENTROPY_GRAD=entropy_grad, GROUP_N=tiles.group_n)
+        name = variant_name(kernel, dtype, bias, softcap, entropy_grad)
+        compiled, spilled = compile_with_ptxas_log(
+            source, sweep_types(dtype, kernel), constexprs, tiles.num_warps, tiles.num_stages
         )
+        spills.append((name, spilled, SPILL_BOUND[dtype]))
         if dtype != "fp32":
-            for compiled in (fwd, bwd):
-                assert "wgmma" in compiled.asm["ptx"] and "cp.async" in compiled.asm["ptx"], compiled.name
-        if dtype == "fp16":
-            continue  # fp16 takes the two-pass path only (loss scaling): no row passes
+            assert "wgmma" in compiled.asm["ptx"] and "cp.async" in compiled.asm["ptx"], name
+        if dtype != "fp16":  # fp16 takes the two-pass path only (loss scaling): no row passes
+            row_passes.add((dtype, bias, softcap))
+    for dtype, bias, softcap in sorted(row_passes):
         # the three-matmul path's row passes (one program per token, 4 warps, BLOCK_V 1024); V
         # specialises there, so a vocabulary divisible by 16 gives 128-bit loads of the fp32 row
-        row = dict(HAS_BIAS=bias, SOFTCAP=softcap, BLOCK_V=1024, **no_bias)
+        row = dict(HAS_BIAS=bias, SOFTCAP=softcap, BLOCK_V=1024, **({} if bias else {"bias_ptr": None}))
         stats = compile_for_sm90(three_matmul._row_stats_kernel, row_pass_types(dtype, "stats"), row, 4, 3)
         dz = compile_for_sm90(
             three_matmul._dlogits_in_place_kernel,
@@ -192,12 +225,17 @@ def compile_all() -> None:
         )
         for compiled in (stats, dz):
             assert re.search(r"ld\.global(\.\w+)*\.v4\.", compiled.asm["ptx"]), f"{compiled.name}: scalar row loads"
-    print(f"triton {triton.__version__}, sm_90: spill stores in bytes per thread (ptxas -v)")
-    for name, spilled in SPILLS.items():
-        print(f"  {name:<26} {spilled}")
-    spilling = {name: spilled for name, spilled in SPILLS.items() if name.endswith("bf16") and spilled}
-    # at the 255-register limit: a spill would stall every tile
-    assert not spilling, f"bf16 sweeps spill under triton {triton.__version__}: {spilling}"
+    version = ".".join(triton.__version__.split(".")[:2])
+    print(f"triton {triton.__version__}, sm_90: spill stores in bytes per thread (ptxas -v), bound")
+    over = {}
+    for name, spilled, bound in spills:
+        reason = KNOWN_OVER_BOUND.get((version, name))
+        print(f"  {name:<52} {spilled:>6} {bound:>6}" + (f"  known: {reason}" if reason else ""))
+        if spilled > bound and not reason:
+            over[name] = f"{spilled} B > {bound} B"
+        elif spilled <= bound and reason:
+            over[name] = f"{spilled} B, within its bound: remove it from KNOWN_OVER_BOUND"
+    assert not over, f"sweeps past their spill bound under triton {triton.__version__}: {over}"
 
     types = {
         name: "*fp32"
@@ -299,4 +337,4 @@ def test_kernels_compile_for_sm90():
 
 
 if __name__ == "__main__":
-    compile_all()
+    compile_all(every="--all" in sys.argv[1:])

@@ -307,10 +307,11 @@ def test_three_matmul_weight_accumulator(hidden_size, accumulator, small_chunks,
 @pytest.mark.cuda
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="a real vocabulary is too large for the interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_three_matmul_in_place_d_logits_on_a_real_vocabulary(dtype):
+@pytest.mark.parametrize("vocab", [50_257, 50_304])  # odd (scalar row loads) and V % 16 == 0 (128-bit ones)
+def test_three_matmul_in_place_d_logits_on_a_real_vocabulary(vocab, dtype):
     # Hundreds of vocab blocks per row on the GPU: d(logits) overwrites each fp32 row in place while
     # warps may drift apart, so a missing barrier would show here as wrong gradients.
-    problem = make_problem(B=4, L=64, V=50_257, D=128, dtype=dtype, seed=17, mask="tail", is_weights=True)
+    problem = make_problem(B=4, L=64, V=vocab, D=128, dtype=dtype, seed=17, mask="tail", is_weights=True)
     config = LossConfig(entropy_coef=0.01, temperature=0.9)
     assert path_of(lambda: check_against_reference(problem, config, dtype)) == THREE
 
