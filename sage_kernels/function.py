@@ -11,7 +11,9 @@ inputs. Each backend keeps its own autograd Function beside its kernels:
 
 from __future__ import annotations
 
+import functools
 import importlib
+import sys
 
 import torch
 
@@ -44,6 +46,30 @@ def _backend_module(name: str):
     return importlib.import_module(_BACKEND_MODULES[name], __package__)
 
 
+def _full_tensor(value):
+    """A DTensor gathered whole, once (``full_tensor``); anything else as it is.
+
+    The gradient it sends back to its shards is the mean over its mesh of the ranks' gradients: what
+    FSDP2 and DDP do with data-parallel gradients, and each rank's own when the ranks hold the same
+    data (tensor parallelism). A shard is never read as if it were the whole tensor."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
+    if dtensor is None or not isinstance(value, dtensor.DTensor):
+        return value
+    return value.full_tensor(grad_placements=[dtensor.Partial("avg")] * value.device_mesh.ndim)
+
+
+def _gathers_dtensors(entry_point):
+    """`entry_point` with every DTensor argument (FSDP2's sharded LM head, a tensor-parallel
+    hidden) replaced by its whole tensor (`_full_tensor`) before validation."""
+
+    @functools.wraps(entry_point)
+    def call(*args, **kwargs):
+        return entry_point(*map(_full_tensor, args), **{k: _full_tensor(v) for k, v in kwargs.items()})
+
+    return call
+
+
+@_gathers_dtensors
 def fused_linear_sage_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -114,6 +140,7 @@ def fused_linear_sage_loss(
 fused_linear_sage_loss.__doc__ = fused_linear_sage_loss.__doc__.replace("{options}", ", ".join(OPTION_NAMES))
 
 
+@_gathers_dtensors
 def logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -110,8 +110,10 @@ def add_fused_head(model) -> None:
     (None allowed) and anything else. fn runs as the LM head module's own forward (`_as_forward_of`),
     inside the model's forward: under DeepSpeed ZeRO-3, whose parameters are materialized only in
     their owning module's forward and backward, the head's hooks gather its weight for fn, gather it
-    again for fn's backward (through the returned tensors) and reduce its gradient. Called through
-    the (possibly wrapped) model so DDP, DeepSpeed and PEFT see an ordinary forward."""
+    again for fn's backward (through the returned tensors) and reduce its gradient; under FSDP2 the
+    head's ``fully_shard`` unit hands fn the whole weight (a plain tensor, not its DTensor shard) and
+    reduce-scatters its gradient. Called through the (possibly wrapped) model so DDP, FSDP2,
+    DeepSpeed and PEFT see an ordinary forward."""
     inner_forward = model.forward
 
     def forward(self, *args, sage_head=None, **kwargs):
