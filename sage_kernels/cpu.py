@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .first_order import first_order_only
 from .loss_types import LOSS_TYPES
 from .native_build import build_extension, extension_name
 from .reference import token_stage
@@ -301,10 +302,12 @@ class SageCpuLoss(torch.autograd.Function):
         }
         loss, logp, entropy, per_token, grads = _run(inputs, config, ops, need)
         side.update(logp=logp, entropy=entropy, per_token=per_token)
+        ctx.save_for_backward(hidden, weight, bias)  # read only by `first_order_only`
         ctx.grads = grads
         return loss
 
     @staticmethod
+    @first_order_only("cpu backend")
     def backward(ctx, grad_loss):
         grads, ctx.grads = ctx.grads, None
         if grads is None:

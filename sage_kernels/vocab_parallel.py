@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .first_order import SHARDED_SECOND_ORDER, first_order_only
 from .function import resolve_backend
 from .reference import token_stage
 from .shard_sweep import shard_stats
@@ -202,8 +203,23 @@ def _all_gather_own_graph(x: torch.Tensor, group) -> torch.Tensor:
     (each rank differentiates the same replicated loss through its own shard only)."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.detach().contiguous(), group=group)
-    parts[dist.get_rank(group)] = x
+    parts[dist.get_rank(group)] = _OwnShardOnly.apply(x)
     return torch.stack(parts)
+
+
+class _OwnShardOnly(torch.autograd.Function):
+    """Identity on this rank's gathered statistics, first order only: with the other ranks' as
+    constants the gradient is exact, its derivative is not (create_graph=True raises)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)  # read only by `first_order_only`
+        return x.view_as(x)
+
+    @staticmethod
+    @first_order_only("vocabulary-parallel head", SHARDED_SECOND_ORDER)
+    def backward(ctx, grad):
+        return (grad,)
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -212,9 +228,11 @@ class _SumGradOverGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        ctx.save_for_backward(x)  # read only by `first_order_only`
         return x.view_as(x)
 
     @staticmethod
+    @first_order_only("vocabulary-parallel head", SHARDED_SECOND_ORDER)
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..first_order import first_order_only
 from ..spec import METRIC_NAMES, LossConfig
 from . import token_stage as stage
 from .boundary import (
@@ -87,7 +88,8 @@ def _local_loss_fake(*args):
 
 def _local_setup_context(ctx, inputs, output):
     out = LocalOutputs.from_flat(output)
-    ctx.save_for_backward(out.grad_hidden, out.grad_weight, out.grad_bias)
+    # the inputs hidden, weight and bias after the gradients, for `first_order_only`
+    ctx.save_for_backward(out.grad_hidden, out.grad_weight, out.grad_bias, *inputs[:3])
     ctx.n_inputs = len(inputs)
     ctx.used = False
     # only the loss takes a gradient: autograd would otherwise fill every other output's gradient
@@ -95,6 +97,7 @@ def _local_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@first_order_only("triton backend")
 def _local_backward(ctx, grad_loss, *_unused_grads):
     # The gradients were formed in the forward for an upstream gradient of 1: scaled in place
     # (a copy would hold a second weight gradient at once), so one backward per forward.
@@ -105,7 +108,7 @@ def _local_backward(ctx, grad_loss, *_unused_grads):
         )
     ctx.used = True
     grads = []
-    for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3]):
+    for grad, needed in zip(ctx.saved_tensors[:3], ctx.needs_input_grad[:3]):
         grads.append(grad.mul_(grad_loss) if needed and grad_loss is not None and grad.numel() else None)
     return (*grads,) + (None,) * (ctx.n_inputs - len(grads))
 
