@@ -102,7 +102,9 @@ def fused_linear_sage_loss(
         config=config,
         allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
     )
-    return _backend_module(name).sage_loss(inputs, config)
+    out = _backend_module(name).sage_loss(inputs, config)
+    check_logits_finite(out.logp, out.entropy, inputs.loss_mask, config)
+    return out
 
 
 fused_linear_sage_loss.__doc__ = fused_linear_sage_loss.__doc__.replace("{options}", ", ".join(OPTION_NAMES))
@@ -141,4 +143,31 @@ def logprobs_and_entropy(
         logp, entropy = _backend_module(name).logprobs_and_entropy(
             hidden2d, weight, ids, bias, temperature, logit_scale, logit_softcap
         )
+    check_logits_finite(
+        logp,
+        entropy,
+        None,
+        LossConfig(beta=0.0, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap),
+    )
     return logp.view(lead), entropy.view(lead)
+
+
+def check_logits_finite(
+    logp: torch.Tensor, entropy: torch.Tensor, where: torch.Tensor | None, config: LossConfig
+) -> None:
+    """After a sweep: logp and entropy are finite where read (`where`; None: everywhere). Every input
+    is finite by then (`spec.validate_inputs`), so a non-finite value means the logits
+    z = s (W h + b) / T overflowed the compute dtype: a ValueError naming temperature and logit_scale
+    (on CUDA an asynchronous device assertion, so no host sync is added)."""
+    finite = torch.isfinite(logp) & torch.isfinite(entropy)
+    finite = finite if where is None else finite | ~where
+    message = (
+        f"temperature={config.temperature!r} and logit_scale={config.logit_scale!r} (logit_softcap="
+        f"{config.logit_softcap!r}) make the logits s (W h + b) / T overflow {logp.dtype}: logp or entropy is "
+        "not finite; use a larger temperature or a smaller logit_scale"
+    )
+    if logp.device.type == "cpu":
+        if not bool(finite.all()):
+            raise ValueError(message)
+    else:
+        torch._assert_async(finite.all(), message)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .first_order import SHARDED_SECOND_ORDER, first_order_only
-from .function import resolve_backend
+from .function import check_logits_finite, resolve_backend
 from .reference import token_stage
 from .shard_sweep import shard_stats
 from .spec import (
@@ -122,6 +122,7 @@ def vocab_parallel_sage_loss(
     zeros = logp_rows.new_zeros(B * L)
     logp = zeros.index_copy(0, rows, logp_rows).view(B, L)
     entropy = zeros.index_copy(0, rows, entropy_rows).view(B, L)
+    check_logits_finite(logp, entropy, active, config)
     loss, per_token = token_stage(logp, entropy, inputs, config)
     return SageLossOutput(
         loss=loss,
@@ -182,6 +183,7 @@ def sharded_logprobs_and_entropy(
     ids = token_ids.reshape(-1).long()
     _check_global_ids(ids, torch.ones_like(ids, dtype=torch.bool), vocab)
     logp, entropy = _combined_stats(hidden2d, weight, bias, ids, local_flat, temperature, group, name)
+    check_logits_finite(logp, entropy, None, LossConfig(beta=0.0, temperature=temperature))
     return logp.view(lead), entropy.view(lead)
 
 
