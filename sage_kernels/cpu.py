@@ -302,7 +302,6 @@ class SageCpuLoss(torch.autograd.Function):
         }
         loss, logp, entropy, per_token, grads = _run(inputs, config, ops, need)
         side.update(logp=logp, entropy=entropy, per_token=per_token)
-        ctx.save_for_backward(hidden, weight, bias)  # read only by `first_order_only`
         ctx.grads = grads
         return loss
 

@@ -215,7 +215,6 @@ class _OwnShardOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        ctx.save_for_backward(x)  # read only by `first_order_only`
         return x.view_as(x)
 
     @staticmethod
@@ -230,7 +229,6 @@ class _SumGradOverGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        ctx.save_for_backward(x)  # read only by `first_order_only`
         return x.view_as(x)
 
     @staticmethod

@@ -88,8 +88,7 @@ def _local_loss_fake(*args):
 
 def _local_setup_context(ctx, inputs, output):
     out = LocalOutputs.from_flat(output)
-    # the inputs hidden, weight and bias after the gradients, for `first_order_only`
-    ctx.save_for_backward(out.grad_hidden, out.grad_weight, out.grad_bias, *inputs[:3])
+    ctx.save_for_backward(out.grad_hidden, out.grad_weight, out.grad_bias)
     ctx.n_inputs = len(inputs)
     ctx.used = False
     # only the loss takes a gradient: autograd would otherwise fill every other output's gradient
@@ -108,7 +107,7 @@ def _local_backward(ctx, grad_loss, *_unused_grads):
         )
     ctx.used = True
     grads = []
-    for grad, needed in zip(ctx.saved_tensors[:3], ctx.needs_input_grad[:3]):
+    for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad[:3]):
         grads.append(grad.mul_(grad_loss) if needed and grad_loss is not None and grad.numel() else None)
     return (*grads,) + (None,) * (ctx.n_inputs - len(grads))
 

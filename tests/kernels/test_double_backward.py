@@ -3,7 +3,7 @@
 The reference backend (plain autograd) and verl's `linear_cross_entropy` support them; the cpu and
 triton backends form their gradients in the forward, so a penalty through them raises, naming the
 way out. The vocabulary-parallel head's case is in test_vocab_parallel.py (it needs two ranks).
-A first derivative taken with ``create_graph=True`` keeps its value on every backend.
+The refusal comes at the backward that asks for a graph (``create_graph=True``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ def _inputs(dtype):
     )
 
 
-def _penalised(backend: str, dtype, config):
-    """A model layer hidden = tanh(x proj), the loss, its gradients with create_graph=True, and the
-    penalty |d loss / d proj|^2 on the layer below the head. Returns (first-order gradients, a call
-    giving the penalty's gradients with respect to proj and weight)."""
+def _model_and_loss(backend: str, dtype, config):
+    """A model layer hidden = tanh(x proj) under the loss: (loss, proj, weight)."""
     t = _inputs(dtype)
     hidden = torch.tanh(t["x"] @ t["proj"]).view(B, L, D)
     out = fused_linear_sage_loss(
@@ -56,11 +54,16 @@ def _penalised(backend: str, dtype, config):
         config=config,
         backend=backend,
     )
-    grads = torch.autograd.grad(out.loss, (t["proj"], t["weight"]), create_graph=True)
+    return out.loss, t["proj"], t["weight"]
+
+
+def _penalised(backend: str, dtype, config):
+    """The loss's gradients with create_graph=True and a call giving the gradients of the penalty
+    |d loss / d proj|^2 (on the layer below the head) with respect to proj and weight."""
+    loss, proj, weight = _model_and_loss(backend, dtype, config)
+    grads = torch.autograd.grad(loss, (proj, weight), create_graph=True)
     penalty = grads[0].square().sum()
-    return [g.detach() for g in grads], lambda: torch.autograd.grad(
-        penalty, (t["proj"], t["weight"]), allow_unused=True
-    )
+    return [g.detach() for g in grads], lambda: torch.autograd.grad(penalty, (proj, weight), allow_unused=True)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -100,12 +103,15 @@ def test_reference_second_derivative_matches_finite_differences(config):
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_fused_backends_refuse_a_second_derivative(backend, config):
-    want, _ = _penalised("reference", torch.float64, CONFIGS[config])
-    got, penalty_grads = _penalised(backend, torch.float32, CONFIGS[config])
-    for g, w, name in zip(got, want, ("proj", "weight")):  # create_graph=True keeps the first derivative
-        assert_grad_close(g, w, torch.float32, f"{backend} {config} d loss / d {name}")
+    """Refused at the backward that asks for a graph (before: the cpu backend's penalty silently lost
+    the loss's share); the first derivative, without create_graph, is the reference's."""
+    loss, proj, weight = _model_and_loss(backend, torch.float32, CONFIGS[config])
     with pytest.raises(RuntimeError, match=f"{backend} backend are not differentiable.*backend='reference'"):
-        penalty_grads()
+        torch.autograd.grad(loss, (proj, weight), create_graph=True)
+    want, _ = _penalised("reference", torch.float64, CONFIGS[config])
+    loss, proj, weight = _model_and_loss(backend, torch.float32, CONFIGS[config])
+    for g, w, name in zip(torch.autograd.grad(loss, (proj, weight)), want, ("proj", "weight")):
+        assert_grad_close(g, w, torch.float32, f"{backend} {config} d loss / d {name}")
 
 
 def test_verl_kernel_second_derivative_is_the_reference_one():

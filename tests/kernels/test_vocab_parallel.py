@@ -195,8 +195,8 @@ def _second_derivative_error(rank: int, backend: str) -> str:
     hidden = torch.tanh(inputs.pop("hidden") @ proj)
     weight, bias = shard(inputs.pop("weight"), rank), shard(inputs.pop("bias"), rank)
     out = vocab_parallel_sage_loss(hidden, weight, group=dist.group.WORLD, bias=bias, backend=backend, **inputs)
-    (grad_proj,) = torch.autograd.grad(out.loss, (proj,), create_graph=True)
     try:
+        (grad_proj,) = torch.autograd.grad(out.loss, (proj,), create_graph=True)
         torch.autograd.grad(grad_proj.square().sum(), (proj,))
     except RuntimeError as error:
         return str(error)
