@@ -95,8 +95,9 @@ class _TorchBlocks:
         z = logits.tanh().mul_(outer) if softcap else logits
         torch.logsumexp(z, 1, out=lse)
         log_p = z - lse[:, None]
-        # p log p is 0 where p is: a logit of -inf (a finfo.min bias over T < 1) gives 0 * -inf = NaN
-        entropy.copy_(-(log_p.exp() * log_p).nan_to_num_(nan=0.0).sum(1))
+        # p log p is 0 where p is: a logit of -inf (a finfo.min bias over T < 1) gives 0 * -inf = NaN. Only
+        # there: a logit of +inf (an overflow) leaves NaN, as the native operator does, for the caller to refuse
+        entropy.copy_(-torch.where(torch.isneginf(log_p), 0.0, log_p.exp() * log_p).sum(1))
         logp.copy_(log_p.gather(1, targets[:, None]).squeeze(1))
 
     @staticmethod

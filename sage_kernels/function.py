@@ -155,11 +155,12 @@ def logprobs_and_entropy(
 def check_logits_finite(
     logp: torch.Tensor, entropy: torch.Tensor, where: torch.Tensor | None, config: LossConfig
 ) -> None:
-    """After a sweep: logp and entropy are finite where read (`where`; None: everywhere). Every input
-    is finite by then (`spec.validate_inputs`), so a non-finite value means the logits
-    z = s (W h + b) / T overflowed the compute dtype: a ValueError naming temperature and logit_scale
-    (on CUDA an asynchronous device assertion, so no host sync is added)."""
-    finite = torch.isfinite(logp) & torch.isfinite(entropy)
+    """After a sweep: no NaN or +inf logp and a finite entropy where read (`where`; None: everywhere).
+    Every input is finite by then (`spec.validate_inputs`), so anything else means that a logit
+    z = s (W h + b) / T overflowed to +inf: a ValueError naming temperature and logit_scale (on CUDA
+    an asynchronous device assertion, so no host sync is added). A logp of -inf is a probability
+    that rounds to 0 (a vocabulary entry masked by a bias of finfo.min over T < 1) and passes."""
+    finite = (logp < torch.inf) & torch.isfinite(entropy)  # NaN < inf is False
     finite = finite if where is None else finite | ~where
     message = (
         f"temperature={config.temperature!r} and logit_scale={config.logit_scale!r} (logit_softcap="
