@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 
 LINTED := sage_kernels sage_train benchmarks tests
 
-.PHONY: setup setup-real test trl-suite demo demo-real bench lint format clean
+.PHONY: setup setup-real test trl-suite liger-suite demo demo-real bench lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,12 @@ test: $(STAMP)
 # TRL_GIT: a git clone of huggingface/trl holding the pinned commit (without it, GitHub's raw files).
 trl-suite: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/trl_suite.py $(if $(TRL_GIT),--trl-git $(TRL_GIT))
+
+# Liger-Kernel 0.8.5's own GRPO tests on FusedLinearSAGELoss.from_liger (docs/integrations.md, Liger): long,
+# not part of `make test`. LIGER_GIT: a git clone of linkedin/Liger-Kernel holding the v0.8.5 tag (without
+# it, the release's sdist through pip, else GitHub's raw files).
+liger-suite: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) scripts/liger_suite.py $(if $(LIGER_GIT),--liger-git $(LIGER_GIT))
 
 demo: $(STAMP)
 	$(VENV)/bin/sage-train

@@ -74,5 +74,5 @@ def missing(device: str) -> str | None:
     try:
         importlib.import_module("trl.trainer.utils")
     except Exception as error:
-        return f"trl does not import ({type(error).__name__}: {error}); pip install 'sage-rl[train]'"
+        return f"trl does not import ({type(error).__name__}: {error}); pip install 'sage-rl[trl]'"
     return None

@@ -231,11 +231,15 @@ void block_stats(const at::Tensor& hidden, const at::Tensor& weight, const std::
 #pragma omp simd
           for (int64_t v = 0; v < V; ++v) x[v] *= scale;
         }
-#pragma omp simd reduction(max : max_z)
-        for (int64_t v = 0; v < V; ++v) max_z = std::max(max_z, cap * tanh_of(x[v]));
-        const ExpSums sums = exp_sums(V, [&](int64_t v) { return cap * tanh_of(x[v]) - max_z; });  // |z| <= outer
-        out_lse[i] = max_z + sums.log_sum();
-        out_logp[i] = cap * tanh_of(x[y[i]]) - out_lse[i];
+        // z - max z as cap (tanh x - max tanh x) (cap > 0: the same maximum): cap tanh x - max z would be one
+        // FMA, subtracting max z, a rounded product, from the exact one, so a row's own maximum would shift to
+        // its rounding error, not 0 (V = 1 gave logp and H a few ulp of z off 0, and H < 0, where both are 0)
+        float max_t = -1.0f;  // tanh x >= -1
+#pragma omp simd reduction(max : max_t)
+        for (int64_t v = 0; v < V; ++v) max_t = std::max(max_t, tanh_of(x[v]));
+        const ExpSums sums = exp_sums(V, [&](int64_t v) { return cap * (tanh_of(x[v]) - max_t); });  // |z| <= outer
+        out_lse[i] = cap * max_t + sums.log_sum();
+        out_logp[i] = cap * (tanh_of(x[y[i]]) - max_t) - sums.log_sum();
         out_entropy[i] = sums.entropy();
         continue;
       }
@@ -273,15 +277,18 @@ void block_grad(const at::Tensor& logits, const at::Tensor& targets, const at::T
       float* z = logits.data_ptr<float>() + i * V;
       const float m = row_lse[i], gi = g[i] * scale, ci = c[i] * scale, h = row_entropy[i];
       if (softcap) {  // the row holds x (block_stats): d z times 1 - tanh^2 x; its own loop, the plain ones keep their cost
+        // g and c times p first, the slope s / T last (as sech^2 x): g times the slope may overflow where
+        // p sech^2 x is 0 (a saturated logit, logit_scale 1e38), and 0 * inf is NaN
         float* x = z;
-        const float slope_y = sech_squared(x[y[i]]);
+        const float g_row = g[i], c_row = c[i];
+        const float slope_y = scale * sech_squared(x[y[i]]);
 #pragma omp simd
         for (int64_t v = 0; v < V; ++v) {
           const float log_p = std::max(cap * tanh_of(x[v]) - m, kExpFloor);
           const float p = exp_nonpositive(log_p);
-          z[v] = (-(p * gi) - (p * ci) * (log_p + h)) * sech_squared(x[v]);
+          z[v] = (-(p * g_row) - (p * c_row) * (log_p + h)) * (scale * sech_squared(x[v]));
         }
-        z[y[i]] += gi * slope_y;
+        z[y[i]] += g_row * slope_y;
         continue;
       }
       if (ci == 0.f) {

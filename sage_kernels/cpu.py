@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .first_order import first_order_only
 from .loss_types import LOSS_TYPES
 from .native_build import build_extension, extension_name
 from .packing import layout_of
@@ -95,8 +96,9 @@ class _TorchBlocks:
         z = logits.tanh().mul_(outer) if softcap else logits
         torch.logsumexp(z, 1, out=lse)
         log_p = z - lse[:, None]
-        # p log p is 0 where p is: a logit of -inf (a finfo.min bias over T < 1) gives 0 * -inf = NaN
-        entropy.copy_(-(log_p.exp() * log_p).nan_to_num_(nan=0.0).sum(1))
+        # p log p is 0 where p is: a logit of -inf (a finfo.min bias over T < 1) gives 0 * -inf = NaN. Only
+        # there: a logit of +inf (an overflow) leaves NaN, as the native operator does, for the caller to refuse
+        entropy.copy_(-torch.where(torch.isneginf(log_p), 0.0, log_p.exp() * log_p).sum(1))
         logp.copy_(log_p.gather(1, targets[:, None]).squeeze(1))
 
     @staticmethod
@@ -307,6 +309,7 @@ class SageCpuLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @first_order_only("cpu backend")
     def backward(ctx, grad_loss):
         grads, ctx.grads = ctx.grads, None
         if grads is None:

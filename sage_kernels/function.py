@@ -132,9 +132,11 @@ def fused_linear_sage_loss(
     )
     if cu_seqlens is None:
         inputs = validate_inputs(hidden, weight, token_ids, mask, advantages, **arguments)
-        return _backend_module(name).sage_loss(inputs, config)
-    inputs = validate_packed_inputs(hidden, weight, token_ids, mask, advantages, cu_seqlens=cu_seqlens, **arguments)
-    return rows_output(_backend_module(name).sage_loss(inputs, config), inputs, tuple(token_ids.shape))
+    else:
+        inputs = validate_packed_inputs(hidden, weight, token_ids, mask, advantages, cu_seqlens=cu_seqlens, **arguments)
+    out = _backend_module(name).sage_loss(inputs, config)
+    check_logits_finite(out.logp, out.entropy, inputs.loss_mask, config)
+    return out if cu_seqlens is None else rows_output(out, inputs, tuple(token_ids.shape))
 
 
 fused_linear_sage_loss.__doc__ = fused_linear_sage_loss.__doc__.replace("{options}", ", ".join(OPTION_NAMES))
@@ -179,4 +181,32 @@ def logprobs_and_entropy(
         logp, entropy = _backend_module(name).logprobs_and_entropy(
             hidden2d, weight, ids, bias, temperature, logit_scale, logit_softcap
         )
+    check_logits_finite(
+        logp,
+        entropy,
+        None,
+        LossConfig(beta=0.0, temperature=temperature, logit_scale=logit_scale, logit_softcap=logit_softcap),
+    )
     return logp.view(lead), entropy.view(lead)
+
+
+def check_logits_finite(
+    logp: torch.Tensor, entropy: torch.Tensor, where: torch.Tensor | None, config: LossConfig
+) -> None:
+    """After a sweep: no NaN or +inf logp and a finite entropy where read (`where`; None: everywhere).
+    Every input is finite by then (`spec.validate_inputs`), so anything else means that a logit
+    z = s (W h + b) / T overflowed to +inf: a ValueError naming temperature and logit_scale (on CUDA
+    an asynchronous device assertion, so no host sync is added). A logp of -inf is a probability
+    that rounds to 0 (a vocabulary entry masked by a bias of finfo.min over T < 1) and passes."""
+    finite = (logp < torch.inf) & torch.isfinite(entropy)  # NaN < inf is False
+    finite = finite if where is None else finite | ~where
+    message = (
+        f"temperature={config.temperature!r} and logit_scale={config.logit_scale!r} (logit_softcap="
+        f"{config.logit_softcap!r}) make the logits s (W h + b) / T overflow {logp.dtype}: logp or entropy is "
+        "not finite; use a larger temperature or a smaller logit_scale"
+    )
+    if logp.device.type == "cpu":
+        if not bool(finite.all()):
+            raise ValueError(message)
+    else:
+        torch._assert_async(finite.all(), message)

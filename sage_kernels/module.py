@@ -158,8 +158,8 @@ class FusedLinearSAGELoss(nn.Module):
             raise ValueError("max_completion_length is required for loss_type 'dr_grpo', as in Liger")
         if self.use_ref_model:
             if ref_per_token_logps is not None and ref_input is not None:
-                warnings.warn(
-                    "both ref_per_token_logps and ref_input are given; using ref_per_token_logps",
+                warnings.warn(  # Liger's words, which its tests match
+                    "Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps.",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -204,7 +204,8 @@ class FusedLinearSAGELoss(nn.Module):
             A = per_token("advantages", A, cu_seqlens, selected_token_ids.numel()).reshape(out.ratio.shape)
         elif A.dim() == 1:
             A = A[:, None]
-        values = [out.metrics["kl"]] if self.config.beta != 0 else []
+        tokens = attention_mask.float().sum().clamp(min=1.0)  # Liger's means: 0, not NaN, without a token
+        values = [(out.kl * attention_mask).sum() / tokens] if self.config.beta != 0 else []
         values.append(_liger_clip_fraction(out.ratio, A, attention_mask, config))
         return out.loss, SageMetrics(values, out.metrics)
 

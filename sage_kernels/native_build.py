@@ -16,11 +16,14 @@ two versions, torch builds, sources or instruction sets never share (or rebuild 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
+import re
 import socket
 import sys
+import sysconfig
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +32,8 @@ import torch
 
 #: seconds a first use waits for another process's build of the operator before falling back.
 BUILD_WAIT_ENV = "SAGE_CPU_BUILD_WAIT"
-#: a build takes one to two minutes on two busy cores; waiting longer than this means it is stuck.
+#: a build takes ~10 s of compiler CPU time (35-40 s of wall time at a load of 13 on two cores);
+#: waiting longer than this means it is stuck.
 DEFAULT_BUILD_WAIT_S = 600.0
 #: our lock, beside torch's own ``lock`` in the build folder.
 LOCK_FILE = "sage_build.lock"
@@ -165,9 +169,30 @@ def build_extension(source: Path, name: str, flags: list, wait_s: float | None =
             lock.release()
         return True
     except Exception as error:  # no compiler, no headers, a failed build: fall back, loudly once
-        lines = str(error).strip().splitlines() or [type(error).__name__]
-        _warn_fallback(next((line for line in lines if "error" in line.lower()), lines[-1])[:200])
+        _warn_fallback(failure_cause(error))
         return False
+
+
+#: the lines of a failed build that say why: the compiler's errors, a program or file not found
+_CAUSE = re.compile(r"\berror\b|not found|no such file|permission denied|cannot find|undefined reference", re.I)
+
+
+def failure_cause(error: Exception) -> str:
+    """A failed build's error in one line: its first line without the command torch appends ("Error
+    building extension 'name'"), then the lines that give the cause (a compiler's error, "c++: not
+    found"), not the long command lines between them."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    head = lines[0].split(": [", 1)[0]  # torch: "Error building extension 'name': [1/2] c++ -MMD ..."
+    commands = (" -MMD ", " -shared ", " -c ")
+    causes = [
+        line
+        for line in lines[1:]
+        if _CAUSE.search(line)
+        and not line.startswith(("FAILED", "ninja: build stopped"))
+        and not any(c in line for c in commands)
+    ]
+    cause = "; ".join(dict.fromkeys(causes)) or (lines[-1] if len(lines) > 1 else "")
+    return f"{head}: {cause[:400]}" if cause else head[:400]
 
 
 def _load(source: Path, name: str, flags: list, directory: Path, lock: BuildLock) -> None:
@@ -188,19 +213,38 @@ def _load(source: Path, name: str, flags: list, directory: Path, lock: BuildLock
         )
     if not (directory / f"{name}.so").is_file():
         warnings.warn(
-            f"sage_kernels: building the native CPU operator in {directory} (first use; about a minute)",
+            f"sage_kernels: building the native CPU operator in {directory} (first use: a one-off compile of "
+            "~10 s of CPU time, longer on a busy machine)",
             UserWarning,
             stacklevel=4,
         )
-    load(
-        name=name,
-        sources=[str(source)],
-        extra_cflags=["-O3", "-fopenmp", *flags],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
+    with _interpreter_scripts_on_path():
+        load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _interpreter_scripts_on_path():
+    """The running interpreter's scripts folder (a venv's bin/, where the `ninja` dependency installs
+    its program) first on PATH while building: torch looks for ninja on PATH only, which lacks it when
+    the venv's python runs without the venv activated."""
+    scripts = sysconfig.get_path("scripts")
+    previous = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(p for p in (scripts, previous) if p)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = previous
 
 
 def _warn_fallback(reason: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .first_order import SHARDED_SECOND_ORDER, first_order_only
 from .reference import logits_of, reference_logprobs_and_entropy
 from .spec import logit_map
 
@@ -124,6 +125,7 @@ class _FusedShardSweep(torch.autograd.Function):
         return sweep.forward()
 
     @staticmethod
+    @first_order_only("vocabulary-parallel head", SHARDED_SECOND_ORDER)
     def backward(ctx, d_lse, d_logp, d_entropy):
         hidden2d, weight, bias, token_ids = ctx.saved_tensors
         sweep, ctx.sweep = ctx.sweep, None

@@ -50,6 +50,36 @@ def _require(condition: bool, name: str, expected: str, value) -> None:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
+def _check_count(n: torch.Tensor) -> None:
+    """A tensor `num_items_in_batch` is finite and > 0: on CPU a ValueError now, on CUDA an
+    asynchronous device assertion (no host sync, as `_check_finite`)."""
+    valid = (torch.isfinite(n) & (n > 0)).reshape(())
+    if n.device.type == "cpu":
+        _require(bool(valid), "num_items_in_batch", "a finite number > 0", n.item())
+    else:
+        torch._assert_async(valid, "num_items_in_batch must be a finite number > 0")
+
+
+#: the largest float32: the fast backends' logit multipliers (`LogitMap`) must stay below it
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_logit_slope(temperature: float, logit_scale: float, logit_softcap: float | None) -> None:
+    """The logits' multipliers are float32 numbers: s / T (dz/da at a = 0) and, under a softcap, s / c
+    and c / T. Beyond that every logit overflows (z = inf, then NaN), on every backend."""
+    ratios = {"logit_scale / temperature": logit_scale / temperature}
+    if logit_softcap is not None:
+        ratios.update({"logit_scale / logit_softcap": logit_scale / logit_softcap})
+        ratios.update({"logit_softcap / temperature": logit_softcap / temperature})
+    over = [name for name, value in ratios.items() if value > FLOAT32_MAX]
+    if over:
+        raise ValueError(
+            f"temperature and logit_scale must keep {' and '.join(over)} within float32 (at most "
+            f"{FLOAT32_MAX:.4g}), got temperature={temperature!r}, logit_scale={logit_scale!r}, "
+            f"logit_softcap={logit_softcap!r}"
+        )
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """Options of the SAGE loss; defaults are the official SAGE code's. docs/loss.md gives each formula.
@@ -156,6 +186,7 @@ class LossConfig:
                 "None or a finite number > 0",
                 self.logit_softcap,
             )
+        _check_logit_slope(self.temperature, self.logit_scale, self.logit_softcap)
         _require(self.beta >= 0, "beta", ">= 0 (0: no KL term)", self.beta)
         _require(self.gamma >= 0, "gamma", ">= 0", self.gamma)
         _require(0 < self.q_min <= self.q_max, "q_min", f"in (0, q_max={self.q_max}]", self.q_min)
@@ -234,8 +265,12 @@ class LossConfig:
         if n is not None:
             if isinstance(n, torch.Tensor):
                 _require(n.numel() == 1, "num_items_in_batch", "a number or a one-element tensor", tuple(n.shape))
+                _require(not (n.is_complex() or n.dtype == torch.bool), "num_items_in_batch", "a real tensor", n.dtype)
+                _check_count(n)
             else:
-                _require(_is_number(n) and n > 0, "num_items_in_batch", "None or a number > 0", n)
+                _require(
+                    _is_number(n) and math.isfinite(n) and n > 0, "num_items_in_batch", "None or a finite number > 0", n
+                )
 
     @property
     def logit_map(self) -> LogitMap:

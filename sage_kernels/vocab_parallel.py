@@ -37,7 +37,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .function import resolve_backend
+from .first_order import SHARDED_SECOND_ORDER, first_order_only
+from .function import check_logits_finite, resolve_backend
 from .reference import token_stage
 from .shard_sweep import shard_stats
 from .spec import (
@@ -121,6 +122,7 @@ def vocab_parallel_sage_loss(
     zeros = logp_rows.new_zeros(B * L)
     logp = zeros.index_copy(0, rows, logp_rows).view(B, L)
     entropy = zeros.index_copy(0, rows, entropy_rows).view(B, L)
+    check_logits_finite(logp, entropy, active, config)
     loss, per_token = token_stage(logp, entropy, inputs, config)
     return SageLossOutput(
         loss=loss,
@@ -181,6 +183,7 @@ def sharded_logprobs_and_entropy(
     ids = token_ids.reshape(-1).long()
     _check_global_ids(ids, torch.ones_like(ids, dtype=torch.bool), vocab)
     logp, entropy = _combined_stats(hidden2d, weight, bias, ids, local_flat, temperature, group, name)
+    check_logits_finite(logp, entropy, None, LossConfig(beta=0.0, temperature=temperature))
     return logp.view(lead), entropy.view(lead)
 
 
@@ -202,8 +205,22 @@ def _all_gather_own_graph(x: torch.Tensor, group) -> torch.Tensor:
     (each rank differentiates the same replicated loss through its own shard only)."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.detach().contiguous(), group=group)
-    parts[dist.get_rank(group)] = x
+    parts[dist.get_rank(group)] = _OwnShardOnly.apply(x)
     return torch.stack(parts)
+
+
+class _OwnShardOnly(torch.autograd.Function):
+    """Identity on this rank's gathered statistics, first order only: with the other ranks' as
+    constants the gradient is exact, its derivative is not (create_graph=True raises)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    @first_order_only("vocabulary-parallel head", SHARDED_SECOND_ORDER)
+    def backward(ctx, grad):
+        return (grad,)
 
 
 class _SumGradOverGroup(torch.autograd.Function):
@@ -215,6 +232,7 @@ class _SumGradOverGroup(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @first_order_only("vocabulary-parallel head", SHARDED_SECOND_ORDER)
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)

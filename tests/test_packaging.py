@@ -57,3 +57,89 @@ def test_the_native_cpu_operator_source_ships_and_is_found_in_the_installed_pack
         text=True,
     )
     assert Path(found.stdout.strip()) == shipped.resolve()
+
+
+def test_the_license_and_py_typed_ship_in_the_wheel(wheel_names, wheel):
+    assert "sage_rl-0.1.0.dist-info/licenses/LICENSE" in wheel_names
+    assert {"sage_kernels/py.typed", "sage_train/py.typed", "sage_bench/py.typed"} <= set(wheel_names)
+    metadata = zipfile.ZipFile(wheel).read("sage_rl-0.1.0.dist-info/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    shipped = zipfile.ZipFile(wheel).read("sage_rl-0.1.0.dist-info/licenses/LICENSE").decode()
+    assert shipped == (ROOT / "LICENSE").read_text()
+
+
+def test_the_license_is_the_apache_2_0_text():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "9. Accepting Warranty or Additional Liability." in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_the_sdist_carries_the_license(tmp_path):
+    """The source distribution, built by setuptools' own backend (no network, no isolation)."""
+    import tarfile
+
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    done = subprocess.run(
+        [sys.executable, "-c", build, str(tmp_path)], cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    names = tarfile.open(tmp_path / done.stdout.strip().splitlines()[-1]).getnames()
+    assert "sage_rl-0.1.0/LICENSE" in names and "sage_rl-0.1.0/sage_kernels/py.typed" in names
+    assert "sage_rl-0.1.0/csrc/sage_cpu.cpp" in names
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_build_requires_the_setuptools_that_reads_an_spdx_license():
+    """`license = "Apache-2.0"` (an SPDX expression) and `license-files` need setuptools >= 77."""
+    project = _pyproject()
+    assert project["project"]["license"] == "Apache-2.0" and project["project"]["license-files"] == ["LICENSE"]
+    assert project["build-system"]["requires"] == ["setuptools>=77"]
+
+
+def test_the_trl_extra_is_the_range_the_trainer_checks():
+    pytest.importorskip("trl")
+    from sage_kernels.integrations.trl import TRL_SUPPORTED
+
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert extras["trl"] == [f"trl>={TRL_SUPPORTED[0]},<{TRL_SUPPORTED[1]}"]
+    assert f"trl>={TRL_SUPPORTED[0]},<{TRL_SUPPORTED[1]}" in extras["dev"]
+
+
+def test_the_console_scripts_go_through_the_extra_check():
+    scripts = _pyproject()["project"]["scripts"]
+    assert scripts == {name: f"sage_train.entry:{name.split('-')[1]}_main" for name in scripts}
+    assert set(scripts) == {"sage-train", "sage-eval", "sage-study", "sage-bench"}
+
+
+@pytest.mark.parametrize("command, missing, extra", [("train", "deepspeed", "train"), ("eval", "yaml", "train")])
+def test_a_command_without_its_extra_says_how_to_install_it(tmp_path, command, missing, extra):
+    """`pip install sage-rl` without the extra: the console script ends in one line naming the install
+    command (it ended in a ModuleNotFoundError traceback)."""
+    run = (
+        f"import sys; sys.modules[{missing!r}] = None; sys.argv = ['sage-{command}', '--output_dir={tmp_path}']\n"
+        f"from sage_train.entry import {command}_main; sys.exit({command}_main())"
+    )
+    done = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == (
+        f"sage-{command}: needs the '{extra}' extra (no module named {missing!r}): "
+        f"pip install 'sage-rl[{extra}]' (README: Installing with pip)"
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_the_citation_file_names_the_paper_and_this_version():
+    import yaml
+
+    import sage_kernels
+
+    citation = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert citation["cff-version"] == "1.2.0" and citation["version"] == sage_kernels.__version__
+    paper = citation["preferred-citation"]
+    assert paper["title"] == "SAGE: Shaping Anchors for Guided Exploration in RLVR of LLMs" and paper["year"] == 2026
+    assert [a["family-names"] for a in paper["authors"]] == ["Lee", "Kang", "Hwang"]

@@ -41,16 +41,37 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from accelerate.utils import is_peft_model
-from transformers.utils import ModelOutput
-from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import nanmax, nanmin
+import trl
+from packaging.version import Version
 
-from ..function import fused_linear_sage_loss
-from ..loss_types import LOSS_TYPES
-from ..reference import vespo_weight
-from ..spec import LossConfig
-from .hf_logits import logit_options
+#: the TRL releases SAGEGRPOTrainer is written for, [first, first not supported): it overrides internals
+#: of GRPOTrainer (`_compute_loss`, the model's forward, the metrics), tested on TRL 1.16 only. The
+#: `trl` extra of pyproject.toml pins the same range.
+TRL_SUPPORTED = ("1.16", "1.17")
+
+
+def check_trl_version(version: str) -> None:
+    """ImportError naming the supported range unless TRL `version` is in `TRL_SUPPORTED`."""
+    first, beyond = TRL_SUPPORTED
+    if not Version(first) <= Version(version) < Version(beyond):
+        raise ImportError(
+            f"sage_kernels.integrations.trl supports trl>={first},<{beyond} (SAGEGRPOTrainer overrides "
+            f"GRPOTrainer internals, tested on TRL {first}), found trl {version}: pip install 'sage-rl[trl]'"
+        )
+
+
+check_trl_version(trl.__version__)  # before the names below, which other releases may not have
+
+from accelerate.utils import is_peft_model  # noqa: E402
+from transformers.utils import ModelOutput  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.trainer.utils import nanmax, nanmin  # noqa: E402
+
+from ..function import fused_linear_sage_loss  # noqa: E402
+from ..loss_types import LOSS_TYPES  # noqa: E402
+from ..reference import vespo_weight  # noqa: E402
+from ..spec import LossConfig  # noqa: E402
+from .hf_logits import logit_options  # noqa: E402
 
 #: TRL's option names for the `LossConfig` fields they share.
 _SHARED_OPTIONS = (

@@ -81,10 +81,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         hidden2d, weight, labels = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.zeros_like(hidden2d, dtype=torch.float32) if need_hidden else None
-        weight32 = weight.detach().float().requires_grad_(need_weight)
         grad_logp = torch.zeros_like(labels, dtype=torch.float32) if grad_logp is None else grad_logp.float()
         grad_entropy = torch.zeros_like(grad_logp) if grad_entropy is None else grad_entropy.float()
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that is itself differentiable
+            return (*_differentiable_grads(ctx, grad_logp, grad_entropy), None, None, None)
+        grad_hidden = torch.zeros_like(hidden2d, dtype=torch.float32) if need_hidden else None
+        weight32 = weight.detach().float().requires_grad_(need_weight)
         for start in range(0, labels.shape[0], BACKWARD_BLOCK_ROWS):
             rows = slice(start, start + BACKWARD_BLOCK_ROWS)
             with torch.enable_grad():
@@ -102,6 +104,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _differentiable_grads(ctx, grad_logp, grad_entropy):
+    """`_LinearCrossEntropy`'s backward under ``create_graph=True``: autograd through the reference
+    maths with its graph kept (all [N, V] logits at once, as a second derivative through them needs)."""
+    hidden2d, weight, labels = ctx.saved_tensors
+    logp, entropy = reference_logprobs_and_entropy(
+        hidden2d.float(), weight.float(), labels, temperature=ctx.temperature
+    )
+    needed = [t for t, need in zip((hidden2d, weight), ctx.needs_input_grad) if need]
+    grads = iter(torch.autograd.grad((logp, entropy), needed, (grad_logp, grad_entropy), create_graph=True))
+    return tuple(next(grads).to(t.dtype) if need else None for t, need in zip((hidden2d, weight), ctx.needs_input_grad))
 
 
 def linear_cross_entropy(

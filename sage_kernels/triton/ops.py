@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..first_order import first_order_only
 from ..packing import layout_of
 from ..spec import METRIC_NAMES, LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
 from . import ops_local  # noqa: F401  (registers the three-matmul operator)
@@ -228,6 +229,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # only the loss takes a gradient: no zeros for the other outputs
 
 
+@first_order_only("triton backend")
 def _backward(ctx, grad_loss, *_unused_grads):
     saved = TwoPassSaved.from_flat(ctx.saved_tensors)
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..first_order import first_order_only
 from ..packing import layout_of
 from ..spec import METRIC_NAMES, LossConfig
 from . import token_stage as stage
@@ -97,6 +98,7 @@ def _local_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@first_order_only("triton backend")
 def _local_backward(ctx, grad_loss, *_unused_grads):
     # The gradients were formed in the forward for an upstream gradient of 1: scaled in place
     # (a copy would hold a second weight gradient at once), so one backward per forward.

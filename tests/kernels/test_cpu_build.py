@@ -61,6 +61,44 @@ def test_failed_build_warns_once_and_reports_the_compiler_error(tmp_path, monkey
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "\n" not in messages[0]
     assert "chunked PyTorch path" in messages[0] and "error" in messages[0].lower()
+    # the compiler's own diagnostic, at its file and line, not the command line before it
+    assert "Error building extension 'sage_cpu_broken_for_test': " in messages[0]
+    assert "broken.cpp:1:" in messages[0] and " -MMD " not in messages[0], messages[0]
+
+
+def test_a_missing_compiler_is_named_in_the_warning(tmp_path, monkeypatch):
+    """The cause ("c++: not found") comes after torch's command line, which the warning once cut it at."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native_build.build_extension(_tiny_source(tmp_path), "sage_cpu_no_compiler_for_test", []) is False
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert f"{tmp_path / 'no-such-compiler'}: not found" in message, message
+    assert " -MMD " not in message and "\n" not in message
+
+
+def test_ninja_beside_the_interpreter_is_found_without_an_activated_venv(tmp_path):
+    """`python` of a venv run by path leaves the venv's bin/ (where the ninja dependency puts its program)
+    off PATH: torch then said "pip install ninja" although it was installed."""
+    import sysconfig
+
+    if not (Path(sysconfig.get_path("scripts")) / "ninja").is_file():
+        pytest.skip("no ninja program in this interpreter's scripts folder")
+    tools = tmp_path / "bin"  # a compiler and binutils, no ninja
+    tools.mkdir()
+    for tool in ("c++", "as", "ld"):
+        (tools / tool).symlink_to(subprocess.run(["which", tool], capture_output=True, text=True).stdout.strip())
+    env = {**_env(tmp_path, 60), "PATH": str(tools)}
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILDER, str(_tiny_source(tmp_path)), "sage_cpu_ninja_path_for_test"],
+        cwd=_REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip() == "built", done.stderr
 
 
 def test_missing_source_warns_once(tmp_path):

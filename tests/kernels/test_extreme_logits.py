@@ -124,3 +124,55 @@ def test_a_non_finite_lm_head_is_refused_by_name(backend, where, value):
         logprobs_and_entropy(
             case["hidden"], case["weight"], case["token_ids"].clamp(max=299), bias=case["bias"], backend=backend
         )
+
+
+ALL_PATHS = {**PATHS, "triton": ("triton", None)}
+
+
+def _scored(path: str, hidden, weight, ids, **logits):
+    """(logp, entropy) of `path`: the cpu paths through `cpu.logprobs_and_entropy` (native chosen)."""
+    backend, native = ALL_PATHS[path]
+    if backend == "cpu":
+        from sage_kernels import cpu
+
+        map_ = {"temperature": 1.0, "logit_scale": 1.0, "logit_softcap": None, **logits}
+        return cpu.logprobs_and_entropy(hidden, weight, ids, None, *map_.values(), native=native)
+    return logprobs_and_entropy(hidden, weight, ids, backend=backend, **logits)
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_a_one_token_vocabulary_has_logp_and_entropy_exactly_zero(path, softcap):
+    """p = 1: logp = 0 and H = 0 exactly (the native op's softcap path gave a few ulp of z, H < 0)."""
+    g = torch.Generator().manual_seed(9)
+    hidden, weight = torch.randn(96, 16, generator=g) * 3, torch.randn(1, 16, generator=g)
+    ids = torch.zeros(96, dtype=torch.long)
+    for temperature in (1.0, 0.7):
+        logp, entropy = _scored(path, hidden, weight, ids, temperature=temperature, logit_softcap=softcap)
+        assert logp.abs().max().item() == 0.0 and entropy.abs().max().item() == 0.0, (temperature, logp, entropy)
+    backend, native = ALL_PATHS[path]
+    if backend == "cpu":
+        return  # the loss's logp and entropy below come from the sweep above
+    out = fused_linear_sage_loss(
+        hidden.view(8, 12, 16),
+        weight,
+        ids.view(8, 12),
+        torch.ones(8, 12),
+        torch.randn(8, generator=g),
+        ref_logp=torch.zeros(8, 12),
+        logit_softcap=softcap,
+        backend=backend,
+    )
+    assert out.logp.abs().max().item() == 0.0 and out.entropy.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+def test_a_saturated_softcap_at_a_huge_logit_scale_has_the_reference_gradient(path, monkeypatch):
+    """logit_scale 1e38 under a softcap: tanh saturates, the logits stay within ±c and the loss is finite;
+    the gradient is 0 where sech^2 is (the native op multiplied g by s / T = 1e38 first: inf, then 0 * inf)."""
+    backend, native = ALL_PATHS[path]
+    monkeypatch.setenv("SAGE_CPU_NATIVE", "1" if native else "0")
+    case = make_case(seed=6, V=50, D=16)
+    config = LossConfig(logit_scale=1e38, logit_softcap=30.0, beta=0.04, entropy_coef=0.01)
+    out = parity.check_against_reference(case, config, backend, native=native)
+    assert bool(torch.isfinite(out.loss))

@@ -1,6 +1,7 @@
 """Every bad input of docs/loss.md raises ValueError/TypeError naming the argument, before any computation."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -92,7 +93,27 @@ META = torch.device("meta")
         ({"max_completion_length": 0}, ValueError, "max_completion_length must be None or a positive int"),
         ({"max_completion_length": True}, ValueError, "max_completion_length must be None or a positive int"),
         ({"beta": -0.1}, ValueError, "beta must be >= 0"),
-        ({"num_items_in_batch": 0}, ValueError, "num_items_in_batch must be None or a number > 0"),
+        ({"num_items_in_batch": 0}, ValueError, "num_items_in_batch must be None or a finite number > 0"),
+        ({"num_items_in_batch": math.inf}, ValueError, "num_items_in_batch must be None or a finite number > 0"),
+        (
+            {"num_items_in_batch": torch.tensor(0.0)},
+            ValueError,
+            "num_items_in_batch must be a finite number > 0, got 0.0",
+        ),
+        (
+            {"num_items_in_batch": torch.tensor(-3)},
+            ValueError,
+            "num_items_in_batch must be a finite number > 0, got -3",
+        ),
+        (
+            {"num_items_in_batch": torch.tensor([math.nan])},
+            ValueError,
+            "num_items_in_batch must be a finite number > 0",
+        ),
+        ({"num_items_in_batch": torch.tensor(True)}, ValueError, "num_items_in_batch must be a real tensor"),
+        ({"temperature": 1e-40}, ValueError, "keep logit_scale / temperature within float32 (at most 3.403e+38)"),
+        ({"logit_scale": 1e39}, ValueError, "keep logit_scale / temperature within float32"),
+        ({"logit_softcap": 1e-30, "logit_scale": 1e10}, ValueError, "keep logit_scale / logit_softcap within float32"),
         ({"learning_rate": 1e-3}, TypeError, "unknown loss option(s) ['learning_rate']"),
         ({"backend": "cuda"}, ValueError, "backend must be 'auto' or one of"),
         ({"config": {"beta": 0.1}}, TypeError, "config must be a LossConfig"),
@@ -148,6 +169,21 @@ def test_scoring_validation():
         logprobs_and_entropy(args["hidden"], args["weight"], args["token_ids"], logit_softcap=0.0)
     with pytest.raises(ValueError, match=r"token_ids must be in \[0, V=5\)"):
         logprobs_and_entropy(args["hidden"], args["weight"], args["token_ids"] + V, backend="reference")
+
+
+@pytest.mark.parametrize("backend, native", [("reference", None), ("cpu", True), ("cpu", False), ("triton", None)])
+def test_logits_beyond_float32_are_a_clear_error(backend, native, monkeypatch):
+    """logit_scale = 1e38 is a float32 number, but s (W h + b) is not once |W h + b| > 3.4: the loss and
+    the scoring raise naming temperature and logit_scale (before: NaN on every backend)."""
+    monkeypatch.setenv("SAGE_CPU_NATIVE", "1" if native else "0")
+    words = "temperature=1.0 and logit_scale=1e+38 (logit_softcap=None) make the logits s (W h + b) / T overflow"
+    with pytest.raises(ValueError, match=re.escape(words)):
+        call(logit_scale=1e38, backend=backend)
+    args = good()
+    with pytest.raises(ValueError, match=re.escape(words)):
+        logprobs_and_entropy(args["hidden"], args["weight"], args["token_ids"], logit_scale=1e38, backend=backend)
+    with pytest.raises(ValueError, match="keep logit_scale / temperature within float32"):
+        logprobs_and_entropy(args["hidden"], args["weight"], args["token_ids"], temperature=1e-40, backend=backend)
 
 
 def test_module_rejects_unknown_options():

@@ -188,6 +188,21 @@ def _all_masked(rank: int) -> dict:
     return dict(loss=out.loss.detach(), grad_hidden=hidden.grad, grad_weight=weight.grad, grad_bias=bias.grad)
 
 
+def _second_derivative_error(rank: int, backend: str) -> str:
+    """A gradient penalty on a layer below the sharded head: the error it raises, or "no error"."""
+    inputs = case_inputs(sorted(CASES)[0], torch.float64 if backend == "reference" else torch.float32)
+    proj = torch.eye(D, dtype=inputs["hidden"].dtype).requires_grad_(True)
+    hidden = torch.tanh(inputs.pop("hidden") @ proj)
+    weight, bias = shard(inputs.pop("weight"), rank), shard(inputs.pop("bias"), rank)
+    out = vocab_parallel_sage_loss(hidden, weight, group=dist.group.WORLD, bias=bias, backend=backend, **inputs)
+    try:
+        (grad_proj,) = torch.autograd.grad(out.loss, (proj,), create_graph=True)
+        torch.autograd.grad(grad_proj.square().sum(), (proj,))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
@@ -196,6 +211,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
         "scoring": {run: _sharded_scoring(rank, *run) for run in RUNS},
         "errors": _bad_inputs(rank),
         "all_masked": _all_masked(rank),
+        "second_derivative": {backend: _second_derivative_error(rank, backend) for backend in ("reference", "cpu")},
     }
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -295,3 +311,12 @@ def test_a_batch_without_tokens_has_zero_loss_and_gradients(sharded_runs):
         got = results["all_masked"]
         assert got["loss"].item() == 0.0
         assert not got["grad_hidden"].any() and not got["grad_weight"].any() and not got["grad_bias"].any()
+
+
+def test_a_second_derivative_through_the_sharded_head_raises(sharded_runs):
+    """Each rank differentiates through its own shard with the others' statistics as constants:
+    exact for the gradient, not for its derivative, on any backend (the reference's too)."""
+    for results in sharded_runs:
+        for backend, message in results["second_derivative"].items():
+            assert "vocabulary-parallel head are not differentiable" in message, (backend, message)
+            assert "unsharded loss with backend='reference'" in message, (backend, message)
