@@ -14,10 +14,12 @@ behaviour policy's entropy, fixed for the update, as in the verl adapter.
 - `fused_action_log_probs` / `patch_actor_forward`: the actor's forward without the [B, T, V] fp32
   logits: the decoder's hidden states at the response positions go through the fused log-prob and
   entropy sweep (`sage_kernels.integrations.verl.linear_cross_entropy`, differentiable), so the
-  behaviour pass yields the entropy the guide needs at no extra cost. Padded rows only: OpenRLHF's
-  ``packing_samples`` layout ([1, total] rows through flash-attn's varlen kernels) is refused until
-  the fused loss takes a packed layout (``cu_seqlens``); models whose config scales or softcaps the
-  logits are refused too (OpenRLHF's head does not apply them either).
+  behaviour pass yields the entropy the guide needs at no extra cost. With the actor's
+  ``packing_samples`` the decoder runs, as OpenRLHF's does, on the batch's unpadded tokens packed into
+  one [1, total] row whose positions restart per sequence (flash-attn's varlen kernels on GPU;
+  transformers' block-diagonal mask from the positions for sdpa/eager), and only the response rows
+  of that stream are swept; ring attention is refused. Models whose config scales or softcaps the
+  logits are refused (OpenRLHF's head does not apply them either).
 - `SAGEPolicyLoss`: OpenRLHF's ``PolicyLoss`` constructor and forward (returning ``(loss, clip_ratio,
   ppo_kl, vllm_kl, is_filter_ratio)``) with this package's loss types (``loss_type``: grpo/ppo's
   clipped surrogate, dppo_tv, cispo, sapo, ... with their `LossConfig` options), OpenRLHF's two
@@ -84,28 +86,46 @@ def compute_approx_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimato
 
 def fused_action_log_probs(actor, sequences, action_mask, attention_mask, *, with_entropy=False):
     """(action log-probs [B, n] times `action_mask`, entropies [B, n] or None) of OpenRLHF's `actor`
-    (its ``.model`` a causal LM, possibly PEFT-wrapped; ``.temperature``) on right-aligned responses
-    of n = action_mask.shape[1] tokens, without the logits; both differentiable."""
-    if getattr(actor, "packing_samples", False):
-        raise NotImplementedError(
-            "packing_samples: the fused actor forward takes padded rows only (packed [1, total] rows wait "
-            "for the fused loss's cu_seqlens layout); run OpenRLHF without --ds.packing_samples"
-        )
+    (its ``.model`` a causal LM, possibly PEFT-wrapped; ``.temperature``; ``.packing_samples``) on
+    right-aligned responses of n = action_mask.shape[1] tokens, without the logits; both differentiable."""
     lm = actor.model.get_base_model() if hasattr(actor.model, "get_base_model") else actor.model
     options = logit_options(lm.config)
     if options != {"logit_scale": 1.0, "logit_softcap": None}:
         raise ValueError(f"actor's model scales or softcaps its logits ({options}); the fused forward does not")
-    position_ids = attention_mask.long().cumsum(-1) - 1
-    position_ids.masked_fill_(attention_mask == 0, 1)
-    hidden = lm.get_decoder()(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids)[0]
-    n = action_mask.shape[1]
     head = lm.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("actor's LM head has a bias; the fused forward takes a bias-free head")
-    logp, entropy = linear_cross_entropy(
-        hidden[:, -n - 1 : -1], head.weight, sequences[:, -n:], temperature=float(getattr(actor, "temperature", 1.0))
-    )
-    return logp * action_mask.float(), (entropy if with_entropy else None)
+    temperature = float(getattr(actor, "temperature", 1.0))
+    B, T = sequences.shape
+    n = action_mask.shape[1]
+    # position t's hidden state predicts token t + 1: the response tokens T-n..T-1 are read at T-n-1..T-2
+    targets = torch.roll(sequences, shifts=-1, dims=1)[:, -n - 1 : -1]
+    if not getattr(actor, "packing_samples", False):
+        position_ids = attention_mask.long().cumsum(-1) - 1
+        position_ids.masked_fill_(attention_mask == 0, 1)
+        decoder = lm.get_decoder()
+        hidden = decoder(
+            input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )[0]
+        logp, entropy = linear_cross_entropy(hidden[:, -n - 1 : -1], head.weight, targets, temperature=temperature)
+        return logp * action_mask.float(), (entropy if with_entropy else None)
+    # packing_samples: the kept tokens of every row back to back, positions restarting per sequence; without
+    # a cache, transformers derives the block-diagonal mask from those positions (a cache turns that off)
+    kept = attention_mask.bool().reshape(-1).nonzero().squeeze(1)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).reshape(-1)[kept]
+    hidden = lm.get_decoder()(
+        input_ids=sequences.reshape(-1)[kept][None],
+        attention_mask=None,
+        position_ids=position_ids[None],
+        use_cache=False,
+    )[0][0]
+    # the packed rows at the response positions (the others are never swept), and where they go
+    columns = kept % T
+    read = ((columns >= T - n - 1) & (columns < T - 1)).nonzero().squeeze(1)
+    rows, cols = kept[read] // T, columns[read] - (T - n - 1)
+    logp, entropy = linear_cross_entropy(hidden[read], head.weight, targets[rows, cols], temperature=temperature)
+    placed = [t.new_zeros(B, n).index_put((rows, cols), t) for t in (logp, entropy)]
+    return placed[0] * action_mask.float(), (placed[1] if with_entropy else None)
 
 
 def patch_actor_forward(actor) -> None:
@@ -117,8 +137,8 @@ def patch_actor_forward(actor) -> None:
     def forward(sequences, action_mask=None, attention_mask=None, return_output=False, return_entropy=False, **kw):
         if action_mask is None or kw.get("allgather_logits") or kw.get("return_logprobs"):
             raise ValueError("the fused actor forward returns action log-probs only: pass action_mask")
-        if kw.get("ring_attn_group") is not None or kw.get("packed_seq_lens") is not None:
-            raise NotImplementedError("ring attention and packed rows are not supported by the fused forward")
+        if kw.get("ring_attn_group") is not None:
+            raise NotImplementedError("ring attention (ring_attn_group) is not supported by the fused forward")
         logp, entropy = fused_action_log_probs(
             actor, sequences, action_mask, attention_mask, with_entropy=return_entropy
         )

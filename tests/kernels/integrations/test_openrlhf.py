@@ -5,6 +5,7 @@ reference's SAGE KL)."""
 import typing
 from types import SimpleNamespace
 
+import einops
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,8 +21,24 @@ from sage_kernels.reference import kl_estimate, logits_of
 F64 = torch.float64
 
 
+def _unpad_input(hidden_states, attention_mask, unused_mask=None):
+    """flash_attn.bert_padding.unpad_input, which OpenRLHF's packed path imports (flash-attn does not
+    install on CPU): the kept rows of (batch x seqlen), their flat indices and the cu_seqlens."""
+    lengths = attention_mask.sum(-1, dtype=torch.int32)
+    indices = attention_mask.flatten().nonzero().flatten()
+    cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    rows = hidden_states.reshape(-1, *hidden_states.shape[2:])[indices]
+    return rows, indices, cu_seqlens, int(lengths.max()), lengths
+
+
+def _pad_input(hidden_states, indices, batch, seqlen):
+    """flash_attn.bert_padding.pad_input: the rows scattered back to (batch, seqlen, ...), zeros elsewhere."""
+    out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
+    return out.index_put((indices,), hidden_states).reshape(batch, seqlen, *hidden_states.shape[1:])
+
+
 def _not_called(*args, **kwargs):
-    raise AssertionError("OpenRLHF's packed / ring-attention helpers are not on the tested path")
+    raise AssertionError("OpenRLHF's ring-attention helpers are not on the tested path")
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +47,17 @@ def openrlhf():
     utils = ["masked_mean", "KL_IS_WEIGHT_CLIP", "compute_approx_kl", "compute_entropy", "_logsumexp_by_chunk"]
     peer_functions("openrlhf", "openrlhf/models/utils.py", utils + ["log_probs_from_logits"], scope)
     peer_functions("openrlhf", "openrlhf/models/loss.py", ["aggregate_loss", "PolicyLoss"], scope)
-    scope.update(gather_and_pad_tensor=_not_called, unpad_and_slice_tensor=_not_called)
+    scope.update(
+        unpad_input=_unpad_input,
+        pad_input=_pad_input,
+        index_first_axis=lambda x, indices: x[indices],
+        rearrange=einops.rearrange,
+        all_gather=_not_called,
+        get_tensor_in_current_ring_attn_rank=_not_called,
+        update_ring_attn_params=_not_called,
+    )
+    ring = ["unpad_and_slice_tensor", "gather_and_pad_tensor"]
+    peer_functions("openrlhf", "openrlhf/models/ring_attn_utils.py", ring, scope)
     peer_functions("openrlhf", "openrlhf/models/actor.py", ["Actor"], scope)
     return SimpleNamespace(**scope)
 
@@ -169,29 +196,34 @@ def test_policy_loss_adds_the_loss_types():
     assert float(clip_ratio) == pytest.approx(metrics["actor/pg_clipfrac"]) and 0 < float(clip_ratio) < 1
 
 
-def openrlhf_actor(openrlhf, model, temperature):
-    """OpenRLHF's own Actor around `model`, as its __init__ leaves it for a text model without packing."""
+def openrlhf_actor(openrlhf, model, temperature, packing_samples=False):
+    """OpenRLHF's own Actor around `model`, as its __init__ leaves it for a text model (which also turns
+    the model's KV cache off: transformers then reads packed sequences' boundaries from the positions)."""
     actor = openrlhf.Actor.__new__(openrlhf.Actor)
     torch.nn.Module.__init__(actor)
-    actor.model, actor.temperature, actor.packing_samples = model, temperature, False
+    actor.model, actor.temperature, actor.packing_samples = model, temperature, packing_samples
+    model.config.use_cache = False
     return actor
 
 
+@pytest.mark.parametrize("packing_samples", [False, True], ids=["padded", "packing_samples"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_patched_actor_forward_equals_openrlhf(openrlhf, temperature):
+def test_patched_actor_forward_equals_openrlhf(openrlhf, temperature, packing_samples):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**tiny_decoder_options(tokenizer)))
     g = torch.Generator().manual_seed(1)
-    sequences = torch.randint(3, len(tokenizer), (2, 9), generator=g)
-    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    sequences = torch.randint(3, len(tokenizer), (3, 9), generator=g)
+    attention_mask = torch.ones(3, 9, dtype=torch.long)
     attention_mask[1, :2] = 0  # a left-padded prompt
     attention_mask[1, -1] = 0  # and a right-padded response
+    attention_mask[2, :1] = 0
+    attention_mask[2, -3:] = 0
     action_mask = attention_mask[:, -4:].clone()
     sequences[attention_mask == 0] = tokenizer.pad_token_id
-    upstream = torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+    upstream = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
 
     def run(actor):
         model.zero_grad()
@@ -200,10 +232,13 @@ def test_patched_actor_forward_equals_openrlhf(openrlhf, temperature):
         ((logp * upstream[0]).sum() + (entropy * upstream[1] * action_mask).sum()).backward()
         return logp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]
 
-    want = run(openrlhf_actor(openrlhf, model, temperature))
-    actor = openrlhf_actor(openrlhf, model, temperature)
+    want = run(openrlhf_actor(openrlhf, model, temperature, packing_samples))
+    actor = openrlhf_actor(openrlhf, model, temperature, packing_samples)
     sage_openrlhf.patch_actor_forward(actor)
     got = run(actor)
+    if packing_samples:  # the packed row's attention stops at each sequence: the padded layout's values
+        padded = run(openrlhf_actor(openrlhf, model, temperature))
+        torch.testing.assert_close(got[0], padded[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)  # the fused sweep accumulates in float32
     torch.testing.assert_close(got[1] * action_mask, want[1] * action_mask, rtol=1e-5, atol=1e-6)
     for a, b in zip(got[2], want[2]):
@@ -215,6 +250,7 @@ def test_refusals_name_what_is_not_supported(openrlhf):
         sage_openrlhf.SAGEPolicyLoss(policy_loss_type="gspo")
     with pytest.raises(ValueError, match="is_correction_gating"):
         sage_openrlhf.SAGEPolicyLoss(is_correction_level="token", is_correction_gating="tv")
-    actor = SimpleNamespace(packing_samples=True)
-    with pytest.raises(NotImplementedError, match="packing_samples"):
-        sage_openrlhf.fused_action_log_probs(actor, None, None, None)
+    actor = SimpleNamespace(forward=None)
+    sage_openrlhf.patch_actor_forward(actor)
+    with pytest.raises(NotImplementedError, match="ring_attn_group"):
+        actor.forward(torch.ones(1, 3), torch.ones(1, 2), torch.ones(1, 3), ring_attn_group=object())
