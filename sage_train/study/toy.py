@@ -222,12 +222,13 @@ def sampled_step(
     *,
     scale: bool = True,
     beta: float | None = None,
-) -> None:
+) -> tuple[float, float]:
     """(c): G samples per prompt, group advantages (normalised by the group's std unless `scale` is
     False), one on-policy step, the loss's KL weight `beta` (default the options'). With `reward_kl`
     ("frozen": q at pi_ref; "recomputed": q from the current policy, as the trainer does), the
     trainer's ``kl_in_reward`` (way (e)): `advantages_of_j` of the task rewards and each sample's
-    `sequence_kl` with the options' beta, beta 0 in the loss."""
+    `sequence_kl` with the options' beta, beta 0 in the loss. Returns the guide's mean q and share
+    of q > 1 over the sampled tokens, where it acts (the loss, or the reward's KL)."""
     task, G = toy.task, toy.opts.group_size
     draws = torch.multinomial(toy.seq_logp(theta).exp(), G, replacement=True, generator=generator)
     prompts = torch.arange(task.prompts).repeat_interleave(G)
@@ -237,13 +238,16 @@ def sampled_step(
         logits, at = toy.logits(theta), (prompts[:, None], task.nodes[draws.reshape(-1)], tokens)
         table = toy.guide_log_q(algorithm, logits) if reward_kl == "recomputed" else toy.fixed_log_q[algorithm]
         old_logp = torch.log_softmax(logits, dim=-1)[at]
-        kl = sequence_kl(old_logp, ref_logp, None if table is None else table[at], torch.ones_like(tokens).bool())
+        log_q = torch.zeros_like(old_logp) if table is None else table[at]
+        kl = sequence_kl(old_logp, ref_logp, log_q, torch.ones_like(tokens).bool())
         advantage = advantages_of_j(reward, kl.view(reward.shape), toy.opts.beta, scale=scale)[0].reshape(-1)
         beta, algorithm = 0.0, "grpo"
     else:
         advantage = group_advantages(reward, scale=scale).reshape(-1)
     out = toy.loss(algorithm, beta, hidden, toy.weight(theta), tokens, advantage, token_q, ref_logp=ref_logp)
     out.loss.backward()
+    q = log_q.exp() if reward_kl else out.q
+    return float(q.mean()), float((q > 1.0).to(E.DTYPE).mean())
 
 
 def train(toy: Toy, step, theta0: torch.Tensor, target: torch.Tensor, *, sampled: bool = False):
