@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -151,6 +151,16 @@ class Toy:
         token_q = self.token_log_q[prompt, nodes, tokens]
         return hidden, tokens, cols, ref_logp, token_q
 
+    @cached_property
+    def every_row(self) -> tuple:
+        """`rows` of every (prompt, sequence) pair, row p * S + s: built once, indexed by each sampled step."""
+        return self.rows(self.full_prompts, self.full_seqs)
+
+    def rows_of(self, prompt_ids: torch.Tensor, seq_ids: torch.Tensor) -> tuple:
+        """`rows(prompt_ids, seq_ids)`, taken from `every_row`."""
+        index = prompt_ids * self.task.sequences + seq_ids
+        return tuple(part[index] for part in self.every_row)
+
     def logits(self, theta: torch.Tensor) -> torch.Tensor:
         """The policy's node table [P, N, V]."""
         if self.opts.shared:
@@ -232,7 +242,7 @@ def sampled_step(
     task, G = toy.task, toy.opts.group_size
     draws = torch.multinomial(toy.seq_logp(theta).exp(), G, replacement=True, generator=generator)
     prompts = torch.arange(task.prompts).repeat_interleave(G)
-    hidden, tokens, _, ref_logp, token_q = toy.rows(prompts, draws.reshape(-1))
+    hidden, tokens, _, ref_logp, token_q = toy.rows_of(prompts, draws.reshape(-1))
     reward, beta = task.reward.gather(1, draws), toy.opts.beta if beta is None else beta
     if reward_kl:
         logits, at = toy.logits(theta), (prompts[:, None], task.nodes[draws.reshape(-1)], tokens)
