@@ -138,6 +138,21 @@ def t_test(values, level: float = LEVEL) -> dict:
     }
 
 
+def welch(a, b, level: float = LEVEL) -> dict:
+    """{mean, ci_low, ci_high, df, p}: mean(a) - mean(b) for two independent groups of values (one
+    per seed), Welch's t-interval and two-sided p with Welch-Satterthwaite degrees of freedom."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.size < 2 or b.size < 2:
+        raise ValueError(f"welch needs at least 2 values per group, got {a.size} and {b.size}")
+    va, vb = float(a.var(ddof=1)) / a.size, float(b.var(ddof=1)) / b.size
+    mean, se = float(a.mean() - b.mean()), math.sqrt(va + vb)
+    if se == 0:
+        return {"mean": mean, "ci_low": None, "ci_high": None, "df": None, "p": None}
+    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
+    half = t_quantile(0.5 + level / 2, df) * se
+    return {"mean": mean, "ci_low": mean - half, "ci_high": mean + half, "df": df, "p": two_sided_p(mean / se, df)}
+
+
 def holm(p_values: list) -> list:
     """Holm's step-down adjusted p-values, in the given order: the family-wise error rate over
     these hypotheses is at most alpha when each is rejected at adjusted p < alpha. None stays None

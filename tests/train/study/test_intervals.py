@@ -127,3 +127,19 @@ def test_holm_steps_down_and_stays_monotone():
     assert adjusted[:3] == pytest.approx([0.03, 0.06, 0.06]) and adjusted[3] is None
     assert holm([0.034, 0.045, 0.2, 0.5]) == pytest.approx([0.136, 0.136, 0.4, 0.5])
     assert holm([0.9, 0.3]) == pytest.approx([0.9, 0.6]) and holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])
+
+
+def test_welch_matches_its_formula_and_inverts_its_interval():
+    from sage_train.study.intervals import welch
+
+    a, b = [1.0, 2.0, 4.0, 7.0], [0.0, 0.5, 0.2, 0.1, 0.4, 0.3]
+    result = welch(a, b)
+    va, vb = np.var(a, ddof=1) / 4, np.var(b, ddof=1) / 6
+    df = (va + vb) ** 2 / (va**2 / 3 + vb**2 / 5)
+    assert result["df"] == pytest.approx(df) and result["mean"] == pytest.approx(np.mean(a) - np.mean(b))
+    assert result["ci_high"] - result["mean"] == pytest.approx(t_quantile(0.975, df) * math.sqrt(va + vb))
+    assert (result["p"] < 0.05) == (result["ci_low"] > 0)
+    edge = welch(np.array(a) - result["ci_low"], b)
+    assert edge["p"] == pytest.approx(0.05, abs=1e-9)
+    with pytest.raises(ValueError, match="at least 2"):
+        welch([1.0], b)

@@ -88,3 +88,12 @@ def test_study_kl_in_reward_is_the_decisive_setting_with_its_registered_arms(tmp
     assert plain.kl_in_reward and plain.guide == "none" and plain.beta == 0.05
     assert exact.kl_in_reward and exact.guide == "branch" and exact.tau == 0.95 and exact.beta == 0.05
     assert study.endpoints[0] == {"arm": "sage-branch-exact", "versus": "grpo-kl-in-reward", "k": [1, 64]}
+
+
+def test_study_enrichment_is_the_decisive_setting_with_start_and_grpo(tmp_path):
+    """Stage 1 of issue 38: the decisive study's training keys, key for key; grpo and its start."""
+    decisive, stage1 = read_yaml("study-decisive"), read_yaml("study-enrichment")
+    assert stage1["train"] == decisive["train"] and stage1["eval_n"] == decisive["eval_n"] == 256
+    assert stage1["eval_problems"] == decisive["eval_problems"] == 512
+    study = parse_study(["--config", "study-enrichment", "--seeds", "400", "--out", str(tmp_path)])
+    assert [arm.name for arm in study.arms] == ["grpo"] and study.endpoints[0]["k"] == [1, 64, 256]
