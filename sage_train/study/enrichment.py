@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .endpoints import format_p, format_points
 from .intervals import crossed_interval, crossed_p_value, holm, welch
 from .report import START, pass_at_k_matrices
 
@@ -92,16 +93,6 @@ def recompute(path) -> dict:
     return analyse(json.loads(Path(path).read_text()))
 
 
-def _pts(entry: dict) -> str:
-    if entry.get("ci_low") is None:
-        return "-" if entry.get("mean") is None else f"{100 * entry['mean']:+.1f} [-]"
-    return f"{100 * entry['mean']:+.1f} [{100 * entry['ci_low']:+.1f}, {100 * entry['ci_high']:+.1f}]"
-
-
-def _p(value) -> str:
-    return "-" if value is None else f"{value:.3g}"
-
-
 def markdown(result: dict) -> str:
     lines = [
         "# Stage 1: the enrichment rule",
@@ -115,14 +106,16 @@ def markdown(result: dict) -> str:
         "|---|---:|---:|---:|",
     ]
     for name, entry in result["primary"].items():
-        lines.append(f"| {name} at pass@{result['k']} | {_pts(entry)} | {_p(entry.get('p'))} | {_p(entry['p_holm'])} |")
+        tests = f"{format_p(entry.get('p'))} | {format_p(entry['p_holm'])}"
+        lines.append(f"| {name} at pass@{result['k']} | {format_points(entry)} | {tests} |")
     lines += ["", "| read with them (unadjusted p) | difference [95% interval] | p | seeds |", "|---|---:|---:|---:|"]
     for name, entry in result["read_with"].items():
-        lines.append(f"| {name} | {_pts(entry)} | {_p(entry.get('p'))} | {len(entry['seeds'])} |")
+        lines.append(f"| {name} | {format_points(entry)} | {format_p(entry.get('p'))} | {len(entry['seeds'])} |")
     lines += [
         "",
         f"Correlation of SFT steps with each seed's grpo - start at pass@{result['k']}: Pearson "
-        f"{_p(result['pearson_sft_steps_vs_premise'])}, Spearman {_p(result['spearman_sft_steps_vs_premise'])}.",
+        f"{format_p(result['pearson_sft_steps_vs_premise'])}, "
+        f"Spearman {format_p(result['spearman_sft_steps_vs_premise'])}.",
     ]
     return "\n".join(lines)
 

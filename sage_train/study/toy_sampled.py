@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from . import enumerable as E
+from .endpoints import format_points
 from .intervals import holm, t_test
 from .toy import KS, Options, Toy, sampled_step, train
 from .toy_coverage import coverage_options
@@ -274,20 +275,13 @@ def recompute_from(result: dict) -> dict:
     }
 
 
-def _pts(entry: dict, p: bool = True) -> str:
-    """A difference in points with its interval (and p)."""
-    if entry.get("ci_low") is None:
-        return "-"
-    text = f"{100 * entry['mean']:+.1f} [{100 * entry['ci_low']:+.1f}, {100 * entry['ci_high']:+.1f}]"
-    return text + (f", p = {entry['p']:.3g}" if p and entry.get("p") is not None else "")
-
-
 def summary(result: dict) -> str:
     lines = ["toy-sampled: primaries (points, paired by seed, 95% t-interval, p, Holm-adjusted p)"]
     for row in result["endpoints"]["primary"]:
-        lines.append(f"  {row['arm']} - {row['versus']} at pass@{row['k']}: {_pts(row)}, p_holm = {row['p_holm']:.3g}")
+        name = f"{row['arm']} - {row['versus']} at pass@{row['k']}"
+        lines.append(f"  {name}: {format_points(row, p=True)}, p_holm = {row['p_holm']:.3g}")
     for row in result["endpoints"]["context"]:
-        lines.append(f"  (context) {row['arm']} - {row['versus']} at pass@{row['k']}: {_pts(row)}")
+        lines.append(f"  (context) {row['arm']} - {row['versus']} at pass@{row['k']}: {format_points(row, p=True)}")
     return "\n".join(lines)
 
 
@@ -312,8 +306,9 @@ def markdown(result: dict) -> str:
     ]
     for row in result["endpoints"]["primary"]:
         per = row.get("per_seed", [])
+        name = f"{row['arm']} - {row['versus']} at pass@{row['k']}"
         lines.append(
-            f"| {row['arm']} - {row['versus']} at pass@{row['k']} | {len(row['seeds'])} | {_pts(row)} | "
+            f"| {name} | {len(row['seeds'])} | {format_points(row, p=True)} | "
             f"{row['p_holm']:.3g} | {sum(x > 0 for x in per)} / {sum(x < 0 for x in per)} |"
         )
     lines += [
@@ -323,7 +318,10 @@ def markdown(result: dict) -> str:
         "| contrast | difference, p |",
         "|---|---:|",
     ]
-    lines += [f"| {r['arm']} - {r['versus']} at pass@{r['k']} | {_pts(r)} |" for r in result["endpoints"]["context"]]
+    lines += [
+        f"| {r['arm']} - {r['versus']} at pass@{r['k']} | {format_points(r, p=True)} |"
+        for r in result["endpoints"]["context"]
+    ]
     for key, title in (("arms", "final policy"), ("arms_second_half", "averaged over the second half of training")):
         lines += ["", f"## pass@k (%) and the difference from grpo (points), {title}", ""]
         lines += [
@@ -332,7 +330,7 @@ def markdown(result: dict) -> str:
         lines += ["|---|" + "---:|" * (2 * len(ks))]
         for arm, entry in result[key].items():
             cells = [f"{100 * entry['pass_at_k'][k]['mean']:.1f}" if entry["pass_at_k"][k] else "-" for k in ks]
-            cells += [_pts(entry["vs_grpo"][k], p=False) if k in entry["vs_grpo"] else "" for k in ks]
+            cells += [format_points(entry["vs_grpo"][k]) if k in entry["vs_grpo"] else "" for k in ks]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     lines += ["", "## The guide where it acts (mean over seeds, first -> last tenth of the steps)", ""]
     lines += ["| arm | mean q | tokens with q > 1 |", "|---|---:|---:|"]
