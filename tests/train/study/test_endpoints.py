@@ -43,3 +43,13 @@ def test_committed_studies_recompute_exactly(study):
     assert again == {"arms": stored["arms"], "endpoints": stored.get("endpoints", [])}  # older studies registered none
     primaries = [row for row in again["endpoints"] if row.get("primary")]
     assert [row["p_holm"] for row in primaries] == pytest.approx(holm([row["p"] for row in primaries]))
+
+
+def test_the_smollm2_before_after_result_recomputes_from_its_counts():
+    from sage_train.study.endpoints import endpoint_rows
+
+    stored = json.loads((RESULTS / "smollm2-arithmetic" / "result.json").read_text())
+    rows = endpoint_rows(stored["counts"], [{"arm": "after", "versus": "before", "k": [1, 4]}])
+    assert [{k: v for k, v in row.items() if k != "p"} for row in json.loads(json.dumps(rows))] == stored["endpoints"]
+    assert [round(100 * x, 1) for x in rows[0]["per_seed"]] == [43.0, 40.2, 13.3]  # seeds 1, 2, 3
+    assert rows[0]["p"] == pytest.approx(0.070, abs=5e-4)
