@@ -28,7 +28,11 @@ command line win. The resolved values are saved with the run.
 | sage-branch-dppo  | dppo-tv with beta 0.05 and the branch guide                                         |
 
 The ``*-exact`` presets and grpo-kl-in-reward set ``kl_in_reward`` (`sage_train.reward_kl`): the
-KL goes into the reward at generation, with beta, and the loss's beta is 0. grpo-beta1.4x is the
+KL is measured at generation and enters the advantage as J's gradient asks, -beta (c - group mean
+of c) beside the task reward's own group advantage, never divided by a std; the loss's beta is 0.
+(Changed in issue 38: before, the KL came off the reward before the group statistics, so the
+reward's std divided it too, and groups whose task rewards were all equal got the KL alone divided
+by its own small std. docs/results/decisive and docs/results/kl-in-reward trained that form.) grpo-beta1.4x is the
 control docs/convergence.md derives for the branch loss: in expectation its k3 term pulls each
 position toward pi_ref with weight beta * q_s, q_s in [1, q_max], so the branch loss lies between
 grpo (q_s = 1, the guide off) and grpo-beta1.4x (q_s = q_max = 1.4 everywhere); there is no

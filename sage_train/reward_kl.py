@@ -1,17 +1,33 @@
-"""SAGE's objective through the reward (config key ``kl_in_reward``, presets ``*-exact``).
+"""SAGE's objective through the advantage (config key ``kl_in_reward``, presets ``*-exact``).
 
 The objective SAGE is argued from is J(pi) = E_pi[r] - beta * KL(pi || Q), Q(x) = pi_ref(x) *
 prod_t q_t (docs/convergence.md). No per-token loss estimator differentiates it for a guide
-that depends on the position only, but the reward can carry it, as verl's ``use_kl_in_reward``
-carries the plain KL: at generation, per completion token,
+that depends on the position only, but the advantage can carry it, as verl's
+``use_kl_in_reward`` carries the plain KL: at generation, per completion token,
 
     c_t = log pi_old(y_t) - log pi_ref(y_t) - log q_t          (the k1 form)
 
-summed over the completion (``kl_in_reward_length_normalized``: averaged over its tokens) and
-subtracted, times beta, from the verifier's reward before the group advantages; the loss's
-own beta is then 0. On-policy the sum is log pi(x) - log Q(x), so the policy gradient of the
-shaped reward is the gradient of J with Q held fixed, and training settles at pi* proportional
-to Q exp(r / beta) (with q recomputed from the behaviour policy: at the self-consistent point).
+summed over the completion (``kl_in_reward_length_normalized``: averaged over its tokens) into
+c, and each completion's advantage is
+
+    A_i = task_i - beta * (c_i - mean_j c_j)          (j over the completions of its prompt)
+
+with task_i the verifier reward's own group advantage (`group_advantages`, scaled by its std
+under ``scale_rewards`` as for any GRPO run); the loss's own beta is 0. On-policy c = log pi(x) -
+log Q(x), and E_pi[c grad log pi] = grad KL(pi || Q) with Q held fixed, while a group-mean
+baseline multiplies a term's expected gradient by (n - 1) / n (n completions per prompt). So the
+KL part's expected gradient is exactly (n - 1)/n * (-beta grad KL(pi || Q)), in every group,
+including groups whose task rewards are all equal (task_i = 0 there; the KL part is not);
+with ``scale_rewards: false`` the whole advantage's is (n - 1)/n * grad J (tested on the
+enumerable toy, tests/train/test_objective_gradient.py). With the task part scaled, the reward
+weighs 1/std per prompt against the KL, as GRPO's with its KL in the loss, so the KL's weight
+against the task is the same at the same beta in both placements.
+
+Before issue 38 the KL was subtracted from the reward before the group statistics: the std of
+r - beta c then divided the KL part too, and in a group whose task rewards were all equal the
+advantages were the KL's alone divided by its own small std (not J's gradient; about 40x the
+anchor pressure beta implies, measured in a rerun). Studies run before that change
+(docs/results/decisive, docs/results/kl-in-reward) trained that form.
 
 Why k1 and not k3: per prefix, E_pi[k3] = KL(pi || pi_ref) + (q - 1 - log q) for a position-only
 q, and q - 1 - log q >= 0, so k3 in the reward would penalise every q != 1, where J gives the
@@ -31,6 +47,8 @@ import torch
 
 from sage_kernels.guides import Guide
 from sage_kernels.ordered import ordered_sum
+
+from .advantages import group_advantages
 
 
 def generation_log_q(guide: Guide | None, old_logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor):
@@ -58,18 +76,29 @@ def sequence_kl(
     return total
 
 
-def shaped_rewards(cfg, guide, rewards, old_logp, entropy, ref_logp, mask) -> tuple[torch.Tensor, dict]:
-    """(rewards [G, n] minus beta times each completion's `sequence_kl`, metrics): what the group
-    advantages are computed from under ``kl_in_reward``. Rows are the completions in group order."""
+def objective_advantages(cfg, guide, rewards, old_logp, entropy, ref_logp, mask) -> tuple[torch.Tensor, dict]:
+    """(advantages [G, n], metrics) under ``kl_in_reward``: the task rewards' `group_advantages`
+    (``scale_rewards`` as set) minus beta times each completion's `sequence_kl` centred on its
+    group's mean, never divided by a std (module docstring). Rows are the completions in group order."""
     log_q = generation_log_q(guide, old_logp, entropy, mask)
     kl = sequence_kl(old_logp, ref_logp, log_q, mask, length_normalized=cfg.kl_in_reward_length_normalized)
-    penalty = (cfg.beta * kl).to(torch.float32).view(rewards.shape)
+    kl = kl.view(rewards.shape)
+    advantages, kl_part = advantages_of_j(rewards.to(kl.device), kl, cfg.beta, scale=cfg.scale_rewards)
     tokens = mask.sum().clamp(min=1)
     q = torch.ones_like(old_logp) if log_q is None else log_q.exp()
     metrics = {
         "kl_in_reward/kl": kl.mean(),  # per completion (per token with length normalisation)
-        "kl_in_reward/penalty": penalty.mean(),  # what the reward lost to it, on average
+        "kl_in_reward/penalty": cfg.beta * kl.mean(),  # beta * KL, what J subtracts on average
         "kl_in_reward/q_mean": torch.where(mask, q, 0.0).sum() / tokens,
         "kl_in_reward/frac_q_gt_1": ((q > 1.0) & mask).sum() / tokens,
+        # the KL part's share of the advantages' magnitude
+        "kl_in_reward/kl_share": kl_part.abs().sum() / advantages.abs().sum().clamp(min=1e-12),
     }
-    return rewards.to(penalty.device) - penalty, metrics
+    return advantages.to(torch.float32), metrics
+
+
+def advantages_of_j(rewards: torch.Tensor, kl: torch.Tensor, beta: float, *, scale: bool) -> tuple:
+    """(advantages, KL part) [G, n] in float64 from task rewards and sequence KLs [G, n]:
+    `group_advantages` of the rewards plus -beta (kl - its group mean)."""
+    kl_part = -beta * (kl.double() - kl.double().mean(dim=1, keepdim=True))
+    return group_advantages(rewards, scale=scale).double() + kl_part, kl_part

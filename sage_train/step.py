@@ -1,6 +1,6 @@
 """One RL step, top to bottom: rollouts -> rewards -> behaviour and reference log-probs -> group
-advantages (with ``kl_in_reward``, of the reward minus beta times the KL to q pi_ref:
-`sage_train.reward_kl`) -> the fused SAGE loss -> the optimizer step.
+advantages (with ``kl_in_reward``, the reward's plus J's KL part, minus beta times the KL to q
+pi_ref centred per group: `sage_train.reward_kl`) -> the fused SAGE loss -> the optimizer step.
 
 Normalisers. The loss of one optimizer step is that of the whole batch, over all micro-batches
 (TRL's with the step as one local batch and no accumulation) and ranks: grpo and dr_grpo weight
@@ -38,7 +38,7 @@ from .distributed import all_ranks
 from .policy import Batch, entropy_quantiles, make_batch, score
 from .presets import loss_config
 from .report import COMPLETIONS_FILE, write_completions
-from .reward_kl import shaped_rewards
+from .reward_kl import objective_advantages
 from .rollout import SamplingParams
 from .tasks.grading import grade
 
@@ -131,12 +131,12 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
     timing = dict(zip(TIMING_OF_GENERATION, (sampled - start, time.perf_counter() - sampled)))
 
     # 4. group advantages: (r - mean) / (std + 1e-4) within each prompt's group, of the verifier's
-    # reward or, with kl_in_reward, of that reward minus beta times the completion's KL to q pi_ref
-    shaped, kl_metrics = rewards, {}
+    # reward; with kl_in_reward, plus -beta (c - mean c) of each completion's KL c to q pi_ref
+    advantages, kl_metrics = group_advantages(rewards, scale=cfg.scale_rewards), {}
     if cfg.kl_in_reward:
         args = (rewards, old_logp, entropy, ref_logp, batch.completion_mask)
-        shaped, kl_metrics = shaped_rewards(cfg, ctx.guide, *args)
-    advantages = group_advantages(shaped, scale=cfg.scale_rewards).flatten().to(ctx.device)
+        advantages, kl_metrics = objective_advantages(cfg, ctx.guide, *args)
+    advantages = advantages.flatten().to(ctx.device)
 
     lengths = batch.completion_mask.new_tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
     metrics = {

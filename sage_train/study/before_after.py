@@ -5,7 +5,7 @@
 Each run evaluates the same problems with the same number of samples before and after its RL
 steps (eval_before.json, eval_after.json: each problem's counts, `sage_train.run.evaluate_once`),
 so after - before is paired per (seed, problem); the runs' seeds and the problems are the two
-crossed random factors, and the interval is the studies' one (`study.report.endpoint_intervals`).
+crossed random factors, and the interval is the studies' one (`study.endpoints.endpoint_rows`).
 The runs must share their problems (every seed's held-out set is the same) and their sample count.
 FILE (JSON) keeps every (seed, problem) count, so anyone can recompute the intervals.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..config import load_yaml
 from ..eval.evaluate import mean_pass_at_k
-from .report import endpoint_intervals
+from .endpoints import endpoint_rows
 
 
 def run_record(run_dir: Path, split: str) -> dict:
@@ -69,7 +69,7 @@ def before_after(run_dirs: list[Path], split: str, ks: list[int]) -> dict:
         "problems": runs[0]["problems"],
         "runs": runs,
         "counts": counts,
-        "endpoints": endpoint_intervals(counts, [{"arm": "after", "versus": "before", "k": ks}]),
+        "endpoints": endpoint_rows(counts, [{"arm": "after", "versus": "before", "k": ks}]),
     }
 
 

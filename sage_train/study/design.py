@@ -184,8 +184,10 @@ def check_study(study: Study) -> None:
 def check_endpoints(study: Study) -> None:
     names = [START, *(arm.name for arm in study.arms)]
     for entry in study.endpoints:
-        if not isinstance(entry, dict) or set(entry) != {"arm", "versus", "k"}:
-            raise StudyError(f"endpoints: expected {{arm, versus, k: [...]}}, got {entry!r}")
+        if not isinstance(entry, dict) or not {"arm", "versus", "k"} <= set(entry) <= {"arm", "versus", "k", "primary"}:
+            raise StudyError(f"endpoints: expected {{arm, versus, k: [...], primary: true (optional)}}, got {entry!r}")
+        if not isinstance(entry.get("primary", False), bool):
+            raise StudyError(f"endpoints: primary must be true or false, got {entry['primary']!r}")
         for key in ("arm", "versus"):
             if entry[key] not in names:
                 raise StudyError(f"endpoints: {key} {entry[key]!r} is not one of {names}")

@@ -266,10 +266,10 @@ def describe(task: EnumerableTask) -> dict:
     }
 
 
-def population_advantages(task: EnumerableTask, seq_logp: torch.Tensor, reward: torch.Tensor | None = None):
+def population_advantages(task: EnumerableTask, seq_logp: torch.Tensor):
     """(r - mean) / (std + 1e-4) under pi per prompt [P, S]: the trainer's `group_advantages` as the
-    group grows (its unbiased std tends to this one). `reward` [P, S] defaults to the task's."""
-    prob, reward = seq_logp.exp(), task.reward if reward is None else reward
+    group grows (its unbiased std tends to this one)."""
+    prob, reward = seq_logp.exp(), task.reward
     mean = (prob * reward).sum(-1, keepdim=True)
     std = (prob * (reward - mean) ** 2).sum(-1, keepdim=True).sqrt()
     return (reward - mean) / (std + STD_EPS)

@@ -103,6 +103,68 @@ def crossed_interval(matrix, level: float = LEVEL) -> dict:
     }
 
 
+def crossed_p_value(matrix) -> float | None:
+    """Two-sided p of "the grand mean is 0" for a seeds x problems matrix: t = mean / sqrt(var(mean))
+    on the Satterthwaite degrees of freedom of `crossed_anova` (the test the crossed interval
+    inverts). None where the interval has none (one seed or one problem, or every cell equal)."""
+    try:
+        anova = crossed_anova(matrix)
+    except ValueError:
+        return None
+    if anova["df"] is None:
+        return None
+    return two_sided_p(anova["mean"] / math.sqrt(anova["var_mean"]), anova["df"])
+
+
+def two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with `df` degrees of freedom."""
+    return min(1.0, 2.0 * (1.0 - t_cdf(abs(t), df)))
+
+
+def t_test(values, level: float = LEVEL) -> dict:
+    """{mean, ci_low, ci_high, df, p, per_seed}: the mean of independent `values` (one per seed)
+    with its t-interval and the two-sided p of "the mean is 0" (None with fewer than 2 values or
+    none spread). For one random factor only, as in the toys, whose prompts are the whole task."""
+    values = np.asarray(values, dtype=np.float64)
+    bounds, sd = t_interval(values, level), float(values.std(ddof=1)) if values.size > 1 else 0.0
+    p = two_sided_p(float(values.mean()) / (sd / math.sqrt(values.size)), values.size - 1) if sd > 0 else None
+    return {
+        "mean": float(values.mean()),
+        "ci_low": bounds[0] if bounds else None,
+        "ci_high": bounds[1] if bounds else None,
+        "df": values.size - 1 if bounds else None,
+        "p": p,
+        "per_seed": values.tolist(),
+    }
+
+
+def welch(a, b, level: float = LEVEL) -> dict:
+    """{mean, ci_low, ci_high, df, p}: mean(a) - mean(b) for two independent groups of values (one
+    per seed), Welch's t-interval and two-sided p with Welch-Satterthwaite degrees of freedom."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.size < 2 or b.size < 2:
+        raise ValueError(f"welch needs at least 2 values per group, got {a.size} and {b.size}")
+    va, vb = float(a.var(ddof=1)) / a.size, float(b.var(ddof=1)) / b.size
+    mean, se = float(a.mean() - b.mean()), math.sqrt(va + vb)
+    if se == 0:
+        return {"mean": mean, "ci_low": None, "ci_high": None, "df": None, "p": None}
+    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
+    half = t_quantile(0.5 + level / 2, df) * se
+    return {"mean": mean, "ci_low": mean - half, "ci_high": mean + half, "df": df, "p": two_sided_p(mean / se, df)}
+
+
+def holm(p_values: list) -> list:
+    """Holm's step-down adjusted p-values, in the given order: the family-wise error rate over
+    these hypotheses is at most alpha when each is rejected at adjusted p < alpha. None stays None
+    (a hypothesis without a test) and does not count toward the family's size."""
+    tested = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    adjusted, running = [None] * len(p_values), 0.0
+    for rank, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, (len(tested) - rank) * p))
+        adjusted[i] = running
+    return adjusted
+
+
 def t_interval(values, level: float = LEVEL):
     """(low, high): the t-interval of the mean of independent `values` (None with fewer than 2).
     For one factor only (e.g. a training curve's step over seeds), not for seeds x problems."""

@@ -27,11 +27,12 @@ import numpy as np
 from ..environment import LIBRARIES, package_commit
 from ..eval.evaluate import pass_at_k_table
 from ..report import read_metrics
+from .endpoints import GUIDE_COLUMNS, SHOWN_CURVES, endpoint_rows, format_p, shown_curves
 from .intervals import crossed_interval, t_interval
 
 START = "start"  # the arm name of the starting point (the warm-started model, no RL)
 
-CURVE_METRICS = ("reward", "entropy", "kl", "sage/q_mean", "sage/frac_q_gt_1")
+CURVE_METRICS = ("reward", "entropy", "kl", *GUIDE_COLUMNS["loss"], *GUIDE_COLUMNS["reward"])
 SMOOTH_STEPS = 5  # the curves' plots average this many steps (the JSON keeps every step)
 ENV_FILE = "study_env.json"  # in each run directory (written by `sage_train.study`)
 
@@ -98,28 +99,17 @@ def aggregate(counts: dict, baseline: str, ks: list) -> dict:
     return arms
 
 
-def endpoint_intervals(counts: dict, endpoints: list) -> list:
-    """The pre-registered endpoints: per entry and k, the paired difference arm - versus over the
-    seeds both have, with its crossed interval (`crossed_interval`'s dict plus arm, versus, k, seeds)."""
-    found = []
-    for entry in endpoints:
-        arm, versus = counts.get(entry["arm"], {}), counts.get(entry["versus"], {})
-        seeds = sorted({int(seed) for seed in arm} & {int(seed) for seed in versus})
-        for k in entry["k"]:
-            row = {"arm": entry["arm"], "versus": entry["versus"], "k": k, "seeds": seeds}
-            if seeds:
-                own, base = pass_at_k_matrices(arm, seeds, [k]), pass_at_k_matrices(versus, seeds, [k])
-                row.update(crossed_interval(own[k] - base[k]))
-            found.append(row)
-    return found
-
-
 def recompute(path) -> dict:
-    """Every interval of a study.json from its stored counts: {arm: {"pass_at_k", "diff_vs_baseline"}}
-    with integer k, as `aggregate` computes them (a reader's check of a committed study)."""
+    """Every interval and p-value of a study.json from its stored counts (a reader's check of a
+    committed study): {"arms": {arm: {"pass_at_k", "diff_vs_baseline"}} with integer k, as
+    `aggregate` computes them, "endpoints": the registered endpoints with p and the primaries'
+    Holm-adjusted p (`endpoints.endpoint_rows`)}."""
     report = json.loads(Path(path).read_text())
     ks = list(range(1, report["study"]["eval_n"] + 1))
-    return aggregate(report["counts"], report["study"]["baseline"], ks)
+    return {
+        "arms": aggregate(report["counts"], report["study"]["baseline"], ks),
+        "endpoints": endpoint_rows(report["counts"], report["study"].get("endpoints") or []),
+    }
 
 
 def warm_starts(study, counts: dict) -> dict:
@@ -210,7 +200,7 @@ def write_report(study, argv: list, wall_time_s) -> dict:
             "endpoints": study.endpoints,
         },
         "warm_starts": warm_starts(study, counts),
-        "endpoints": endpoint_intervals(counts, study.endpoints),
+        "endpoints": endpoint_rows(counts, study.endpoints),
         "arms": aggregate(counts, study.baseline, list(range(1, study.eval_n + 1))),
         "curves": curves(study),
         "problems": problems,
@@ -219,7 +209,7 @@ def write_report(study, argv: list, wall_time_s) -> dict:
     (study.out / "study.json").write_text(json.dumps(report, indent=1) + "\n")
     report = json.loads((study.out / "study.json").read_text())  # string keys, as a reader sees them
     plot_pass_at_k(report, study.out / "pass_at_k.png")
-    plot_curves(report["curves"], study.out / "training_curves.png")
+    plot_curves(shown_curves(report), study.out / "training_curves.png")
     report["summary"] = summary_table(report, study)
     (study.out / "study.md").write_text(markdown(report, study) + "\n")
     return report
@@ -261,8 +251,9 @@ def summary_table(report: dict, study) -> str:
     lines = [f"sage-study: held-out pass@k (%), mean [95% CI], {study.eval_problems} problems x {n} samples"]
     for row in report["endpoints"]:
         cell = _cell(row, sign=True) if row["seeds"] else "(no paired seeds yet)"
+        test = f", p {format_p(row.get('p'))}" + (f", Holm {format_p(row.get('p_holm'))}" if row.get("primary") else "")
         lines.append(
-            f"  endpoint {row['arm']} - {row['versus']} at pass@{row['k']}: {cell} ({len(row['seeds'])} seeds)"
+            f"  endpoint {row['arm']} - {row['versus']} at pass@{row['k']}: {cell}{test} ({len(row['seeds'])} seeds)"
         )
     for arm, result in report["arms"].items():
         if not result["pass_at_k"]:
@@ -286,14 +277,16 @@ def _endpoint_lines(rows: list) -> list:
     lines = [
         "## Pre-registered endpoints (percentage points, paired, crossed 95% interval)",
         "",
-        "| endpoint | seeds | difference | seeds above / below |",
-        "|---|---:|---:|---:|",
+        "p: two-sided, of the t-test the crossed interval inverts. Holm: adjusted over the registered "
+        "primaries (marked *), the family-wise rule; the other endpoints keep their unadjusted p.",
+        "",
+        "| endpoint | seeds | difference | p | Holm-adjusted p | seeds above / below |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        cells = [_cell(row, sign=True), _directions(row)] if row["seeds"] else ["-", "-"]
-        lines.append(
-            f"| {row['arm']} - {row['versus']} at pass@{row['k']} | {len(row['seeds'])} | " + " | ".join(cells) + " |"
-        )
+        name = f"{row['arm']} - {row['versus']} at pass@{row['k']}" + (" *" if row.get("primary") else "")
+        cells = [_cell(row, sign=True), format_p(row.get("p")), format_p(row.get("p_holm")), _directions(row)]
+        lines.append(f"| {name} | {len(row['seeds'])} | " + " | ".join(cells if row["seeds"] else ["-"] * 4) + " |")
     return lines + [""]
 
 
@@ -308,7 +301,12 @@ def markdown(report: dict, study) -> str:
     lines = [
         "# sage-study",
         "",
-        f"- command: `{report['command']}`; report computed at commit {report['report_commit']}",
+        f"- command: `{report['command']}`; report computed at commit {report['report_commit']}"
+        + (
+            f"; endpoints, p-values and this file recomputed from the counts at {r}"
+            if (r := report.get("refreshed_at_commit"))
+            else ""
+        ),
         f"- wall time: {_wall(report['wall_time_s'])}; the sage-train runs took "
         f"{report['run_time_s'] / 60:.1f} min in all (the evaluations not counted)",
         f"- held-out: {study.eval_problems} problems x {study.eval_n} samples per model; seeds {study.seeds}; "
@@ -359,13 +357,19 @@ def markdown(report: dict, study) -> str:
         "",
         "## Training (mean over seeds; first and last 10% of steps)",
         "",
-        "| algorithm | " + " | ".join(CURVE_METRICS) + " |",
-        "|---|" + "---:|" * len(CURVE_METRICS),
+        "The guide's columns are read where it acts: the loss's `sage/*` or, for the `kl_in_reward` arms, "
+        "`kl_in_reward/*` (the q of the advantage's KL; their loss has no KL, so `kl` is 0 there). "
+        '"not recorded": the runs did not log it.',
+        "",
+        "| algorithm | " + " | ".join(SHOWN_CURVES) + " |",
+        "|---|" + "---:|" * len(SHOWN_CURVES),
     ]
-    for arm, metrics in report["curves"].items():
+    for arm, metrics in shown_curves(report).items():
         cells = [
-            f"{window_mean(metrics[m], False):.3f} -> {window_mean(metrics[m], True):.3f}" if m in metrics else "-"
-            for m in CURVE_METRICS
+            f"{window_mean(metrics[m], False):.3f} -> {window_mean(metrics[m], True):.3f}"
+            if m in metrics
+            else "not recorded"
+            for m in SHOWN_CURVES
         ]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     lines += ["", "![pass@k](pass_at_k.png)", "", "![training curves](training_curves.png)"]
@@ -407,15 +411,16 @@ def plot_pass_at_k(report: dict, path: Path) -> None:
 
 
 def plot_curves(all_curves: dict, path: Path) -> None:
-    """One panel per metric of `CURVE_METRICS`, a line per arm with its band, smoothed over steps."""
+    """One panel per column of `SHOWN_CURVES` (`shown_curves`), a line per arm with its band,
+    smoothed over steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CURVE_METRICS), figsize=(4 * len(CURVE_METRICS), 3.6), constrained_layout=True)
+    fig, axes = plt.subplots(1, len(SHOWN_CURVES), figsize=(4 * len(SHOWN_CURVES), 3.6), constrained_layout=True)
     colors = _colors([START, *all_curves])
-    for ax, metric in zip(axes, CURVE_METRICS):
+    for ax, metric in zip(axes, SHOWN_CURVES):
         for arm, metrics in all_curves.items():
             if metric not in metrics:
                 continue

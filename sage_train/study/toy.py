@@ -10,6 +10,8 @@ sage-token: a deterministic token-dependent guide passed as log_q), five ways to
 (c) sampled: G completions per prompt, `group_advantages`, one on-policy step per batch;
 (d), (e): the trainer's ``kl_in_reward`` (`sage_train.reward_kl`) in expectation and sampled,
     q recomputed from the current policy: toward the self-consistent optimum pi = pi*(q(pi)).
+    (d) is J's gradient with that q (as the trainer's with an unscaled task part and large groups);
+    (e) uses the trainer's `advantages_of_j` (task part scaled by its group std by default).
 
 `python -m sage_train.study.toy_command --out DIR` (= ``sage-study --toy``) writes DIR/toy.json,
 DIR/curves.json (TV to the target along training) and plots, then runs the coverage toy
@@ -22,7 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -32,7 +34,7 @@ from sage_kernels import LossConfig, fused_linear_sage_loss
 
 from ..advantages import group_advantages
 from ..lr_schedule import lr_schedule
-from ..reward_kl import sequence_kl
+from ..reward_kl import advantages_of_j, sequence_kl
 from . import enumerable as E
 from .toy_report import compare, sampled_report
 
@@ -149,6 +151,16 @@ class Toy:
         token_q = self.token_log_q[prompt, nodes, tokens]
         return hidden, tokens, cols, ref_logp, token_q
 
+    @cached_property
+    def every_row(self) -> tuple:
+        """`rows` of every (prompt, sequence) pair, row p * S + s: built once, indexed by each sampled step."""
+        return self.rows(self.full_prompts, self.full_seqs)
+
+    def rows_of(self, prompt_ids: torch.Tensor, seq_ids: torch.Tensor) -> tuple:
+        """`rows(prompt_ids, seq_ids)`, taken from `every_row`."""
+        index = prompt_ids * self.task.sequences + seq_ids
+        return tuple(part[index] for part in self.every_row)
+
     def logits(self, theta: torch.Tensor) -> torch.Tensor:
         """The policy's node table [P, N, V]."""
         if self.opts.shared:
@@ -174,19 +186,16 @@ class Toy:
 def exact_step(toy: Toy, theta: torch.Tensor, algorithm: str, full, *, reward_kl: str = "") -> None:
     """(a): theta.grad = -grad J (averaged over prompts), through the loss with beta 0: the sequence
     advantage f - E_pi f, f = r - beta log(pi / Q), Q = pi_ref prod q with q at pi_ref. With
-    `reward_kl`, way (d): the trainer's ``kl_in_reward`` in expectation, the advantage
-    (f - E_pi f) / (std_pi f + 1e-4) as the trainer's groups grow, and q "frozen" at pi_ref or
-    "recomputed" from the current policy (held fixed within the step, as at generation)."""
+    `reward_kl`, way (d): the trainer's ``kl_in_reward`` in expectation (its advantage with
+    ``scale_rewards: false`` as its groups grow, J's), q "frozen" at pi_ref or "recomputed" from
+    the current policy (held fixed within the step, as at generation)."""
     hidden, tokens, _, _, _ = full
     task, seq = toy.task, toy.seq_logp(theta)
     anchor = toy.anchor[algorithm]
     if reward_kl == "recomputed":
         anchor = E.task_logprobs(task, task.ref_logits, toy.guide_log_q(algorithm, toy.logits(theta)))
     value = task.reward - toy.opts.beta * (seq - anchor)
-    if reward_kl:
-        advantage = E.population_advantages(task, seq, value)
-    else:
-        advantage = value - (seq.exp() * value).sum(-1, keepdim=True)
+    advantage = value - (seq.exp() * value).sum(-1, keepdim=True)
     # The loss averages rows and positions (1 / (P S L)); weights S L pi(x) make it E_pi per prompt.
     weights = (task.sequences * task.length * seq.exp()).reshape(-1, 1).expand_as(tokens)
     weight = toy.weight(theta)
@@ -215,26 +224,40 @@ def expected_step(toy: Toy, theta, algorithm: str, full, zero_advantages: bool =
 
 
 def sampled_step(
-    toy: Toy, theta: torch.Tensor, algorithm: str, generator: torch.Generator, reward_kl: str = ""
-) -> None:
-    """(c): G samples per prompt, group-normalised advantages, one on-policy step. With `reward_kl`
+    toy: Toy,
+    theta: torch.Tensor,
+    algorithm: str,
+    generator: torch.Generator,
+    reward_kl: str = "",
+    *,
+    scale: bool = True,
+    beta: float | None = None,
+) -> tuple[float, float]:
+    """(c): G samples per prompt, group advantages (normalised by the group's std unless `scale` is
+    False), one on-policy step, the loss's KL weight `beta` (default the options'). With `reward_kl`
     ("frozen": q at pi_ref; "recomputed": q from the current policy, as the trainer does), the
-    trainer's ``kl_in_reward``: the reward minus beta times each sample's `sequence_kl`, beta 0 in
-    the loss (way (e))."""
+    trainer's ``kl_in_reward`` (way (e)): `advantages_of_j` of the task rewards and each sample's
+    `sequence_kl` with the options' beta, beta 0 in the loss. Returns the guide's mean q and share
+    of q > 1 over the sampled tokens, where it acts (the loss, or the reward's KL)."""
     task, G = toy.task, toy.opts.group_size
     draws = torch.multinomial(toy.seq_logp(theta).exp(), G, replacement=True, generator=generator)
     prompts = torch.arange(task.prompts).repeat_interleave(G)
-    hidden, tokens, _, ref_logp, token_q = toy.rows(prompts, draws.reshape(-1))
-    reward, beta = task.reward.gather(1, draws), toy.opts.beta
+    hidden, tokens, _, ref_logp, token_q = toy.rows_of(prompts, draws.reshape(-1))
+    reward, beta = task.reward.gather(1, draws), toy.opts.beta if beta is None else beta
     if reward_kl:
         logits, at = toy.logits(theta), (prompts[:, None], task.nodes[draws.reshape(-1)], tokens)
         table = toy.guide_log_q(algorithm, logits) if reward_kl == "recomputed" else toy.fixed_log_q[algorithm]
         old_logp = torch.log_softmax(logits, dim=-1)[at]
-        kl = sequence_kl(old_logp, ref_logp, None if table is None else table[at], torch.ones_like(tokens).bool())
-        reward, beta, algorithm = reward - toy.opts.beta * kl.view(reward.shape), 0.0, "grpo"
-    advantage = group_advantages(reward).reshape(-1)
+        log_q = torch.zeros_like(old_logp) if table is None else table[at]
+        kl = sequence_kl(old_logp, ref_logp, log_q, torch.ones_like(tokens).bool())
+        advantage = advantages_of_j(reward, kl.view(reward.shape), toy.opts.beta, scale=scale)[0].reshape(-1)
+        beta, algorithm = 0.0, "grpo"
+    else:
+        advantage = group_advantages(reward, scale=scale).reshape(-1)
     out = toy.loss(algorithm, beta, hidden, toy.weight(theta), tokens, advantage, token_q, ref_logp=ref_logp)
     out.loss.backward()
+    q = log_q.exp() if reward_kl else out.q
+    return float(q.mean()), float((q > 1.0).to(E.DTYPE).mean())
 
 
 def train(toy: Toy, step, theta0: torch.Tensor, target: torch.Tensor, *, sampled: bool = False):

@@ -8,10 +8,11 @@ from conftest import TINY_RUN
 
 from sage_kernels.guides import BranchGuide, RandomGuide, TokenGuide, branch_guide
 from sage_train import report, step
+from sage_train.advantages import group_advantages
 from sage_train.cli import train_main
 from sage_train.config import ConfigError
 from sage_train.presets import loss_config
-from sage_train.reward_kl import generation_log_q, sequence_kl, shaped_rewards
+from sage_train.reward_kl import generation_log_q, objective_advantages, sequence_kl
 
 
 def tensors(seed: int = 0, rows: int = 6, length: int = 5):
@@ -70,19 +71,29 @@ def test_generation_guides_are_the_guides_own():
     assert make_guide(cfg, rank=0) is None and generation_log_q(None, old, entropy, mask) is None
 
 
-def test_shaped_rewards_subtract_beta_times_the_kl():
+def test_objective_advantages_add_the_centred_kl_to_the_task_advantages():
+    """The task rewards' group advantages (scaled or not) plus -beta (c - mean c), the KL c never
+    divided by a std: a group whose task rewards are all equal gets the KL part alone."""
     old, ref, _, mask = tensors(5, rows=8)
     entropy = torch.full(old.shape, 2.0)  # above tau everywhere: q = clamp(1 + 0.3 * 0.8) = 1.24
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     for normalized in (False, True):
-        cfg = config(algorithm="sage-branch-exact", beta=0.2, kl_in_reward_length_normalized=normalized)
-        shaped, metrics = shaped_rewards(cfg, BranchGuide(), rewards, old, entropy, ref, mask)
-        kl = sequence_kl(old, ref, torch.full(old.shape, 1.24).log(), mask, length_normalized=normalized)
-        torch.testing.assert_close(shaped, rewards - 0.2 * kl.float().view(2, 4))
-        assert metrics["kl_in_reward/kl"].item() == pytest.approx(kl.mean().item(), rel=1e-9)
-        assert metrics["kl_in_reward/penalty"].item() == pytest.approx(0.2 * kl.mean().item(), rel=1e-6)
-        assert metrics["kl_in_reward/q_mean"].item() == pytest.approx(1.24, rel=1e-6)
-        assert metrics["kl_in_reward/frac_q_gt_1"].item() == 1.0
+        for scale in (True, False):
+            keys = {"beta": 0.2, "kl_in_reward_length_normalized": normalized, "scale_rewards": scale}
+            cfg = config(algorithm="sage-branch-exact", **keys)
+            advantages, metrics = objective_advantages(cfg, BranchGuide(), rewards, old, entropy, ref, mask)
+            kl = sequence_kl(old, ref, torch.full(old.shape, 1.24).log(), mask, length_normalized=normalized).view(2, 4)
+            kl_part = -0.2 * (kl - kl.mean(1, keepdim=True))
+            expected = group_advantages(rewards, scale=scale).double() + kl_part
+            torch.testing.assert_close(advantages, expected.float())
+            torch.testing.assert_close(advantages[1], kl_part[1].float())  # all-equal rewards: the KL part alone
+            assert kl_part[1].abs().max() > 0.01
+            assert metrics["kl_in_reward/kl"].item() == pytest.approx(kl.mean().item(), rel=1e-9)
+            assert metrics["kl_in_reward/penalty"].item() == pytest.approx(0.2 * kl.mean().item(), rel=1e-6)
+            assert metrics["kl_in_reward/q_mean"].item() == pytest.approx(1.24, rel=1e-6)
+            assert metrics["kl_in_reward/frac_q_gt_1"].item() == 1.0
+            share = kl_part.abs().sum() / expected.abs().sum()
+            assert metrics["kl_in_reward/kl_share"].item() == pytest.approx(share.item(), rel=1e-6)
 
 
 def test_presets_put_the_kl_in_the_reward_and_none_in_the_loss():
@@ -109,24 +120,26 @@ def test_bad_kl_in_reward_options_name_the_key(keys, word):
 
 
 def test_sage_train_runs_sage_branch_exact(tmp_path, distributed, monkeypatch):
-    """Two steps from the command line; the group advantages are computed from the shaped reward."""
+    """Two steps from the command line; the advantages are the task's plus the centred KL part."""
     seen = []
-    real = step.group_advantages
+    real = step.objective_advantages
 
-    def recording(rewards, **kwargs):
-        seen.append(rewards.clone())
-        return real(rewards, **kwargs)
+    def recording(cfg, guide, rewards, *args):
+        advantages, metrics = real(cfg, guide, rewards, *args)
+        seen.append((rewards.clone(), advantages.clone()))
+        return advantages, metrics
 
-    monkeypatch.setattr(step, "group_advantages", recording)
+    monkeypatch.setattr(step, "objective_advantages", recording)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({**TINY_RUN, "output_dir": str(tmp_path), "name": "exact", "steps": 2}))
     assert train_main(["--config", str(path), "--algorithm=sage-branch-exact", "--tau=0.5"]) == 0
     rows = report.read_metrics(tmp_path / "exact" / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2] and len(seen) == 2
-    for row, shaped in zip(rows, seen):
+    for row, (rewards, advantages) in zip(rows, seen):
         assert row["kl"] == 0.0  # the loss has no KL term
         assert row["kl_in_reward/penalty"] == pytest.approx(0.05 * row["kl_in_reward/kl"], rel=1e-5)
         assert row["kl_in_reward/q_mean"] >= 1.0 and row["kl_in_reward/frac_q_gt_1"] > 0
-        # the verifier's rewards are 0 / 1; what the advantages saw is that minus beta * KL
-        assert shaped.mean().item() == pytest.approx(row["reward"] - row["kl_in_reward/penalty"], abs=1e-5)
-        assert not torch.isin(shaped, torch.tensor([0.0, 1.0])).all()
+        assert row["reward"] == pytest.approx(rewards.mean().item(), abs=1e-6)  # the verifier's own reward
+        kl_part = advantages - group_advantages(rewards.to(advantages.device))
+        torch.testing.assert_close(kl_part.sum(1), torch.zeros(kl_part.shape[0]), atol=1e-5, rtol=0)
+        assert kl_part.abs().max() > 0

@@ -95,3 +95,51 @@ def test_pass_at_k_table_is_the_scalar_estimator():
         assert all(table[k - 1, c] == pass_at_k(n, c, k) for k in ks for c in range(n + 1))  # the same bits
     with pytest.raises(ValueError, match="k must be in"):
         pass_at_k_table(4, [5])
+
+
+def test_p_values_invert_the_intervals():
+    """p < 0.05 exactly when the 95% interval excludes 0: the crossed one and the one-factor one."""
+    from sage_train.study.intervals import crossed_p_value, t_test
+
+    rng = np.random.default_rng(7)
+    for shift in (0.0, 0.01, 0.02, 0.04):
+        matrix = simulate(rng, 0.03, 0.1, 0.1) + shift
+        ci, p = crossed_interval(matrix), crossed_p_value(matrix)
+        assert (p < 0.05) == (ci["ci_low"] > 0 or ci["ci_high"] < 0)
+        edge = crossed_interval(matrix - ci["ci_low"])  # shifted so the interval's low end is at 0
+        assert crossed_p_value(matrix - ci["ci_low"]) == pytest.approx(0.05, abs=1e-9) and edge[
+            "ci_low"
+        ] == pytest.approx(0)
+        values = rng.normal(shift * 20, 1.0, 30)
+        test = t_test(values)
+        assert (test["p"] < 0.05) == (test["ci_low"] > 0 or test["ci_high"] < 0)
+    assert crossed_p_value(np.ones((3, 4))) is None and t_test([1.0, 1.0])["p"] is None
+    # a mean t_{0.975, 29} = 2.045230 standard errors from 0 (30 values) is p = 0.05
+    assert t_test(np.array([-1.0, 1.0] * 15) + 2.045230 * math.sqrt(30 / 29) / math.sqrt(30))["p"] == pytest.approx(
+        0.05, abs=1e-4
+    )
+
+
+def test_holm_steps_down_and_stays_monotone():
+    from sage_train.study.intervals import holm
+
+    adjusted = holm([0.01, 0.04, 0.03, None])
+    assert adjusted[:3] == pytest.approx([0.03, 0.06, 0.06]) and adjusted[3] is None
+    assert holm([0.034, 0.045, 0.2, 0.5]) == pytest.approx([0.136, 0.136, 0.4, 0.5])
+    assert holm([0.9, 0.3]) == pytest.approx([0.9, 0.6]) and holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])
+
+
+def test_welch_matches_its_formula_and_inverts_its_interval():
+    from sage_train.study.intervals import welch
+
+    a, b = [1.0, 2.0, 4.0, 7.0], [0.0, 0.5, 0.2, 0.1, 0.4, 0.3]
+    result = welch(a, b)
+    va, vb = np.var(a, ddof=1) / 4, np.var(b, ddof=1) / 6
+    df = (va + vb) ** 2 / (va**2 / 3 + vb**2 / 5)
+    assert result["df"] == pytest.approx(df) and result["mean"] == pytest.approx(np.mean(a) - np.mean(b))
+    assert result["ci_high"] - result["mean"] == pytest.approx(t_quantile(0.975, df) * math.sqrt(va + vb))
+    assert (result["p"] < 0.05) == (result["ci_low"] > 0)
+    edge = welch(np.array(a) - result["ci_low"], b)
+    assert edge["p"] == pytest.approx(0.05, abs=1e-9)
+    with pytest.raises(ValueError, match="at least 2"):
+        welch([1.0], b)

@@ -39,8 +39,8 @@ def test_study_decisive_trains_the_pilot_setting_on_fresh_seeds_with_its_registe
         "grpo-no-kl": ("grpo-no-kl", {}),
     }
     assert study.endpoints[:2] == [
-        {"arm": "sage-branch", "versus": "grpo", "k": [1, 64]},
-        {"arm": "sage-branch-exact", "versus": "grpo", "k": [1, 64]},
+        {"arm": "sage-branch", "versus": "grpo", "k": [1, 64], "primary": True},
+        {"arm": "sage-branch-exact", "versus": "grpo", "k": [1, 64], "primary": True},
     ]
     pilot = parse_args(["--config", "pilot-premise"])
     for arm in study.arms:  # the training is the pilot's but for the seed, the arm and what the study sets
@@ -87,4 +87,18 @@ def test_study_kl_in_reward_is_the_decisive_setting_with_its_registered_arms(tmp
     plain, exact = resolved["grpo-kl-in-reward"], resolved["sage-branch-exact"]
     assert plain.kl_in_reward and plain.guide == "none" and plain.beta == 0.05
     assert exact.kl_in_reward and exact.guide == "branch" and exact.tau == 0.95 and exact.beta == 0.05
-    assert study.endpoints[0] == {"arm": "sage-branch-exact", "versus": "grpo-kl-in-reward", "k": [1, 64]}
+    assert study.endpoints[0] == {
+        "arm": "sage-branch-exact",
+        "versus": "grpo-kl-in-reward",
+        "k": [1, 64],
+        "primary": True,
+    }
+
+
+def test_study_enrichment_is_the_decisive_setting_with_start_and_grpo(tmp_path):
+    """Stage 1 of issue 38: the decisive study's training keys, key for key; grpo and its start."""
+    decisive, stage1 = read_yaml("study-decisive"), read_yaml("study-enrichment")
+    assert stage1["train"] == decisive["train"] and stage1["eval_n"] == decisive["eval_n"] == 256
+    assert stage1["eval_problems"] == decisive["eval_problems"] == 512
+    study = parse_study(["--config", "study-enrichment", "--seeds", "400", "--out", str(tmp_path)])
+    assert [arm.name for arm in study.arms] == ["grpo"] and study.endpoints[0]["k"] == [1, 64, 256]

@@ -14,7 +14,7 @@ from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_train.cli import study_main
 from sage_train.eval.evaluate import pass_at_k
 from sage_train.step import LossTotals
-from sage_train.study.intervals import crossed_interval
+from sage_train.study.intervals import crossed_interval, crossed_p_value, holm
 from sage_train.study.report import recompute
 
 
@@ -63,7 +63,9 @@ def test_bad_endpoints_exit_2_naming_them(tmp_path, capsys):
 def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
     out = tmp_path / "study"
     config = tmp_path / "endpoints.yaml"
-    config.write_text("endpoints: [{arm: sage-branch, versus: grpo, k: [1, 4]}, {arm: grpo, versus: start, k: [4]}]\n")
+    config.write_text(
+        "endpoints: [{arm: sage-branch, versus: grpo, k: [1, 4], primary: true}, {arm: grpo, versus: start, k: [4]}]\n"
+    )
     argv = [
         "--config",
         str(config),
@@ -123,12 +125,17 @@ def test_tiny_grid_aggregates_and_resumes(tmp_path, capsys):
             np.array([[pass_at_k(4, c, k) for c in report["counts"][arm][s]["correct"]] for s in ("0", "1")])
             for arm in (entry["arm"], entry["versus"])
         )
-        assert entry == as_json(
-            {"arm": entry["arm"], "versus": entry["versus"], "k": k, "seeds": [0, 1], **crossed_interval(own - base)}
-        )
-    assert "## Pre-registered endpoints" in (out / "study.md").read_text()
-    # a reader's recomputation from study.json alone gives every interval
-    assert as_json(recompute(out / "study.json")) == report["arms"]
+        expected = {"arm": entry["arm"], "versus": entry["versus"], "k": k, "seeds": [0, 1]}
+        expected.update(crossed_interval(own - base), p=crossed_p_value(own - base))
+        if entry["arm"] == "sage-branch":  # the registered primaries: Holm over their two rows
+            expected["primary"] = True
+        assert {key: value for key, value in entry.items() if key != "p_holm"} == as_json(expected)
+    primaries = report["endpoints"][:2]
+    assert [e["p_holm"] for e in primaries] == pytest.approx(holm([e["p"] for e in primaries]))
+    assert "p_holm" not in report["endpoints"][2]
+    assert "Holm-adjusted p" in (out / "study.md").read_text()
+    # a reader's recomputation from study.json alone gives every interval and p-value
+    assert as_json(recompute(out / "study.json")) == {"arms": report["arms"], "endpoints": report["endpoints"]}
     # the environment: one, that trained and evaluated all 6 runs; the warm starts' SFT steps
     (env,) = report["environments"]
     assert len(env["runs"]) == 12 and env["environment"]["torch"] == torch.__version__

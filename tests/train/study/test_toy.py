@@ -298,10 +298,11 @@ def test_kl_in_reward_in_expectation_reaches_its_optimum(guided, mode):
 
 @pytest.mark.parametrize("mode", ["frozen", "recomputed"])
 def test_sampled_kl_in_reward_reaches_its_optimum(guided, mode):
-    """G completions per prompt, the trainer's group advantages of the shaped reward: within 0.05."""
+    """G completions per prompt, the trainer's `advantages_of_j` with an unscaled task part (J's
+    gradient times (G - 1) / G): within 0.05."""
     target = (guided.optimum if mode == "frozen" else guided.consistent)["sage-branch"]
     generator = torch.Generator().manual_seed(1000)
-    step = partial(T.sampled_step, guided, algorithm="sage-branch", generator=generator, reward_kl=mode)
+    step = partial(T.sampled_step, guided, algorithm="sage-branch", generator=generator, reward_kl=mode, scale=False)
     theta, curve, _ = T.train(guided, step, guided.start(), target, sampled=True)
     assert curve[0][1] > 0.1
     assert E.tv(guided.seq_logp(theta), target).mean().item() <= 0.05
