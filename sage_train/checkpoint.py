@@ -41,6 +41,7 @@ from safetensors import SafetensorError
 
 from .config import ConfigError, save_yaml
 from .distributed import RunError
+from .safe_files import fresh_dir, remove, write_file
 
 TAG_PREFIX = "step"
 PARTIAL = ".partial"  # the staging folder of a save in progress (or killed)
@@ -133,11 +134,13 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
     written; the previous checkpoints are then untouched."""
     root = checkpoint_dir(run_dir)
     staging, tag = root / PARTIAL, tag_of(step)
-    rank = dist.get_rank()
+    rank, error = dist.get_rank(), None
     if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+        try:
+            fresh_dir(staging)  # whatever a killed save left (or a link put there): DeepSpeed writes inside
+        except OSError as caught:  # the save below fails as well (every rank takes part): this says why
+            error = _write_failure(caught, root, tag)
     dist.barrier()
-    error = None
     try:
         with frozen_weights_left_out(engine.module):  # a LoRA run's base: the run rebuilds it from `model`
             engine.save_checkpoint(str(staging), tag=tag, client_state={"step": step}, save_latest=False)
@@ -146,7 +149,7 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
         if rank == 0:
             save_yaml(cfg, staging / tag / "config.yaml")
     except (OSError, RuntimeError) as caught:  # torch reports a failed write as a RuntimeError
-        error = _write_failure(caught, root, tag)
+        error = error or _write_failure(caught, root, tag)
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     error = next((e for e in errors if e), None)
@@ -159,7 +162,7 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
     dist.broadcast_object_list(shared, src=0)
     if shared[0]:
         if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove(staging, quiet=True)
         dist.barrier()
         raise RunError(shared[0])
     if rank == 0:
@@ -169,7 +172,7 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
     if rank == 0 and keep:
         done = [p for p in sorted(root.glob(f"{TAG_PREFIX}*")) if (step_of(p) or 0) <= step]
         for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove(old, quiet=True)
     dist.barrier()
     return root / tag
 
@@ -180,14 +183,13 @@ def _commit(root: Path, written: Path, world: int) -> None:
     for path in sorted(p for p in written.rglob("*") if p.is_file()):
         _fsync(path)
         sizes[str(path.relative_to(written))] = path.stat().st_size
-    _write_synced(written / MANIFEST, json.dumps({"world_size": world, "files": sizes}, indent=1) + "\n")
+    write_file(written / MANIFEST, json.dumps({"world_size": world, "files": sizes}, indent=1) + "\n", sync=True)
     for folder in {p.parent for p in written.rglob("*")} | {written}:
         _fsync(folder)
     final = root / written.name
     _replace_folder(final, written)  # an existing one: a checkpoint of a timeline abandoned by a resume
     _fsync(root)
-    _write_synced(root / "latest.tmp", final.name)
-    os.replace(root / "latest.tmp", root / "latest")
+    write_file(root / "latest", final.name, sync=True)
     _fsync(root)
 
 
@@ -195,13 +197,10 @@ def write_atomically(path: Path, text: str) -> None:
     """`path` holds `text` whole, or what it held before: staged beside it, fsynced, renamed over it.
     For the files a resume or a study reads back (eval_before.json, summary.json). `RunError` when
     it cannot be written (a full disk, a read-only folder), naming which."""
-    staged = path.with_name(f".{path.name}.tmp")
     try:
-        _write_synced(staged, text)
-        os.replace(staged, path)
+        write_file(path, text, sync=True)
         _fsync(path.parent)
     except OSError as error:
-        _remove_quietly(staged)
         raise RunError(f"{path} could not be written: {_why_not_written(error, path)}") from None
 
 
@@ -213,8 +212,7 @@ def folder_written_atomically(folder: Path) -> Iterator[Path]:
     fails (a full disk, a read-only folder) raises `RunError` naming why."""
     staged = folder.with_name(f".{folder.name}{PARTIAL}")
     try:
-        shutil.rmtree(staged, ignore_errors=True)  # a save killed earlier
-        staged.mkdir(parents=True)
+        fresh_dir(staged)  # whatever a save killed earlier left (or a link put there)
         yield staged
         for path in staged.rglob("*"):
             _fsync(path)
@@ -222,41 +220,27 @@ def folder_written_atomically(folder: Path) -> Iterator[Path]:
         _replace_folder(folder, staged)
         _fsync(folder.parent)
     except (OSError, RuntimeError, SafetensorError) as error:  # torch and safetensors report IO errors so
-        shutil.rmtree(staged, ignore_errors=True)
+        remove(staged, quiet=True)
         if isinstance(error, RunError):
             raise
         raise RunError(f"{folder} could not be written: {_why_not_written(error, folder)}") from None
 
 
-def _remove_quietly(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass  # a read-only folder: nothing was staged there either
-
-
 def _replace_folder(folder: Path, staged: Path) -> None:
     """Rename the complete `staged` folder to `folder`, moving an existing `folder` aside first and
     deleting it after: at every moment `folder` is the old copy, absent, or the new one."""
-    if folder.exists():
+    if os.path.lexists(folder):
         aside = staged.with_name(f"replaced-{staged.name}")
-        shutil.rmtree(aside, ignore_errors=True)
+        remove(aside, quiet=True)
         folder.rename(aside)
         staged.rename(folder)
-        shutil.rmtree(aside, ignore_errors=True)
+        remove(aside, quiet=True)
     else:
         staged.rename(folder)
 
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:

@@ -217,7 +217,7 @@ class RunOptions:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) / self.name
+        return Path(self.output_dir).expanduser() / self.name  # "~/runs" is the home folder's
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -363,7 +363,10 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
 
 
 def save_yaml(cfg: TrainConfig, path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """The config as YAML at `path`, written whole and never through a link (`safe_files.write_file`)."""
+    from .safe_files import write_file
+
+    write_file(Path(path), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def load_yaml(path) -> TrainConfig:

@@ -5,8 +5,10 @@ run configs sage-eval reads back.
 On top of ``yaml.safe_load`` (no Python objects), refused with one line naming the source:
 text that is not UTF-8; a syntax error (its line and column); a tag beyond YAML's plain types
 (``!!python/...``); an alias (``*name``: a few hundred bytes of nested aliases expand to
-gigabytes once copied, so they are refused before anything is built); and a key given twice in
-one mapping (YAML itself would silently keep the last value).
+gigabytes once copied, so they are refused before anything is built); a key given twice in
+one mapping (YAML itself would silently keep the last value); values nested deeper than
+`MAX_DEPTH` (the parser recurses once per level: 10,000 levels exhaust Python's stack); and an
+integer of more digits than Python converts (4300).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from pathlib import Path
 
 import yaml
 
+#: the deepest nesting of lists and mappings accepted (a config nests a few levels)
+MAX_DEPTH = 100
+
 
 class YamlDataError(ValueError):
     """A YAML text that is not plain data; the message is one line naming its source."""
@@ -23,15 +28,40 @@ class YamlDataError(ValueError):
 
 class _PlainDataLoader(yaml.SafeLoader):
     source = "<yaml>"
+    depth = 0
 
     def compose_node(self, parent, index):
+        event = self.peek_event()
         if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
             raise YamlDataError(
                 f"{self.source}: line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
                 f"accepted; write the value out"
             )
-        return super().compose_node(parent, index)
+        if self.depth >= MAX_DEPTH:
+            raise YamlDataError(
+                f"{self.source}: line {event.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels"
+            )
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def fetch_flow_collection_start(self, token_class):
+        # the scanner's own count of open [ and {: refused here, before it scans ahead for the simple
+        # keys each of them may start (a cost quadratic in the nesting, seconds at 1000 levels)
+        if self.flow_level >= MAX_DEPTH:
+            raise YamlDataError(f"{self.source}: line {self.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        super().fetch_flow_collection_start(token_class)
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # Python's limit on int(str): a value no config key takes anyway
+            raise YamlDataError(
+                f"{self.source}: line {node.start_mark.line + 1}: an integer of {len(node.value)} characters, "
+                f"more digits than Python reads"
+            ) from None
 
     def construct_mapping(self, node, deep=False):
         self.flatten_mapping(node)  # merge keys (<<) first, as SafeLoader does
@@ -46,6 +76,9 @@ class _PlainDataLoader(yaml.SafeLoader):
                 raise YamlDataError(f"{self.source}: line {key_node.start_mark.line + 1}: key {key!r} is given twice")
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+_PlainDataLoader.add_constructor("tag:yaml.org,2002:int", _PlainDataLoader.construct_yaml_int)
 
 
 def load(text: str | bytes, source: str):

@@ -4,11 +4,14 @@ the error that names the key a config breaks (`ConfigError`)."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from .importance import IS_MODES, parse_rejection
 from .presets import LOSS_KEYS
 
+#: the longest file name (in bytes) the filesystems sage writes to take
+NAME_MAX = 255
 #: the experiment loggers ``report_to`` may name (`sage_train.report`)
 LOGGERS = ("tensorboard", "wandb", "trackio")
 
@@ -148,9 +151,12 @@ def validate(cfg) -> None:
     require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
     require(cfg.chat_template or not cfg.system_prompt, "system_prompt", "'' without a chat_template")
     require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
+    for key in ("output_dir", "name"):  # a longer folder name fails in the filesystem, not here
+        fits = all(len(os.fsencode(part)) <= NAME_MAX for part in Path(getattr(cfg, key)).parts)
+        require(fits and "\0" not in getattr(cfg, key), key, f"a path of names of at most {NAME_MAX} bytes")
     plain = cfg.name not in ("", ".", "..") and "/" not in cfg.name and "\0" not in cfg.name  # and no link out:
-    inside = plain and cfg.run_dir.resolve().parent == Path(cfg.output_dir).resolve()
-    require(inside, "name", "a plain folder name inside output_dir (not '.' or '..')")
+    inside = plain and not cfg.run_dir.is_symlink() and cfg.run_dir.parent.resolve() == cfg.run_dir.resolve().parent
+    require(inside, "name", "a plain folder name inside output_dir (not '.' or '..', nor a link)")
     require(cfg.beta is None or cfg.beta >= 0, "beta", ">= 0 (0: no KL term)")
     require(not (cfg.resume and cfg.overwrite), "overwrite", "false with resume (continue the run, or replace it)")
     require(

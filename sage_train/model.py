@@ -18,6 +18,7 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
+from .model_files import ModelFilesError
 from .packaged_models import model_directory
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -120,14 +121,25 @@ def load_pretrained(path: str, gguf_file: str = ""):
     path = model_directory(path, gguf_file)
     if not os.path.isdir(path) and os.path.sep in path and not os.path.exists(path):
         raise FileNotFoundError(f"model: no directory {path!r} (expected 'tiny', a hub name or a local path)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a model directory or hub name, its folder's own code never run
+    (``trust_remote_code=False``: a model folder is data); `ModelFilesError` in one line when it
+    cannot be loaded (a damaged tokenizer file, custom code it would need)."""
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - tokenizers, transformers and the hub raise many kinds
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ModelFilesError(f"model {path!r}: its tokenizer cannot be loaded ({first})") from None
 
 
 def decoder_of(model) -> torch.nn.Module:

@@ -2,8 +2,11 @@
 built from them, and fingerprinted, so that samples are never credited to another model's weights.
 
 `check_model` says in one line what is wrong with a model directory (missing or invalid config.json,
-no weights, a truncated or garbled safetensors file) or a hub name that does not resolve, before
-transformers meets it. `fingerprint` is a digest of every file of a model directory (weights,
+a config that needs the folder's own code, no weights, a truncated or garbled safetensors file, a
+pickled weight file that would build anything but tensors, a tokenizer.json the tokenizers library
+cannot read) or a hub name that does not resolve, before transformers meets it. A model folder is
+data: nothing here or in `sage_train.model` runs its code (``trust_remote_code=False``) or unpickles
+more than tensors. `fingerprint` is a digest of every file of a model directory (weights,
 config, tokenizer, adapter): the same bytes give the same fingerprint wherever the folder lies.
 """
 
@@ -15,7 +18,7 @@ import os
 import struct
 from pathlib import Path
 
-#: weight files transformers loads (safetensors, or a PyTorch pickle it reads with weights_only)
+#: weight files transformers loads (safetensors, or a PyTorch pickle, checked by `pickle_problem`)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit on its JSON header
 
@@ -44,13 +47,34 @@ def check_model(name_or_path: str, what: str) -> None:
         raise ModelFilesError(f"{what}: {config} is not valid JSON ({error})") from None
     if not isinstance(values, dict):
         raise ModelFilesError(f"{what}: {config} must hold a JSON object")
+    if config.name == "config.json":
+        _check_config(path, what)
     weights = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
     if not weights:
         raise ModelFilesError(f"{what}: no weights (*.safetensors or *.bin) in {name_or_path!r}")
     for file in weights:
-        problem = safetensors_problem(file) if file.suffix == ".safetensors" else None
+        problem = safetensors_problem(file) if file.suffix == ".safetensors" else pickle_problem(file)
         if problem:
             raise ModelFilesError(f"{what}: {file} {problem}")
+    if (path / "tokenizer.json").is_file():
+        problem = tokenizer_problem(path / "tokenizer.json")
+        if problem:
+            raise ModelFilesError(f"{what}: {path / 'tokenizer.json'} {problem}")
+
+
+def _check_config(path: Path, what: str) -> None:
+    """The folder's config as transformers reads it, its own code never run (``trust_remote_code=False``:
+    a model folder is data; a config whose ``auto_map`` names code in the folder is refused)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - transformers raises ValueError, KeyError, OSError... here
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise ModelFilesError(
+            f"{what}: {path / 'config.json'} cannot be loaded without running code from the folder, which sage "
+            f"never does, or not at all ({first})"
+        ) from None
 
 
 def safetensors_problem(file: Path) -> str | None:
@@ -73,11 +97,40 @@ def safetensors_problem(file: Path) -> str | None:
     return None
 
 
+def pickle_problem(file: Path) -> str | None:
+    """Why the PyTorch weight file `file` (a pickle) is refused, or None: found by reading its
+    pickle's opcodes, never by unpickling it (`torch.serialization.get_unsafe_globals_in_checkpoint`),
+    it may build tensors and plain containers only."""
+    import torch
+
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(file))
+    except Exception:  # noqa: BLE001 - not a zip, a damaged one, a bad pickle: all refused alike
+        return "is not a torch.save zip checkpoint (damaged, or an older pickle format); save it as safetensors"
+    if unsafe:
+        return (
+            f"holds Python objects other than tensors and plain data ({', '.join(sorted(unsafe))}); loading "
+            f"it could run code, so it is refused"
+        )
+    return None
+
+
+def tokenizer_problem(file: Path) -> str | None:
+    """Why `file` (a tokenizer.json) cannot be loaded by the tokenizers library, or None."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(file))
+    except Exception as error:  # noqa: BLE001 - the Rust library raises a bare Exception
+        return f"is not a tokenizer the tokenizers library reads ({(str(error).splitlines() or [''])[0][:200]})"
+    return None
+
+
 def _check_hub_name(name: str, what: str) -> None:
     from transformers import AutoConfig
 
     try:
-        AutoConfig.from_pretrained(name)
+        AutoConfig.from_pretrained(name, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise ModelFilesError(
             f"{what}: {name!r} is neither a local model directory nor a hub model that resolves "

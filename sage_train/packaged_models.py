@@ -118,15 +118,21 @@ def convert_gguf(path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {path} to {target} (once)", flush=True)
-    folder, name = str(path.parent), path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the GGUF entry that makes save_pretrained fail
-    with torch.random.fork_rng():  # the random initialisation is overwritten by the state dict
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
+    folder, name, remote = str(path.parent), path.name, {"trust_remote_code": False}
+    try:  # a GGUF file is data: whatever a damaged or crafted one makes the readers raise, it is refused
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, **remote)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, **remote)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the GGUF entry that makes save_pretrained fail
+        with torch.random.fork_rng():  # the random initialisation is overwritten by the state dict
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **remote)
+        plain.load_state_dict(loaded.state_dict())
+    except Exception as error:  # noqa: BLE001 - the gguf reader and transformers raise many kinds
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"model {str(path)!r}: not a GGUF model transformers can read ({type(error).__name__}: {first})"
+        ) from None
     plain.generation_config = loaded.generation_config
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))

@@ -17,10 +17,10 @@ import json
 import math
 import os
 import secrets
-import shutil
 from pathlib import Path
 
 from .distributed import RunError
+from .safe_files import make_dir, open_append, remove, save_figure, write_file
 
 #: the progress bar's fields: (metric name, label, format)
 PROGRESS_FIELDS = (
@@ -51,7 +51,7 @@ def write_completions(path: Path, step: int, groups: list, prompt_of) -> None:
     """Append one line per group (``log_completions``): the step, problem id, prompt (`prompt_of`),
     gold answer, completion texts, rewards and finish reasons. A resumed run appends after its
     checkpoint's step, so steps past it appear twice; the later lines are the run's."""
-    with open(path, "a") as f:
+    with open_append(path) as f:
         for group in groups:
             problem, completions = group["problem"], group["completions"]
             row = {
@@ -77,15 +77,14 @@ class MetricsLog:
         kept = []
         if resume_step is not None and self.path.is_file():
             kept = rows_up_to(self.path, resume_step)
-        self.path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
-        os.replace(self.path.with_suffix(".tmp"), self.path)
+        write_file(self.path, "".join(line + "\n" for line in kept))
         self.history = [json.loads(line) for line in kept]
         self.loggers = []
 
     def write(self, rows: list[dict]) -> None:
         rows = [with_values_only(row) for row in rows]
         try:
-            with open(self.path, "a") as f:
+            with open_append(self.path) as f:
                 f.write("".join(json.dumps(row) + "\n" for row in rows))
                 f.flush()
                 os.fsync(f.fileno())
@@ -121,6 +120,8 @@ def rows_up_to(path: Path, step: int) -> list[str]:
                 raise RunError(f"{path} line {number} is not JSON: {line[:80]!r}; repair or remove it") from None
             print(f"sage-train: dropped the half-written last line of {path} ({len(line)} characters)", flush=True)
             continue
+        if not (isinstance(row, dict) and type(row.get("step")) is int and row["step"] >= 1):
+            raise RunError(f"{path} line {number} is not a metrics row (an object with a step >= 1): {line[:80]!r}")
         if row["step"] <= step:
             by_step[row["step"]] = line  # a step logged twice (by an older version) is kept once
     missing = sorted(set(range(1, step + 1)) - set(by_step))
@@ -167,14 +168,13 @@ class WandbLogger:
     def __init__(self, cfg, run_dir: Path, history: list[dict]):
         import wandb
 
-        self.folder = run_dir / "wandb"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = make_dir(run_dir / "wandb")
         id_file = self.folder / "run_id"
         offline = os.environ.get("WANDB_MODE", "") in ("offline", "dryrun")
         if history and offline:
-            shutil.rmtree(self.folder / "wandb", ignore_errors=True)
+            remove(self.folder / "wandb", quiet=True)
         if offline or not (history and id_file.is_file()):
-            id_file.write_text(secrets.token_hex(4))  # wandb takes any [a-z0-9] id
+            write_file(id_file, secrets.token_hex(4))  # wandb takes any [a-z0-9] id
         self.run = wandb.init(
             project=cfg.report_project,
             name=cfg.name,
@@ -288,7 +288,7 @@ def plot_metrics(rows: list[dict], path: Path, evals: dict | None = None) -> Pat
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[1 + len(PLOT_PANELS) :]:
         ax.set_visible(False)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, Path(path), dpi=110)
     plt.close(fig)
     return Path(path)
 

@@ -9,7 +9,6 @@ import fcntl
 import importlib.util
 import json
 import os
-import shutil
 import socket
 import sys
 import time
@@ -24,7 +23,8 @@ from .build import chat_prompted, check_batch_shape, deepspeed_config
 from .config import ConfigError, TrainConfig, plain_yaml, save_yaml
 from .distributed import on_rank0
 from .model_files import ModelFilesError, check_model
-from .packaged_models import gguf_source
+from .packaged_models import model_directory
+from .safe_files import make_dir, open_lock, refuse_links, remove
 from .tasks import TASK_NAMES, get_task
 
 #: a previous run's outputs: a fresh run over any of them is refused, unless ``overwrite``, which deletes
@@ -46,6 +46,7 @@ FRESH_RUN_CLEARS = (
 )
 RESUME_MAY_CHANGE = (
     "output_dir",  # the run directory was moved
+    "name",  # or renamed, or copied: the name only labels the run (its folder, loggers and summary)
     "resume",
     "overwrite",
     "progress",
@@ -58,7 +59,14 @@ RESUME_MAY_CHANGE = (
     "log_completions",
     "max_nonfinite_steps",
 )
+#: the key a resume may change to extend the run (or end it sooner, not before its checkpoint): the
+#: steps done are kept; what depends on `steps` (the cosine / linear LR decay, the token and random
+#: guides' annealing) follows the new total from the next step on (`_extension_note`), as HF
+#: Trainer does with a larger max_steps
+RESUME_MAY_EXTEND = ("steps",)
 LOCK_FILE = "run.lock"  # a run's `RunLock`
+#: every entry of a run directory a run writes or reads (none may be a link: `safe_files`)
+RUN_ENTRIES = (*FRESH_RUN_CLEARS, "config.yaml", LOCK_FILE, "rollout_init")
 
 
 class Inputs(NamedTuple):
@@ -107,9 +115,12 @@ def run_prompts(cfg: TrainConfig, task, tokenizer, train_problems: list):
 
 
 def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
-    """Everything `cfg` names that can be wrong: the batch shape for `world` processes, the
-    DeepSpeed file, the tasks, the loggers' packages, the model. Raises `ConfigError` naming the key."""
+    """Everything `cfg` names that can be wrong: the batch shape for `world` processes, a link among
+    the run directory's files (`safe_files`), the DeepSpeed file, the tasks, the loggers' packages,
+    the model (a GGUF file read). Raises `ConfigError` naming the key, or the link."""
     check_batch_shape(cfg, world)
+    overwritten = FRESH_RUN_CLEARS if cfg.overwrite else ()  # removed as links, never followed
+    refuse_links(cfg.run_dir, [name for name in RUN_ENTRIES if name not in overwritten], "run directory")
     deepspeed_config(cfg, world, 1, torch.device("cpu"))  # reads and checks the deepspeed_config file
     task = _task("task", cfg.task, cfg.task_options)
     sft_problems = list(task.problems("train", None, cfg.seed))
@@ -134,40 +145,41 @@ def check_inputs(cfg: TrainConfig, world: int) -> Inputs:
         raise ConfigError(
             "config key 'rollout_engine': 'vllm' needs vLLM on a CUDA machine (pip install 'sage-rl[vllm]')"
         )
-    # a named model or a GGUF file is found here and converted at load: its tokenizer and skeleton are checked then
-    if gguf_source(cfg.model, cfg.gguf_file) is not None:
-        return Inputs(task, train_problems, sft_task, sft_problems)
-    if cfg.model != "tiny":
+    # a named model or a GGUF file is read now (converted once, into the model cache), like any model
+    model = model_directory(cfg.model, cfg.gguf_file)
+    if model != "tiny":
         try:
-            check_model(cfg.model, "config key 'model' (expected 'tiny', a hub id or a model directory)")
+            check_model(model, "config key 'model' (expected 'tiny', a hub id or a model directory)")
         except ModelFilesError as error:
             raise ConfigError(str(error)) from None
-    _check_what_the_model_meets(cfg, task, sft_task, sft_problems)
+    _check_what_the_model_meets(cfg, model, task, sft_task, sft_problems)
     return Inputs(task, train_problems, sft_task, sft_problems)
 
 
-def _check_what_the_model_meets(cfg: TrainConfig, task, sft_task, sft_problems: list) -> None:
+def _check_what_the_model_meets(cfg: TrainConfig, model: str, task, sft_task, sft_problems: list) -> None:
     """The keys that fail only once a model exists, checked on its tokenizer and on a skeleton of it
-    (no weights: the meta device): the chat template, the LoRA target modules, and the warm start's
-    examples (`sft.sft_examples` refuses a set that leaves none)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    (no weights: the meta device) of `model` ("tiny" or what transformers loads): the chat template,
+    the LoRA target modules, and the warm start's examples (`sft.sft_examples` refuses a set that
+    leaves none)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .model import build_char_tokenizer, build_tiny_model
+    from .model import build_char_tokenizer, build_tiny_model, load_tokenizer
     from .sft import sft_examples
 
-    tokenizer = build_char_tokenizer() if cfg.model == "tiny" else AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = build_char_tokenizer() if model == "tiny" else load_tokenizer(model)
     try:
         prompted = chat_prompted(cfg, sft_task, tokenizer)
     except ValueError as error:  # the tasks/chat.py messages name the template
         raise ConfigError(f"config key 'chat_template' with model {cfg.model!r}: {error}") from None
     if cfg.lora_rank:
         with torch.device("meta"):
-            if cfg.model == "tiny":
+            if model == "tiny":
                 shape = dict(hidden_size=cfg.tiny_hidden_size, num_layers=cfg.tiny_layers, num_heads=cfg.tiny_heads)
                 shape |= dict(num_kv_heads=cfg.tiny_kv_heads, intermediate_size=cfg.tiny_intermediate_size)
                 skeleton = build_tiny_model(tokenizer, **shape, max_positions=cfg.tiny_max_positions, seed=cfg.seed)
             else:
-                skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model))
+                config = AutoConfig.from_pretrained(model, trust_remote_code=False)
+                skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
         names = {name.rsplit(".", 1)[-1] for name, _ in skeleton.named_modules()}
         missing = [m for m in cfg.lora_target_modules if m not in names]
         if missing:
@@ -214,9 +226,9 @@ class RunLock:
         self.release()
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(self.path.parent)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock(self.path)  # never through a link: a run.lock linked elsewhere is refused
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -267,9 +279,12 @@ class RunLock:
 
 def _read(fd: int) -> dict:
     try:
-        return json.loads(os.pread(fd, 4096, 0) or b"null") or {}
+        holder = json.loads(os.pread(fd, 4096, 0) or b"null") or {}
     except ValueError:
+        holder = None
+    if not isinstance(holder, dict):
         return {"pid": "?", "host": "?", "started": "?", "command": "(an unreadable lock file)"}
+    return holder
 
 
 def describe(holder: dict) -> str:
@@ -285,16 +300,23 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
     With ``resume``: check the config against the run's (its newest checkpoint's, or before the
     first checkpoint the one saved at its start); returns (the complete checkpoints newest first,
     what was skipped) for `checkpoint.load` (none yet: the run starts at step 1, keeping its warm start).
+    A resume with other ``steps`` extends the run (`RESUME_MAY_EXTEND`): the end it had (its
+    summary.json, eval_after.json) is no longer its end and is removed.
     Without: a directory holding any of a previous run's outputs (`FRESH_RUN_CLEARS`) is refused
-    unless ``overwrite``, which clears them."""
+    unless ``overwrite``, which clears them (links among them removed, never followed)."""
     usable, skipped = checkpoint.find(run_dir, world)
     damaged = [s for s in skipped if s.startswith(checkpoint.TAG_PREFIX)]  # not a save that never finished
+    ended = []  # a previous end of the run, when this resume moves it
     if cfg.resume:
         # the config the run was started with: its newest checkpoint's, else the one saved at its start
         # (a run killed before its first checkpoint keeps its warm start, which that config made)
         saved = usable[0] / "config.yaml" if usable else run_dir / "config.yaml"
-        if saved.is_file():
-            _check_unchanged(cfg, saved)
+        done = checkpoint.step_of(usable[0]) if usable else 0
+        saved_steps = _check_unchanged(cfg, saved, done) if saved.is_file() else cfg.steps
+        if saved_steps != cfg.steps:
+            ended = [run_dir / name for name in ("summary.json", "eval_after.json") if os.path.lexists(run_dir / name)]
+            if rank == 0:
+                print(_extension_note(cfg, saved_steps, done), flush=True)
         if usable:
             pass  # checkpoint.load takes the newest that loads
         elif damaged:
@@ -320,29 +342,53 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
             )
     if rank == 0:
         if not cfg.resume:
-            stale = [run_dir / name for name in FRESH_RUN_CLEARS if (run_dir / name).exists()]
-            if stale and cfg.overwrite:
+            ended = [run_dir / name for name in FRESH_RUN_CLEARS if os.path.lexists(run_dir / name)]
+            if ended and cfg.overwrite:
                 print(f"sage-train: --overwrite: starting {run_dir} afresh", flush=True)
-            for path in stale:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_yaml(cfg, run_dir / "config.yaml.tmp")
-        os.replace(run_dir / "config.yaml.tmp", run_dir / "config.yaml")
+        for path in ended:
+            remove(path)
+        make_dir(run_dir)
+        save_yaml(cfg, run_dir / "config.yaml")
     dist.barrier()
     return (usable, skipped) if cfg.resume else ([], [])
 
 
 def _has_content(path: Path) -> bool:
-    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+    return path.is_symlink() or path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
-def _check_unchanged(cfg: TrainConfig, saved_path: Path) -> None:
+def _check_unchanged(cfg: TrainConfig, saved_path: Path, done: int) -> int:
     """The resumed config must equal the checkpoint's but for `RESUME_MAY_CHANGE` (keys the saved
-    file has and this version no longer knows are ignored)."""
+    file has and this version no longer knows are ignored) and `RESUME_MAY_EXTEND` (``steps``, not
+    below `done`, the checkpoint's step). Returns the saved ``steps``."""
     saved = plain_yaml(config_files.read, saved_path) or {}
-    changed = sorted(k for k, v in cfg.to_dict().items() if k in saved and saved[k] != v and k not in RESUME_MAY_CHANGE)
+    if not isinstance(saved, dict):
+        raise ConfigError(f"resume: {saved_path} is not a run config (a mapping of config keys)")
+    exempt = RESUME_MAY_CHANGE + RESUME_MAY_EXTEND
+    changed = sorted(k for k, v in cfg.to_dict().items() if k in saved and saved[k] != v and k not in exempt)
     if changed:
         raise ConfigError(
             f"resume: config key(s) {changed} differ from the run's saved config "
             f"({', '.join(f'{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}' for k in changed)})"
         )
+    if cfg.steps < done:
+        raise ConfigError(
+            f"resume: config key 'steps' is {cfg.steps}, below step {done} of the run's newest checkpoint, "
+            f"where it continues; set steps >= {done}"
+        )
+    return saved.get("steps", cfg.steps)
+
+
+def _extension_note(cfg: TrainConfig, saved_steps: int, done: int) -> str:
+    """What a resume with other ``steps`` does, and to the schedules that depend on them."""
+    note = f"sage-train: --resume with steps {saved_steps} -> {cfg.steps}: steps 1..{done} are kept"
+    depends = [f"the {cfg.lr_schedule} learning-rate decay"] if cfg.lr_schedule != "constant" else []
+    if cfg.guide in ("token", "random"):
+        depends.append(f"the {cfg.guide} guide's annealing")
+    if depends:
+        note += (
+            f"; {' and '.join(depends)} {'follows' if len(depends) == 1 else 'follow'} the {cfg.steps}-step "
+            f"schedule from step {done + 1} on "
+            f"(steps 1..{done} followed the {saved_steps}-step one)"
+        )
+    return note

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from ..safe_files import make_dir, refuse_links
 from .evaluate import evaluate_engine, markdown_table, write_outputs
 from .models import build_engine, fingerprints
 from .records import RECORDS_FILE, RecordWriter, check_fingerprints, check_sampling, read_records
@@ -25,10 +26,11 @@ def run_eval(settings: EvalSettings) -> int:
     """Evaluate every model on every task into ``settings.out`` (resuming from its records); returns
     the exit status (130: interrupted, what finished is kept)."""
     st, out = settings, settings.out
+    refuse_links(out.parent, [out.name], "sage-eval --out in")  # e.g. a received run's <run>/eval
     weights = fingerprints(st.models, out)
     done = read_records(out)  # nothing is written to `out` before every check has passed
     check_fingerprints(out, done, weights)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     sampling = st.sampling
     check_sampling(
         out,

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..checkpoint import write_atomically
 from ..rollout.base import RolloutEngine, SamplingParams, derive_seed
+from ..safe_files import save_figure, write_file
 from ..tasks.base import Problem, Task
 from ..tasks.grading import grade
 
@@ -227,7 +228,7 @@ def sample(
 def write_outputs(out: Path, results: dict, table: str) -> None:
     """results.md (`table`), pass_at_k.png, then results.json in `out`: written last and whole, it is
     what a resumed study or evaluation reads to know this one is done."""
-    (out / "results.md").write_text(table + "\n")
+    write_file(out / "results.md", table + "\n")
     plot_curves(results, out / "pass_at_k.png")
     write_atomically(out / "results.json", json.dumps(results, indent=1) + "\n")
 
@@ -286,5 +287,5 @@ def plot_curves(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -82,10 +82,11 @@ def build_engine(kind: str, model_path: str, device: str) -> RolloutEngine:
         model, tokenizer = load_pretrained(model_path)
         model.to(device).eval()
         return make_engine("hf", model, tokenizer, device=device)
-    from transformers import AutoTokenizer
+    from ..model import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return make_engine(kind, model_path, tokenizer, enable_sleep_mode=False, gpu_memory_utilization=0.85)
+    return make_engine(
+        kind, model_path, load_tokenizer(model_path), enable_sleep_mode=False, gpu_memory_utilization=0.85
+    )
 
 
 def in_prompt_format(task, model: ModelSpec, prompt_format: tuple[str, str]):
@@ -95,12 +96,11 @@ def in_prompt_format(task, model: ModelSpec, prompt_format: tuple[str, str]):
     template, system = prompt_format
     if not template:
         return task
-    from transformers import AutoTokenizer
-
+    from ..model import load_tokenizer
     from ..tasks.chat import ChatPromptTask
 
     try:
-        return ChatPromptTask(task, AutoTokenizer.from_pretrained(model.path), system, template)
+        return ChatPromptTask(task, load_tokenizer(model.path), system, template)
     except ValueError as error:
         raise ValueError(f"model {model.label!r}: {error}") from None
 
@@ -137,9 +137,9 @@ def check_prompt_lengths(task, problems: list, model: ModelSpec, max_tokens: int
             count = f"{size} bytes"
         else:
             if tokenizer is None:
-                from transformers import AutoTokenizer
+                from ..model import load_tokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(model.path)
+                tokenizer = load_tokenizer(model.path)
             tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
             if tokens <= max_tokens:
                 continue

@@ -11,6 +11,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from ..safe_files import open_append, write_file
+
 RECORDS_FILE = "records.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 
@@ -40,7 +42,7 @@ def read_records(out: Path) -> dict[tuple[str, str, int, str], dict]:
         records[(record["model"], record["task"], record["seed"], record["problem_id"])] = record
         good_bytes += len(line)
     if good_bytes < path.stat().st_size:
-        with open(path, "r+b") as f:
+        with open_append(path) as f:  # never through a link
             f.truncate(good_bytes)
     return records
 
@@ -71,7 +73,7 @@ def check_sampling(out: Path, sampling: dict) -> None:
                 "use another --out or the same settings"
             )
     else:
-        path.write_text(json.dumps(sampling, indent=1) + "\n")
+        write_file(path, json.dumps(sampling, indent=1) + "\n")
 
 
 class RecordWriter:
@@ -79,8 +81,8 @@ class RecordWriter:
     that a killed run loses at most the problem in progress."""
 
     def __init__(self, out: Path, save_completions: bool, fingerprints: dict[str, str]):
-        self.records = open(out / RECORDS_FILE, "a")
-        self.completions = open(out / COMPLETIONS_FILE, "a") if save_completions else None
+        self.records = open_append(out / RECORDS_FILE)
+        self.completions = open_append(out / COMPLETIONS_FILE) if save_completions else None
         self.fingerprints = fingerprints
 
     def writer_for(self, model: str, task: str) -> Callable[[dict, list[str], list[float]], None]:

@@ -287,6 +287,9 @@ def resolve_settings(args: argparse.Namespace) -> EvalSettings:
 
     tasks = [get_task(name, **task_options) for name, task_options in resolve_tasks(args, models)]
     problems = {task.name: list(task.problems("test", args.limit, 0)) for task in tasks}
+    for name, listed in problems.items():
+        if not listed:
+            raise ValueError(f"task {name!r} has no problem to evaluate")
     prompted = {(m.label, t.name): in_prompt_format(t, m, formats[m.label]) for m in models for t in tasks}
     for (label, name), task in prompted.items():
         check_prompt_lengths(task, problems[name], next(m for m in models if m.label == label), args.max_prompt_tokens)

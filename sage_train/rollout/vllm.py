@@ -164,6 +164,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=executor_backend(),
             logprobs_mode=logprobs_mode,
+            trust_remote_code=False,  # a model folder is data: its own code never runs
         )
         self._weights_loaded, self._kv_asleep = True, False
         if enable_sleep_mode:  # the policy is pushed before any generation: keep no copy of the checkpoint

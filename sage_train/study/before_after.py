@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..config import load_yaml
 from ..eval.evaluate import mean_pass_at_k
+from ..safe_files import write_file
 from .endpoints import endpoint_rows
 
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"before_after: {error}", file=sys.stderr)
         return 2
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_file(args.out, json.dumps(result, indent=1) + "\n")
     print(markdown(result), end="")
     return 0
 

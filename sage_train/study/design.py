@@ -115,8 +115,9 @@ def parse_study(argv: list) -> Study:
         if args.task != train.get("task") and not any(arg.startswith("--task_options=") for arg in rest):
             train["task_options"] = {}
         train["task"] = args.task
-    arms = parse_arms(args.algorithms.split(",") if args.algorithms else values.get("algorithms") or ["grpo"])
-    seeds = _ints(args.seeds, "--seeds") if args.seeds else values.get("seeds", [0])
+    given = args.algorithms is not None  # an empty --algorithms names no algorithm: refused, not grpo
+    arms = parse_arms(args.algorithms.split(",") if given else values.get("algorithms", ["grpo"]))
+    seeds = _ints(args.seeds, "--seeds") if args.seeds is not None else values.get("seeds", [0])
     study = Study(
         arms=arms,
         seeds=seeds,
@@ -146,6 +147,8 @@ def read_study_file(name: str) -> dict:
 
 def parse_arms(entries: list) -> list:
     """Arms from names ("grpo") or mappings ({name: sage-branch-tau0.3, algorithm: sage-branch, tau: 0.3})."""
+    if not isinstance(entries, list) or not entries:
+        raise StudyError(f"algorithms: expected a list of at least one preset, got {entries!r}")
     arms = []
     for entry in entries:
         if isinstance(entry, str) and entry.strip():

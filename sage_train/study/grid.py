@@ -22,7 +22,8 @@ What lands in --out:
 Resumable: a run whose summary.json says it finished is reused; an unfinished one continues from
 its newest checkpoint (every run is launched with --resume); sage-eval resumes from its records.
 Killing the study (Ctrl-C, SIGTERM) starts nothing more and stops the runs in flight (at a
-checkpoint when in the RL loop); the same command then finishes the grid. One study at a time holds
+checkpoint when in the RL loop); the same command then finishes the grid. A study killed outright
+(kill -9) takes its workers with it (`_die_with_parent`). One study at a time holds
 --out (study.lock): a second stops naming the first, having written nothing. With --jobs N, N worker
 processes run at once, one torch thread each; each run is `sage_train.run.train` of its sage-train
 config, in a worker (so torch and DeepSpeed are imported once per worker, not once per run); its
@@ -35,6 +36,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -46,6 +48,7 @@ from pathlib import Path
 import yaml
 
 from ..config import ConfigError
+from ..safe_files import make_dir, open_append, refuse_links
 from .design import Arm, Study, StudyError, parse_study
 from .report import ENV_FILE, START, write_report
 
@@ -65,7 +68,7 @@ def run_task(study: Study, arm: Arm | None, seed: int) -> str:
 def _run(study: Study, arm: Arm | None, seed: int) -> str:
     run_dir = study.run_dir(arm.name if arm else START, seed)
     log_path = study.out / "logs" / f"{run_dir.name}.log"
-    with open(log_path, "a") as log, _output_to(log):
+    with open_append(log_path) as log, _output_to(log):
         if not finished(run_dir):
             from ..run import train
 
@@ -151,10 +154,12 @@ _stop = threading.Event()  # in a worker: the study's stop event (`_worker_init`
 
 def _worker_init(stop) -> None:
     """Workers leave Ctrl-C to the study, which sets `stop` and signals them with SIGTERM
-    (`stop_workers`); an idle worker ignores it. Each is a world of one on a port of its own: a
-    launcher's (or the caller's) rank variables are dropped."""
+    (`stop_workers`); an idle worker ignores it. A worker dies with the study (`_die_with_parent`).
+    Each is a world of one on a port of its own: a launcher's (or the caller's) rank variables are
+    dropped."""
     global _stop
     _stop = stop
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -162,6 +167,23 @@ def _worker_init(stop) -> None:
     import torch
 
     torch.set_num_threads(1)  # tiny models: one thread per worker is fastest, and --jobs shares the cores
+
+
+def _die_with_parent() -> None:
+    """A study that ends without stopping its workers (kill -9, a crash) takes them with it: a thread
+    of the worker waits on the study's sentinel (a pipe the kernel closes when the study's process
+    ends, however it ends) and kills the worker, which would otherwise go on training and
+    evaluating into --out after the study's lock is gone. Its run resumes from its last checkpoint,
+    as after any kill."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not a spawned worker
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-the-study", daemon=True).start()
 
 
 @contextlib.contextmanager
@@ -209,7 +231,7 @@ def run_grid(study: Study, state: dict, log=print) -> dict:
     """Every start, then every (arm, seed) once its start is done, in `study.jobs` worker processes
     (each imports torch once); returns {run name: status}."""
     statuses, total, started = {}, len(study.seeds) * (len(study.arms) + 1), time.time()
-    (study.out / "logs").mkdir(parents=True, exist_ok=True)
+    make_dir(study.out / "logs")
     context = multiprocessing.get_context("spawn")
     state["stop"] = context.Event()
     if state["stopping"]:  # a signal before the event existed
@@ -249,11 +271,12 @@ def main(argv=None) -> int:
 @contextlib.contextmanager
 def _one_study_at_a_time(out: Path):
     """Hold --out's study.lock (`run_dir.RunLock`): a second study on it stops naming the holder,
-    having written nothing."""
+    having written nothing; so does a link among --out's files (`safe_files`)."""
     from ..run_dir import RunLock
 
     lock = RunLock(out, 0, owner="study", option="--out")
     try:
+        refuse_links(out.parent, [out.name], "sage-study --out in")
         lock.acquire()
     except ConfigError as error:
         raise StudyError(str(error)) from None

@@ -27,6 +27,7 @@ import numpy as np
 from ..environment import LIBRARIES, package_commit
 from ..eval.evaluate import pass_at_k_table
 from ..report import read_metrics
+from ..safe_files import save_figure, write_file
 from .endpoints import GUIDE_COLUMNS, SHOWN_CURVES, endpoint_rows, format_p, shown_curves
 from .intervals import crossed_interval, t_interval
 
@@ -206,12 +207,12 @@ def write_report(study, argv: list, wall_time_s) -> dict:
         "problems": problems,
         "counts": counts,
     }
-    (study.out / "study.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_file(study.out / "study.json", json.dumps(report, indent=1) + "\n")
     report = json.loads((study.out / "study.json").read_text())  # string keys, as a reader sees them
     plot_pass_at_k(report, study.out / "pass_at_k.png")
     plot_curves(shown_curves(report), study.out / "training_curves.png")
     report["summary"] = summary_table(report, study)
-    (study.out / "study.md").write_text(markdown(report, study) + "\n")
+    write_file(study.out / "study.md", markdown(report, study) + "\n")
     return report
 
 
@@ -406,7 +407,7 @@ def plot_pass_at_k(report: dict, path: Path) -> None:
         ax.set_xlabel("k")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -433,7 +434,7 @@ def plot_curves(all_curves: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", fontsize=8)
-    fig.savefig(path, dpi=90)
+    save_figure(fig, path, dpi=90)
     plt.close(fig)
 
 

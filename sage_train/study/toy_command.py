@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from ..safe_files import make_dir, write_file
 from . import toy_coverage, toy_report
 from .toy import parse, run
 from .toy_report import plot
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(done.code or 0)
     # The tables are tiny: a second thread only adds synchronisation (about 15x slower on a busy machine).
     torch.set_num_threads(1)
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
 
     command = "python -m sage_train.study.toy_command " + " ".join(sys.argv[1:] if argv is None else argv)
     result = run(opts)
@@ -33,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     result["files"] = ["toy.json", "curves.json"] + plot(result, out)
     # The curves are most of the numbers: one compact line each, apart from the readable report.
     lines = ",\n".join(f"{json.dumps(key)}: {json.dumps(curve)}" for key, curve in result.pop("curves").items())
-    (out / "curves.json").write_text("{\n" + lines + "\n}\n")
-    (out / "toy.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_file(out / "curves.json", "{\n" + lines + "\n}\n")
+    write_file(out / "toy.json", json.dumps(result, indent=1) + "\n")
     cmp = {way: f"{c['max_abs_pass_at_k_difference']:.2e}" for way, c in result["branch_vs_grpo"].items()}
     print(
         f"tv_exact_objective {result['tv_exact_objective']:.2e}  tv_reward_expected "
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         coverage = toy_coverage.run(opts)
         coverage["command"] = command
         coverage["files"] = ["coverage.json"] + toy_report.plot_coverage(coverage, out)
-        (out / "coverage.json").write_text(json.dumps(coverage, indent=1) + "\n")
+        write_file(out / "coverage.json", json.dumps(coverage, indent=1) + "\n")
         print(f"wrote {out / 'coverage.json'} in {coverage['wall_seconds']:.0f}s")
     return 0
 

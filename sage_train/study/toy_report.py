@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..safe_files import save_figure
 from . import enumerable as E
 
 COLOURS = {"grpo": "tab:blue", "sage-branch": "tab:red", "sage-token": "tab:green"}
@@ -84,7 +85,7 @@ def plot(result: dict, out: Path) -> list[str]:
         ax.set_ylabel("TV to target (mean over prompts)")
     axes[0, 0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "tv_curves.png", dpi=80)
+    save_figure(fig, out / "tv_curves.png", dpi=80)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.6))
@@ -99,7 +100,7 @@ def plot(result: dict, out: Path) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "pass_at_k.png", dpi=80)
+    save_figure(fig, out / "pass_at_k.png", dpi=80)
     plt.close(fig)
     return ["tv_curves.png", "pass_at_k.png"]
 
@@ -123,6 +124,6 @@ def plot_coverage(result: dict, out: Path) -> list[str]:
         ax.grid(alpha=0.3)
     left.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "coverage_pass_at_k.png", dpi=80)
+    save_figure(fig, out / "coverage_pass_at_k.png", dpi=80)
     plt.close(fig)
     return ["coverage_pass_at_k.png"]

@@ -75,24 +75,42 @@ def free_number(completion: str) -> Decimal | None:
 
 
 def _answers(text: str):
-    """The values of the numbers in `text` that are no operand of an expression."""
+    """The values of the numbers in `text` that are no operand of an expression. The text around a
+    number is read by position, never copied: linear in the length of `text`."""
     for match in _NUMBER.finditer(text):
-        before, after = text[: match.start()].rstrip(), text[match.end() :].lstrip()
+        before, after = _char_before(text, match.start()), _char_after(text, match.end())
         sign, digits, decimals = match.groups()
-        if sign and _ends_a_term(before):  # "7 - 5": the minus is binary, 5 an operand
+        if sign and _ends_a_term(text, before):  # "7 - 5": the minus is binary, 5 an operand
             continue
-        if not sign and before[-1:] in _OPERATORS and _ends_a_term(before[:-1]):
+        if not sign and before >= 0 and text[before] in _OPERATORS and _ends_a_term(text, _char_before(text, before)):
             continue
-        if after[:1] in _OPERATORS and after[1:].lstrip()[:1] in tuple("0123456789("):
-            continue
+        if after < len(text) and text[after] in _OPERATORS:
+            following = _char_after(text, after + 1)
+            if following < len(text) and text[following] in "0123456789(":
+                continue
         value = Decimal(digits.replace(",", "") + (decimals or ""))
         yield -value if sign else value
 
 
-def _ends_a_term(text: str) -> bool:
-    """Whether `text` ends (spaces aside) with a number or a closing parenthesis."""
-    last = text.rstrip()[-1:]
-    return last.isdigit() or last == ")"
+def _char_before(text: str, end: int) -> int:
+    """The index of the last character of ``text[:end]`` that is not whitespace, or -1."""
+    i = end - 1
+    while i >= 0 and text[i].isspace():
+        i -= 1
+    return i
+
+
+def _char_after(text: str, start: int) -> int:
+    """The index of the first character of ``text[start:]`` that is not whitespace, or len(text)."""
+    i = start
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _ends_a_term(text: str, last: int) -> bool:
+    """Whether the character at `last` (-1: none) is a digit or a closing parenthesis."""
+    return last >= 0 and (text[last].isdigit() or text[last] == ")")
 
 
 def last_boxed(text: str) -> str | None:

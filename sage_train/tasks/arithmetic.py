@@ -27,6 +27,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import ClassVar
 
 from .answer import answer_span, check_grading, free_number
@@ -80,12 +81,13 @@ class ArithmeticTask:
 
     def score(self, completion: str, problem: Problem) -> float:
         """1.0 if the completion's answer is the gold integer, else 0.0 (the rule of ``grading``)."""
+        # Decimal, not int: Python refuses int() of more than 4300 digits, a completion may hold more
         if self.grading == "free":
-            return float(free_number(completion) == int(problem.answer))
+            return float(free_number(completion) == Decimal(problem.answer))
         match = _LEADING_INTEGER.match(answer_span(completion))
         if match is None:
             return 0.0
-        return float(int(match.group(1).replace(",", "")) == int(problem.answer))
+        return float(Decimal(match.group(1).replace(",", "")) == Decimal(problem.answer))
 
     def _draw(self, rng: random.Random) -> tuple[str, Callable[[], Problem]]:
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)

@@ -42,7 +42,11 @@ from .base import Problem
 from .synthetic import problem_id, render, resolve_template, sample_problems
 
 _EXPRESSION_PREFIX = re.compile(r"[0-9+\-*/() ]*")
-_EXPRESSION_RUN = re.compile(r"[0-9+\-*/()×÷ ]*[+\-*/×÷][0-9+\-*/()×÷ ]*")
+# a maximal run of expression characters; it is an expression when it holds an operator and a digit.
+# (Not one pattern with the operator in it: that one backtracks over every start of a long run
+# without an operator, quadratic in the run: 30 s on 80 KB of digits.)
+_EXPRESSION_CHARS = re.compile(r"[0-9+\-*/()×÷ ]+")
+_OPERATOR = re.compile(r"[+\-*/×÷]")
 _TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*/()]))")
 _MAX_EXPRESSION_CHARS = 256  # bounds the work per completion
 _MAX_DEPTH = 32  # parenthesis nesting, well below Python's recursion limit
@@ -161,10 +165,11 @@ def solve(numbers: list[int], use_all: bool = False) -> dict[int, str]:
 def free_expression(completion: str) -> str:
     """The expression `completion` answers with by the free rule (module docstring), or ""."""
     span = free_span(completion)[0].replace("**", " ")  # markdown bold ("**(3+5)*7**"); countdown has no power operator
-    runs = [run for run in _EXPRESSION_RUN.findall(span) if any(c.isdigit() for c in run)]
-    if not runs:
-        return ""
-    return runs[0].replace("×", "*").replace("÷", "/").strip()
+    for match in _EXPRESSION_CHARS.finditer(span):
+        run = match.group(0)
+        if _OPERATOR.search(run) and any(c.isdigit() for c in run):
+            return run.replace("×", "*").replace("÷", "/").strip()
+    return ""
 
 
 def evaluate_expression(text: str, numbers: list[int], use_all: bool = False) -> int | None:

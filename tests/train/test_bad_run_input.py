@@ -70,8 +70,19 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         ("steps: [3\n", ["invalid YAML", "line"]),
         (b"name: caf\xe9\n", ["not UTF-8"]),
         ("- steps\n- 3\n", ["mapping"]),
+        ("seed: " + "7" * 5000 + "\n", ["line 1", "5000 characters", "more digits"]),
+        ("task_options: " + "[" * 10_000 + "]" * 10_000 + "\n", ["line 1", "nested deeper than 100"]),
     ],
-    ids=["alias-bomb", "duplicate-key", "python-tag", "syntax-error", "latin-1", "not-a-mapping"],
+    ids=[
+        "alias-bomb",
+        "duplicate-key",
+        "python-tag",
+        "syntax-error",
+        "latin-1",
+        "not-a-mapping",
+        "5000-digits",
+        "deep",
+    ],
 )
 def test_a_config_file_that_is_not_plain_data_exits_2_with_one_line(tmp_path, capsys, text, words):
     path = tmp_path / "bad.yaml"
@@ -84,7 +95,8 @@ def test_a_config_file_that_is_not_plain_data_exits_2_with_one_line(tmp_path, ca
 
 
 @pytest.mark.parametrize(
-    "arg", ["--stop=[", "--lr=*a", "--task_options={a: 1, a: 2}", "--seed=!!python/name:os.system"]
+    "arg",
+    ["--stop=[", "--lr=*a", "--task_options={a: 1, a: 2}", "--seed=!!python/name:os.system", "--seed=" + "7" * 5000],
 )
 def test_a_bad_command_line_value_exits_2_with_one_line(capsys, arg):
     status, lines = sage_train(capsys, arg, "--dry-run")

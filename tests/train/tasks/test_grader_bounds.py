@@ -1,0 +1,137 @@
+"""Graders run in the trainer's process on whatever a model writes: bounded in time on any completion
+(long runs of digits, parentheses, unclosed tags, operators), never raising on an answer Python cannot
+convert (more than 4300 digits), and reading as before every completion the old rules read. The old
+rules are kept here as the references: the regular expressions and slicing that were quadratic."""
+
+import re
+import time
+from decimal import Decimal
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sage_train.tasks import answer
+from sage_train.tasks.arithmetic import ArithmeticTask
+from sage_train.tasks.base import Problem
+from sage_train.tasks.countdown import CountdownTask, free_expression
+from sage_train.tasks.knights import KnightsTask
+from sage_train.tasks.math import MathTask, answer_for_grading, last_answer_tags
+
+#: the size of a hostile completion: a quadratic grader takes minutes here (30 s at 80 KB), a linear
+#: one well under a second
+SIZE = 400_000
+#: the generous bound for grading one of them (a hang guard on a loaded machine, not a benchmark)
+BOUND_S = 10.0
+
+HOSTILE = {
+    "digits": "7" * SIZE,
+    "digits and spaces": "1 " * (SIZE // 2),
+    "parentheses": "(" * SIZE,
+    "operands": "1+" * (SIZE // 2),
+    "spaced operands": "1 - " * (SIZE // 4),
+    "unclosed answer tags": "<answer>" * (SIZE // 8),
+    "unclosed boxes": "\\boxed{" * (SIZE // 7),
+    "answer markers": "the answer is " * (SIZE // 14),
+    "knights": "a is a knight " * (SIZE // 14),
+    "scientific": "1e5 " * (SIZE // 4),
+}
+TASKS = {
+    f"{name}-{grading}": make(grading=grading)
+    for name, make in (("arithmetic", ArithmeticTask), ("countdown", CountdownTask), ("knights", KnightsTask))
+    for grading in ("free", "strict")
+}
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_every_synthetic_grader_is_bounded_on_hostile_completions(task):
+    grader = TASKS[task]
+    problem = grader.problems("test", 1, 0)[0]
+    for name, completion in HOSTILE.items():
+        start = time.perf_counter()
+        assert grader.score(completion, problem) in (0.0, 1.0)
+        assert time.perf_counter() - start < BOUND_S, (task, name)
+
+
+def test_math_answer_extraction_is_bounded_on_hostile_completions():
+    """What runs in the trainer's process before math-verify's own (killed) worker: the extraction."""
+    for name, completion in HOSTILE.items():
+        start = time.perf_counter()
+        answer_for_grading(completion)
+        assert time.perf_counter() - start < BOUND_S, name
+
+
+@pytest.mark.parametrize("grading", ["free", "strict"])
+def test_answers_longer_than_pythons_int_limit_are_graded_not_raised(grading):
+    digits = "12345" * 1000  # 5000 digits: int() refuses more than 4300
+    task = ArithmeticTask(grading=grading)
+    problem = Problem(id="long", question="a long sum", answer=digits)
+    assert task.score(digits, problem) == 1.0
+    assert task.score(digits[:-1] + "0", problem) == 0.0
+    assert task.score("-" + digits, problem) == 0.0
+
+
+# --- the same readings as the old rules -----------------------------------------------------------------
+
+TEXT = st.text(alphabet="0123456789 +-*/()x×÷.,=\nab<>/answer is:", max_size=60)
+
+
+def old_answers(text: str):
+    """The number reader before it read by position (slicing around every number: quadratic)."""
+    for match in answer._NUMBER.finditer(text):
+        before, after = text[: match.start()].rstrip(), text[match.end() :].lstrip()
+        sign, digits, decimals = match.groups()
+
+        def ends_a_term(part: str) -> bool:
+            last = part.rstrip()[-1:]
+            return last.isdigit() or last == ")"
+
+        if sign and ends_a_term(before):
+            continue
+        if not sign and before[-1:] in answer._OPERATORS and ends_a_term(before[:-1]):
+            continue
+        if after[:1] in answer._OPERATORS and after[1:].lstrip()[:1] in tuple("0123456789("):
+            continue
+        value = Decimal(digits.replace(",", "") + (decimals or ""))
+        yield -value if sign else value
+
+
+OLD_EXPRESSION_RUN = re.compile(r"[0-9+\-*/()×÷ ]*[+\-*/×÷][0-9+\-*/()×÷ ]*")
+
+
+def old_free_expression(completion: str) -> str:
+    span = answer.free_span(completion)[0].replace("**", " ")
+    runs = [run for run in OLD_EXPRESSION_RUN.findall(span) if any(c.isdigit() for c in run)]
+    return runs[0].replace("×", "*").replace("÷", "/").strip() if runs else ""
+
+
+def old_answer_tags(completion: str):
+    matches = re.findall(r"<answer>(.*?)</answer>", completion, flags=re.DOTALL)
+    return matches[-1] if matches else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(TEXT)
+def test_the_linear_readers_read_what_the_old_rules_read(text):
+    assert list(answer._answers(text)) == list(old_answers(text))
+    assert free_expression(text) == old_free_expression(text)
+    tagged = text.replace("ab", "<answer>").replace("is:", "</answer>")
+    assert last_answer_tags(tagged) == old_answer_tags(tagged)
+
+
+@pytest.mark.parametrize(
+    "completion, gold, score",
+    [
+        ("so the result is \\boxed{2e3}", "2000", 1.0),
+        ("The answer is 2e3.", "2000", 1.0),
+        ("The answer is 2e3.", "2", 0.0),  # math-verify alone reads 2 here
+        ("The answer is 1.5E-2", "0.015", 1.0),
+        ("<answer>6.02e23</answer>", "602000000000000000000000", 1.0),
+        ("so the result is \\boxed{2e4}", "2000", 0.0),
+    ],
+)
+def test_scientific_notation_is_read_as_the_number_it_writes(tmp_path, completion, gold, score):
+    """math-verify alone reads "2e3" as 2*e*3 in a box and as 2 in text."""
+    (tmp_path / "one.jsonl").write_text(f'{{"problem": "p", "answer": "{gold}"}}\n')
+    task = MathTask(str(tmp_path / "one.jsonl"))
+    assert task.score(completion, task.problems()[0]) == score
