@@ -39,6 +39,7 @@ import torch
 
 from .guides import branch_guide
 from .loss_types import LOSS_TYPES
+from .metrics import METRICS, reduce_masked
 from .ordered import ordered_sum
 from .packing import layout_of
 from .spec import LossConfig, SageInputs, SageLossOutput
@@ -120,11 +121,6 @@ def off_policy_keep(logp, behaviour_logp, A, mask, threshold: float) -> torch.Te
     return (A >= 0) | (mean_kl <= threshold)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.to(x.dtype)
-    return ordered_sum(x * m) / ordered_sum(m).clamp(min=1.0)
-
-
 def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, config: LossConfig):
     """Everything after the vocabulary sweep, on [B, L] tensors.
 
@@ -181,18 +177,13 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
     loss = aggregate(per_token_loss, m, config)
 
     q = torch.where(active, log_q.detach().exp(), 1.0)
-    metrics = {
-        "kl": _masked_mean(kl.detach(), mask),
-        "entropy": _masked_mean(entropy.detach(), mask),
-        "sage/q_mean": _masked_mean(q, mask),
-        "sage/q_min": torch.where(mask, q, float("inf")).min(),
-        "sage/q_max": torch.where(mask, q, float("-inf")).max(),
-        "clip_ratio/low_mean": _masked_mean(low.to(q.dtype), mask),
-        "clip_ratio/high_mean": _masked_mean(high.to(q.dtype), mask),
-        "clip_ratio/region_mean": _masked_mean((low | high).to(q.dtype), mask),
-    }
+    values = {"kl": kl.detach(), "entropy": entropy.detach(), "q": q, "low": low, "high": high, "region": low | high}
+    values = {name: value.to(q.dtype) for name, value in values.items()}
     # no token, no value: NaN, which the loggers skip (a 0 or a 1 would read as a measurement)
-    metrics = {name: torch.where(mask.any(), value, float("nan")) for name, value in metrics.items()}
+    metrics = {
+        metric.name: torch.where(mask.any(), reduce_masked(values[metric.value], mask, metric.reduction), float("nan"))
+        for metric in METRICS
+    }
     per_token = {"q": q, "kl": kl.detach(), "ratio": torch.where(active, ratio.detach(), 1.0), "metrics": metrics}
     return loss, per_token
 

@@ -28,18 +28,6 @@ IS_LEVEL_CODES = {"token": 0, "sequence": 1}
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REFERENCE_DTYPES = FAST_DTYPES + (torch.float64,)
 
-#: metric names, as logged by TRL and the official SAGE code.
-METRIC_NAMES = (
-    "kl",
-    "entropy",
-    "sage/q_mean",
-    "sage/q_min",
-    "sage/q_max",
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
-)
-
 
 def _is_number(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
@@ -366,7 +354,7 @@ class SageLossOutput:
 
     loss: scalar, differentiable. logp, entropy, q, kl, ratio: [B, L], detached; at positions
     outside the loss (masked ones, unless luspo_include_padding) logp = entropy = kl = 0 and
-    q = ratio = 1. metrics: detached 0-d tensors named as in `METRIC_NAMES` (means over unmasked
+    q = ratio = 1. metrics: detached 0-d tensors named as in `metrics.METRIC_NAMES` (means over unmasked
     positions); no host sync is made for them.
     """
 

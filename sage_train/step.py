@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from sage_kernels.loss_types import LOSS_TYPES
+from sage_kernels.metrics import MEAN_METRICS
 
 from . import importance
 from .advantages import group_advantages
@@ -385,15 +386,6 @@ def step_loss_config(ctx: RunContext, batch: Batch):
 class LossTotals:
     """Sums of the loss and of the loss's metrics over micro-batches, token-weighted."""
 
-    MEAN_METRICS = (
-        "kl",
-        "entropy",
-        "sage/q_mean",
-        "clip_ratio/low_mean",
-        "clip_ratio/high_mean",
-        "clip_ratio/region_mean",
-    )
-
     def __init__(self) -> None:
         self.loss, self.tokens, self.sums = 0.0, 0.0, {}
         self.q_min, self.q_max = None, None
@@ -404,7 +396,7 @@ class LossTotals:
         tokens = mask.sum().float()
         self.loss = self.loss + loss.detach()
         self.tokens = self.tokens + tokens
-        for name in self.MEAN_METRICS:  # a micro-batch without tokens has NaN metrics: it adds nothing
+        for name in MEAN_METRICS:  # a micro-batch without tokens has NaN metrics: it adds nothing
             self.sums[name] = self.sums.get(name, 0.0) + torch.nan_to_num(out.metrics[name].float() * tokens)
         q_min, q_max = out.metrics["sage/q_min"].float(), out.metrics["sage/q_max"].float()
         # the share of tokens whose anchor the guide raises (q > 1): how much of the text it touches

@@ -10,7 +10,7 @@ gradients a call wants (`GradsWanted`), what each loss operator returns (`TwoPas
 `LossConfig` crosses as (floats, ints, num_items) from `pack_config` and is rebuilt (and
 re-validated) by `unpack_config`; both walk `LossConfig`'s fields by their declared types, so a
 new option needs no change here. Also here: the rows in the order the kernels take them
-(`row_order`) and the metrics as one vector.
+(`row_order`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from torch import Tensor
 from ..loss_types import LOSS_TYPE_CODES
 from ..packing import layout_of
 from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LogitMap, LossConfig, SageInputs
-from . import token_stage as stage
 from .stages import stage as timed
 from .sweep_fwd import compact_rows, host_row_count
 
@@ -127,7 +126,7 @@ class GradsWanted(NamedTuple):
 
 
 class TwoPassOutputs(NamedTuple):
-    """What ``triton_sage_loss`` returns: the loss, the [B, L] per-token outputs and the [8] metrics,
+    """What ``triton_sage_loss`` returns: the loss, the [B, L] per-token outputs and the metrics vector,
     then what its backward needs (lse, g, c, the compacted row order, the valid count and, as a
     CPU tensor, the rows the host counted: -1 when nothing is masked)."""
 
@@ -154,8 +153,8 @@ class TwoPassOutputs(NamedTuple):
 
 
 class LocalOutputs(NamedTuple):
-    """What ``triton_sage_loss_local`` returns: the loss, the [B, L] per-token outputs, the [8]
-    metrics and the gradients formed in the forward (empty where not wanted)."""
+    """What ``triton_sage_loss_local`` returns: the loss, the [B, L] per-token outputs, the
+    metrics vector and the gradients formed in the forward (empty where not wanted)."""
 
     loss: Tensor
     logp: Tensor
@@ -253,26 +252,6 @@ def unpack_config(floats: list[float], ints: list[int], num_items: Tensor | None
     if num_items is not None:
         options["num_items_in_batch"] = num_items
     return LossConfig(**options)
-
-
-def metrics_vector(row_stats: Tensor, mask: Tensor) -> Tensor:
-    """The [8] metric vector (METRIC_NAMES order) from the per-row partial sums; NaN throughout
-    when no position is unmasked (no value: the reference's convention)."""
-    tokens = mask.sum().to(torch.float32)
-    sums = row_stats.sum(0)
-    vector = torch.stack(
-        [
-            sums[stage.ROW_KL] / tokens,
-            sums[stage.ROW_ENTROPY] / tokens,
-            sums[stage.ROW_Q] / tokens,
-            row_stats[:, stage.ROW_Q_MIN].min(),
-            row_stats[:, stage.ROW_Q_MAX].max(),
-            sums[stage.ROW_LOW] / tokens,
-            sums[stage.ROW_HIGH] / tokens,
-            sums[stage.ROW_REGION] / tokens,
-        ]
-    )
-    return torch.where(tokens > 0, vector, float("nan"))
 
 
 def unit_stride(t: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ operators are opaque to the compiler; their fake implementations give output sha
   gradients, formed in the forward; its backward scales them by the upstream gradient in place.
 - ``sage_kernels::triton_sage_loss``: the two-pass path's forward sweep + token stage, for
   sequence-level ratios and the entropy quantile. Returns the loss, the [B, L] per-token
-  outputs, the metrics as one [8] vector (in `METRIC_NAMES` order) and what the backward
+  outputs, the metrics as one vector (in `metrics.METRIC_NAMES` order) and what the backward
   needs (lse, g, c, the compacted row order, the valid count and, on the host, the rows to cover).
 - ``sage_kernels::triton_sage_loss_backward``: the two-pass path's backward sweep.
 - ``sage_kernels::triton_logprobs_entropy``: the forward-only scoring sweep.
@@ -35,8 +35,9 @@ import torch
 from torch import Tensor
 
 from ..first_order import first_order_only
+from ..metrics import COLUMNS, METRIC_NAMES, metrics_vector
 from ..packing import layout_of
-from ..spec import METRIC_NAMES, LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
+from ..spec import LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
 from . import ops_local  # noqa: F401  (registers the three-matmul operator)
 from . import token_stage as stage
 from .boundary import (
@@ -47,7 +48,6 @@ from .boundary import (
     MaybeTensor,
     TwoPassOutputs,
     TwoPassSaved,
-    metrics_vector,
     none_as_empty,
     pack_config,
     row_order,
@@ -93,7 +93,7 @@ def _two_pass_forward(tensors: LossTensors, config: LossConfig) -> TwoPassOutput
     # the device count there instead would wait for the whole forward
     rows_to_do = torch.full((), -1 if order.identity else order.n, dtype=torch.int64)
     return TwoPassOutputs(
-        loss=per_token.row_stats[:, stage.ROW_LOSS].sum(),
+        loss=per_token.row_stats[:, COLUMNS.loss].sum(),
         logp=logp,
         entropy=entropy,
         q=per_token.q,

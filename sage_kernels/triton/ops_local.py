@@ -8,15 +8,14 @@ import torch
 from torch import Tensor
 
 from ..first_order import first_order_only
+from ..metrics import COLUMNS, METRIC_NAMES, metrics_vector
 from ..packing import layout_of
-from ..spec import METRIC_NAMES, LossConfig
-from . import token_stage as stage
+from ..spec import LossConfig
 from .boundary import (
     GradsWanted,
     LocalOutputs,
     LossTensors,
     MaybeTensor,
-    metrics_vector,
     none_as_empty,
     row_order,
     unpack_config,
@@ -29,7 +28,7 @@ def local_forward(tensors: LossTensors, config: LossConfig, wanted: GradsWanted)
     layout = layout_of(tensors)
     out = fused_loss(tensors.for_kernels(), config, row_order(layout.to_rows(tensors.mask)), wanted)
     return LocalOutputs(
-        loss=out.stage.row_stats[:, stage.ROW_LOSS].sum(),
+        loss=out.stage.row_stats[:, COLUMNS.loss].sum(),
         logp=layout.to_grid(out.logp),
         entropy=layout.to_grid(out.entropy),
         q=out.stage.q,

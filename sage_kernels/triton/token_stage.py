@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ..loss_types import LOSS_TYPES
+from ..metrics import COLUMNS, ROW_STATS
 from ..reference import loss_normaliser
 from ..spec import KL_CODES, LossConfig
 from .tiles import interpreting, new_buffer
@@ -53,20 +54,6 @@ from .token_math import (
 
 if TYPE_CHECKING:
     from .boundary import LossTensors
-
-#: columns of the per-row statistics buffer.
-ROW_LOSS, ROW_KL, ROW_ENTROPY, ROW_Q, ROW_Q_MIN, ROW_Q_MAX, ROW_LOW, ROW_HIGH, ROW_REGION = range(9)
-N_ROW_STATS = 9
-
-_ROW_LOSS = tl.constexpr(ROW_LOSS)
-_ROW_KL = tl.constexpr(ROW_KL)
-_ROW_ENTROPY = tl.constexpr(ROW_ENTROPY)
-_ROW_Q = tl.constexpr(ROW_Q)
-_ROW_Q_MIN = tl.constexpr(ROW_Q_MIN)
-_ROW_Q_MAX = tl.constexpr(ROW_Q_MAX)
-_ROW_LOW = tl.constexpr(ROW_LOW)
-_ROW_HIGH = tl.constexpr(ROW_HIGH)
-_ROW_REGION = tl.constexpr(ROW_REGION)
 
 
 @triton.heuristics(
@@ -136,7 +123,7 @@ def _token_stage_kernel(
     HAS_LOG_Q: tl.constexpr,
     HAS_SAMPLING: tl.constexpr,
     HAS_QUANTILE: tl.constexpr,
-    N_STATS: tl.constexpr,
+    COLUMNS: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -349,16 +336,16 @@ def _token_stage_kernel(
             else:
                 tl.store(g_ptr + at, local + tl.where(m, d_log_ratio, 0.0), mask=in_row)
 
-    stats = row_stats_ptr + row * N_STATS
-    tl.store(stats + _ROW_LOSS, tl.sum(loss_sum, axis=0))
-    tl.store(stats + _ROW_KL, tl.sum(kl_sum, axis=0))
-    tl.store(stats + _ROW_ENTROPY, tl.sum(entropy_sum, axis=0))
-    tl.store(stats + _ROW_Q, tl.sum(q_sum, axis=0))
-    tl.store(stats + _ROW_Q_MIN, tl.min(q_lo, axis=0))
-    tl.store(stats + _ROW_Q_MAX, tl.max(q_hi, axis=0))
-    tl.store(stats + _ROW_LOW, tl.sum(low_sum, axis=0))
-    tl.store(stats + _ROW_HIGH, tl.sum(high_sum, axis=0))
-    tl.store(stats + _ROW_REGION, tl.sum(region_sum, axis=0))
+    stats = row_stats_ptr + row * len(COLUMNS)
+    tl.store(stats + COLUMNS.loss, tl.sum(loss_sum, axis=0))
+    tl.store(stats + COLUMNS.kl, tl.sum(kl_sum, axis=0))
+    tl.store(stats + COLUMNS.entropy, tl.sum(entropy_sum, axis=0))
+    tl.store(stats + COLUMNS.q, tl.sum(q_sum, axis=0))
+    tl.store(stats + COLUMNS.q_min, tl.min(q_lo, axis=0))
+    tl.store(stats + COLUMNS.q_max, tl.max(q_hi, axis=0))
+    tl.store(stats + COLUMNS.low, tl.sum(low_sum, axis=0))
+    tl.store(stats + COLUMNS.high, tl.sum(high_sum, axis=0))
+    tl.store(stats + COLUMNS.region, tl.sum(region_sum, axis=0))
 
 
 def entropy_threshold(entropy: torch.Tensor, mask: torch.Tensor, rho: float) -> torch.Tensor:
@@ -392,7 +379,7 @@ def batch_statistics(entropy: torch.Tensor, mask: torch.Tensor, config: LossConf
 
 class StageOutputs(NamedTuple):
     """The token stage's outputs: q, kl, ratio [B, L]; g = dloss/dlogp and c = dloss/dH flat [B*L];
-    the per-row partial sums [B, N_ROW_STATS] (columns named by the ROW_* constants)."""
+    the per-row partial results [B, len(ROW_STATS)] (`metrics.COLUMNS` names the columns)."""
 
     q: torch.Tensor
     kl: torch.Tensor
@@ -411,7 +398,7 @@ def token_stage(logp, entropy, tensors: LossTensors, config: LossConfig) -> Stag
     inv_norm, threshold = batch_statistics(entropy, mask, config)
     q, kl, ratio = (new_buffer((B, L), torch.float32, device) for _ in range(3))
     g, c = (new_buffer((B * L,), torch.float32, device) for _ in range(2))
-    row_stats = new_buffer((B, N_ROW_STATS), torch.float32, device)
+    row_stats = new_buffer((B, len(ROW_STATS)), torch.float32, device)
     block_l = min(triton.next_power_of_2(L), 128 if interpreting() else 1024)
     _token_stage_kernel[(B,)](
         logp,
@@ -468,7 +455,7 @@ def token_stage(logp, entropy, tensors: LossTensors, config: LossConfig) -> Stag
         HAS_DUAL=config.dual_clip_c is not None,
         HAS_KL_CLAMP=config.kl_clamp is not None,
         OFF_POLICY=config.off_policy_mask_threshold is not None,
-        N_STATS=N_ROW_STATS,
+        COLUMNS=COLUMNS,
         BLOCK_L=block_l,
         num_warps=4,
     )

@@ -20,9 +20,10 @@ from tolerances import assert_close, assert_grad_close
 
 from sage_kernels import LossConfig, cpu, fused_linear_sage_loss, logprobs_and_entropy
 from sage_kernels.loss_types import LOSS_TYPES
+from sage_kernels.metrics import METRIC_NAMES
 from sage_kernels.packing import rows_output, validate_packed_inputs
 from sage_kernels.reference import reference_logprobs_and_entropy
-from sage_kernels.spec import FAST_DTYPES, KL_CODES, METRIC_NAMES, validate_inputs
+from sage_kernels.spec import FAST_DTYPES, KL_CODES, validate_inputs
 from sage_kernels.triton import three_matmul
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -178,6 +178,7 @@ def compile_all(every: bool = False) -> None:
     import triton.language as tl
 
     from sage_kernels.loss_types import LOSS_TYPES
+    from sage_kernels.metrics import COLUMNS
     from sage_kernels.triton import sweep_bwd, sweep_fwd, three_matmul, token_stage
     from sage_kernels.triton.tiles import dot_precision, dot_upcast, sweep_tiles
 
@@ -315,7 +316,7 @@ def compile_all(every: bool = False) -> None:
             HAS_SAMPLING=everything,
             OFF_POLICY=everything,
             HAS_QUANTILE=everything,
-            N_STATS=token_stage.N_ROW_STATS,
+            COLUMNS=COLUMNS,
             BLOCK_L=1024,
         )
         absent = {} if everything else {"old_ptr": None, "isw_ptr": None, "log_q_ptr": None, "threshold_ptr": None}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sage_kernels.spec import METRIC_NAMES
+from sage_kernels.metrics import METRIC_NAMES
 from sage_train import report
 from sage_train.config import load_yaml
 from sage_train.policy import entropy_quantiles
