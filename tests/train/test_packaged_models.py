@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-from tiny_gguf import write_tiny_gguf  # the gguf package is in the [dev] extra
 
 from sage_train import packaged_models
 from sage_train.cli import eval_main
@@ -20,19 +19,6 @@ from sage_train.packaged_models import NamedModel, model_directory
 from sage_train.policy import PolicyHead, make_batch
 from sage_train.rollout.base import Completion
 from sage_train.run_dir import check_inputs
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(packaged_models.CACHE_ENV, str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_tiny_gguf(path)
-    return path
 
 
 def test_a_gguf_file_converts_once_and_loads_like_any_model(gguf_path, cache, capsys):
