@@ -206,16 +206,13 @@ WORKERS = {"sage": sage_worker, "trl": trl_worker}
 
 def run_side(side: str, model: str, steps: int, threads: int, checkpointing: bool) -> dict:
     """One side in a fresh process; its result row (or {"failed": the last lines of its output})."""
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.rl_step",
-        side,
-        model,
-        str(steps),
-        str(threads),
-        str(int(checkpointing)),
-    ]
+    return run_worker("benchmarks.rl_step", side, model, str(steps), str(threads), str(int(checkpointing)))
+
+
+def run_worker(module: str, *argv: str):
+    """``python -m module argv...`` in a fresh process from the repository root: the JSON its last
+    "RESULT " line prints, or {"failed": the last lines of its output}."""
+    command = [sys.executable, "-m", module, *argv]
     # one process of its own: no rendezvous inherited from a launcher (accelerate would join it)
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))

@@ -17,8 +17,12 @@ machine it is what the numbers depend on). Rows go to ``generation.jsonl`` and a
 ``generation.md`` in --out.
 
 ``--part step``: whole RL steps of sage-train against TRL's GRPOTrainer, each in a fresh process,
-parts timed, peak RSS (`benchmarks.rl_step`); rows to ``step.jsonl``, a table to ``step.md``. The
-LM-head loss alone is ``sage-bench loss``.
+parts timed, peak RSS (`benchmarks.rl_step`); rows to ``step.jsonl``, a table to ``step.md``.
+
+``--part update``: sage-train's update with its micro-batches padded against packed
+(``padding_free``), at the demo's and the SmolLM2 recipe's settings (``--settings``), each in a
+fresh process: tokens/s, peak memory, the padding fraction (`benchmarks.packed_update`); rows to
+``update.jsonl``, a table to ``update.md``. The LM-head loss alone is ``sage-bench loss``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from . import packed_update
 from .measure import machine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +46,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def parse_args(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sage-bench train", description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("generation", "step"), default="generation")
+    parser.add_argument("--part", choices=("generation", "step", "update"), default="generation")
+    parser.add_argument("--settings", default="demo,smollm2", help="--part update: demo and/or smollm2 (default both)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a named model, GGUF file or HF directory")
     parser.add_argument("--prompts", type=int, default=8, help="distinct prompts (default 8)")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (default 8: 64 rows)")
@@ -58,6 +64,9 @@ def parse_args(argv) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results"), help="output directory")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.settings.split(",")) - set(packed_update.SETTINGS))
+    if unknown:
+        parser.error(f"--settings: unknown {unknown}; known: {sorted(packed_update.SETTINGS)}")
     for key in ("prompts", "group", "new_tokens", "threads", "repeats", "steps"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
@@ -117,7 +126,7 @@ def bf16_logprob_gap(model, tokenizer, prompts, args) -> dict:
     completions = [c for group in engine.generate(prompts, params) for c in group]
     batch = make_batch(completions, torch.device("cpu"), tokenizer.pad_token_id)
     with torch.no_grad():
-        trainer_logp, _ = score(PolicyHead(model), batch, micro_batch_size=16, temperature=1.0)
+        trainer_logp, _ = score(PolicyHead(model), batch, micro_batches=16, temperature=1.0)
     engine_logp = torch.zeros_like(trainer_logp)
     for row, c in enumerate(completions):
         engine_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs)
@@ -148,6 +157,8 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.part == "step":
         return whole_steps(args)
+    if args.part == "update":
+        return packed_updates(args)
     torch.set_num_threads(args.threads)
     from sage_train.model import load_pretrained
 
@@ -167,18 +178,24 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     gap = bf16_logprob_gap(model, tokenizer, prompts, args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    info = {"machine": machine("cpu"), "args": vars(args), "bf16_logprob_gap": gap}
-    with open(out / "generation.jsonl", "w") as f:
-        f.write(json.dumps(info) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
     table = generation_table(rows) + (
         f"\nbf16 engine vs the float32 trainer's log-probs of the same {gap['tokens']} sampled tokens: "
         f"|diff| mean {gap['abs_mean']:.4f}, max {gap['abs_max']:.3f}; mean diff {gap['mean']:+.4f}\n"
     )
-    (out / "generation.md").write_text(table)
+    write_results(args, "generation", rows, table, bf16_logprob_gap=gap)
     print(table)
     return 0
+
+
+def write_results(args, stem: str, rows: list[dict], table: str, **info) -> None:
+    """`rows` to ``<stem>.jsonl`` in --out, after a line of the machine, the arguments and `info`;
+    `table` to ``<stem>.md``."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    head = {"machine": machine("cpu"), "args": vars(args), **info}
+    with open(out / f"{stem}.jsonl", "w") as f:
+        f.write(json.dumps(head) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    (out / f"{stem}.md").write_text(table)
 
 
 def whole_steps(args) -> int:
@@ -186,15 +203,20 @@ def whole_steps(args) -> int:
     from . import rl_step
 
     rows = rl_step.main(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    info = {"machine": machine("cpu"), "args": vars(args)}
-    with open(out / "step.jsonl", "w") as f:
-        f.write(json.dumps(info) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
     failed = [r for r in rows if "failed" in r]
     table = rl_step.step_table(rows) if len(failed) < len(rows) else ""
-    (out / "step.md").write_text(table)
+    write_results(args, "step", rows, table)
     print(table + "".join(f"{r['side']} failed:\n{r['failed']}\n" for r in failed))
+    return 1 if failed else 0
+
+
+def packed_updates(args) -> int:
+    """``--part update`` (`benchmarks.packed_update`): rows to ``update.jsonl``, the table to ``update.md``."""
+    rows = packed_update.main(args, args.settings.split(","))
+    failed = [r for r in rows if "failed" in r]
+    table = packed_update.update_table(rows)
+    write_results(args, "update", rows, table)
+    print(table + "".join(f"{r['setting']}, {r['layout']} failed:\n{r['failed']}\n" for r in failed))
     return 1 if failed else 0
 
 

@@ -26,7 +26,8 @@ def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: tor
     import deepspeed
 
     local_rows = check_batch_shape(cfg, world)
-    ds_config = deepspeed_config(cfg, world, local_rows // cfg.micro_batch_size, device)
+    # DeepSpeed's nominal accumulation: the update marks its last micro-batch itself (a token budget varies their count)
+    ds_config = deepspeed_config(cfg, world, max(1, local_rows // cfg.micro_batch_size), device)
     policy = PolicyHead(model.to(device), cfg.loss_backend, cfg.gradient_checkpointing)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # the adapter only under LoRA
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -163,9 +164,10 @@ def derived_max_model_len(cfg: TrainConfig, tokenizer, prompts: Iterable[str]) -
 
 
 def check_batch_shape(cfg: TrainConfig, world: int) -> int:
-    """Each rank's rows per step (its prompts x group_size); they must split into micro-batches."""
+    """Each rank's rows per step (its prompts x group_size); they must split into micro-batches
+    (of ``micro_batch_size`` rows, unless a token budget makes them)."""
     local_rows = cfg.prompts_per_step // world * cfg.group_size
-    if cfg.prompts_per_step % world or local_rows % cfg.micro_batch_size:
+    if cfg.prompts_per_step % world or (local_rows % cfg.micro_batch_size and not cfg.max_tokens_per_micro_batch):
         raise ConfigError(
             f"config key 'prompts_per_step' ({cfg.prompts_per_step}) must split evenly over "
             f"{world} rank(s), and each rank's prompts x group_size ({local_rows}) into "

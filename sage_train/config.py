@@ -97,6 +97,13 @@ class RunOptions:
     prompts_per_step: int = 8
     group_size: int = 8
     micro_batch_size: int = 16
+    # > 0: micro-batches by a budget of tokens (prompt + completion, padding not counted) instead of
+    # micro_batch_size rows, long and short sequences dealt evenly (verl's dynamic batch size)
+    max_tokens_per_micro_batch: int = 0
+    # each micro-batch's sequences packed into one row, positions restarting per sequence, attention
+    # kept within each (`sage_train.micro_batches`): no padding computed. null: packed where the
+    # model's attention supports it (`sage_train.model.packs_sequences`), padded elsewhere
+    padding_free: bool | None = None
     # activation checkpointing of the policy's decoder layers in the update (`policy.checkpoint_layers`):
     # one layer's activations held instead of all, for a second forward in the backward; same gradient
     gradient_checkpointing: bool = False

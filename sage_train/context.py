@@ -14,6 +14,7 @@ from sage_kernels.guides import Guide
 
 from .build import build_engines, build_rollout, chat_prompted, make_guide, policy_and_reference, rollout_model_path
 from .config import TrainConfig
+from .micro_batches import padding_free
 from .policy import Batch
 from .rollout.base import RolloutEngine
 from .run_dir import Inputs, run_prompts
@@ -63,6 +64,7 @@ class RunContext:
     generation: Generation | None = None  # the rollouts the current optimizer steps learn from
     nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
     stop: str = ""  # why the run must stop (set by `step.check_finite_steps`)
+    padding_free: bool = False  # micro-batches packed into one row each (`sage_train.micro_batches`)
 
 
 def build_context(cfg: TrainConfig, inputs: Inputs, rank: int, world: int, device: torch.device) -> RunContext:
@@ -73,9 +75,25 @@ def build_context(cfg: TrainConfig, inputs: Inputs, rank: int, world: int, devic
     model, tokenizer = initial_policy(cfg, sft_task, sft_problems, cfg.run_dir, rank, resumed=cfg.resume)
     rollout_init = rollout_model_path(cfg, model, tokenizer, cfg.run_dir, rank)
     model, reference_lm = policy_and_reference(cfg, model)
+    packed, why_padded = padding_free(cfg, model)
+    if why_padded and cfg.padding_free is None and rank == 0:
+        print(f"sage-train: padded micro-batches: {why_padded}", flush=True)
     engine, reference = build_engines(cfg, model, reference_lm, world, device)
     task = chat_prompted(cfg, task, tokenizer)
     prompts = run_prompts(cfg, task, tokenizer, train_problems)  # read only to derive vLLM's context length
     rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world, prompts)
     guide = make_guide(cfg, rank)
-    return RunContext(cfg, engine, reference, rollout, tokenizer, task, train_problems, guide, rank, world, device)
+    return RunContext(
+        cfg,
+        engine,
+        reference,
+        rollout,
+        tokenizer,
+        task,
+        train_problems,
+        guide,
+        rank,
+        world,
+        device,
+        padding_free=packed,
+    )

@@ -11,6 +11,7 @@ run trains with the tokenizer of the run it continues.
 
 from __future__ import annotations
 
+import inspect
 import os
 import string
 
@@ -18,6 +19,7 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
+from .lora import base_lm
 from .model_files import ModelFilesError
 from .packaged_models import model_directory
 
@@ -145,3 +147,35 @@ def load_tokenizer(path: str):
 def decoder_of(model) -> torch.nn.Module:
     """The base transformer of a causal LM (its forward returns last hidden states, not logits)."""
     return getattr(model, model.base_model_prefix)
+
+
+def packs_sequences(lm) -> bool:
+    """Whether `lm` computes sequences packed back to back in one row (positions restarting at 0 for
+    each, no attention mask) as it computes each alone: its positions come from ``position_ids`` and
+    its attention never crosses from one sequence into another (`sage_train.micro_batches`).
+
+    Probed, not looked up: a sequence of 3 random tokens after one of 5, against it alone, with the
+    model's own attention implementation, without gradient. transformers' decoders that build their
+    attention mask from ``position_ids`` (``masking_utils``: Llama and SmolLM2, Qwen2/2.5/3, Mistral,
+    Gemma 2/3, Phi-3, OLMo 2, Cohere, GPT-2, GPT-NeoX, OPT, Falcon, ...) pass: eager, sdpa and flex
+    attention get a block-diagonal causal mask, flash-attention its varlen kernel with the sequence
+    boundaries read from ``position_ids``. A model without ``position_ids`` (Bloom's ALiBi) does not.
+    A leak would move the second sequence's hidden states by about their own size; rounding (float32,
+    or the summation order of a longer row) moves them by far less than the 1% allowed."""
+    decoder = decoder_of(base_lm(lm))  # under LoRA: the layers that carry the adapter
+    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+        return False
+    weight = decoder.get_input_embeddings().weight
+    draw = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(weight.shape[0], (1, n), generator=draw).to(weight.device) for n in (5, 3))
+    training = decoder.training
+    decoder.eval()  # no dropout in the probe
+    try:
+        with torch.no_grad():
+            alone = decoder(input_ids=second, position_ids=torch.arange(3, device=weight.device)[None], use_cache=False)
+            positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=weight.device)
+            packed = decoder(input_ids=torch.cat([first, second], 1), position_ids=positions, use_cache=False)
+    finally:
+        decoder.train(training)
+    alone, packed = alone.last_hidden_state.float(), packed.last_hidden_state[:, 5:].float()
+    return bool((packed - alone).abs().max() <= 1e-2 * alone.abs().max())

@@ -1,9 +1,11 @@
 """The model seen as a loss head: hidden states and the LM head in, log-probs or the fused loss out.
 
 `PolicyHead` runs the decoder and hands its last hidden states, with the LM head's weight, to
-`sage_kernels`: the [tokens x vocab] logits are never formed. `Batch` packs a step's sequences
+`sage_kernels`: the [tokens x vocab] logits are never formed. `Batch` holds a step's sequences
 (left-padded prompts, right-padded completions) and `score` computes per-token log-probs and
-entropies without gradient, micro-batch by micro-batch.
+entropies without gradient, micro-batch by micro-batch; a micro-batch reaches the decoder as its
+padded rows or packed into one row (``padding_free``, `sage_train.micro_batches`), and the loss
+takes the packed completion tokens with ``cu_seqlens``.
 
 The logits are the model's own: its config's scale and softcap after the LM head (Gemma 2/3,
 Cohere: `sage_kernels.integrations.hf_logits`) go to every sweep, then the sampling temperature.
@@ -28,6 +30,7 @@ from sage_kernels import fused_linear_sage_loss, logprobs_and_entropy
 from sage_kernels.integrations.hf_logits import logit_options
 
 from .lora import base_lm
+from .micro_batches import MicroBatch, PackedRows, split
 from .model import decoder_of
 
 
@@ -53,16 +56,22 @@ class PolicyHead(nn.Module):
         attention_mask,
         position_ids,
         completion_ids,
-        prompt_length: int,
         temperature: float,
+        prompt_length: int | None = None,
+        packing: PackedRows | None = None,
         loss_inputs: dict | None = None,
     ):
+        """Padded rows (`prompt_length` P: each row's completion starts at column P) or one packed
+        row (`packing`, `sage_train.micro_batches`: its completion tokens' states and ``cu_seqlens``)."""
         lm = base_lm(self.lm)  # under LoRA: the LM whose layers carry the (possibly disabled) adapter
         hidden = decoder_of(lm)(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        # the hidden state at position t predicts token t + 1: the completion starts at prompt_length
-        hidden = hidden[:, prompt_length - 1 : prompt_length - 1 + completion_ids.shape[1]]
+        # the hidden state at position t predicts token t + 1
+        if packing is None:
+            hidden, layout = hidden[:, prompt_length - 1 : prompt_length - 1 + completion_ids.shape[1]], {}
+        else:
+            hidden, layout = hidden[0].index_select(0, packing.hidden_rows), {"cu_seqlens": packing.cu_seqlens}
         head = lm.get_output_embeddings()
         logits = logit_options(lm.config)
         if loss_inputs is None:
@@ -73,6 +82,7 @@ class PolicyHead(nn.Module):
                 bias=head.bias,
                 temperature=temperature,
                 **logits,
+                **layout,
                 backend=self.backend,
             )
         loss_inputs = dict(loss_inputs)
@@ -87,13 +97,32 @@ class PolicyHead(nn.Module):
                     bias=head.bias,
                     temperature=temperature,
                     **logits,
+                    **layout,
                     backend=self.backend,
                 )
-            loss_inputs["log_q"] = guide.log_q(logp, entropy, loss_inputs["mask"])
+            loss_inputs["log_q"] = guide_log_q(guide, logp, entropy, loss_inputs["mask"], packing)
         output = fused_linear_sage_loss(
-            hidden, head.weight, completion_ids, bias=head.bias, backend=self.backend, **loss_inputs, **logits
+            hidden,
+            head.weight,
+            completion_ids,
+            bias=head.bias,
+            backend=self.backend,
+            **loss_inputs,
+            **logits,
+            **layout,
         )
         return output.loss, output  # the loss as a plain tensor output, so ZeRO-3 hooks its backward
+
+
+def guide_log_q(guide, logp, entropy, mask, packing: PackedRows | None) -> torch.Tensor:
+    """The guide's log q of the micro-batch's tokens. A guide reads rows (the token guide's per-row
+    quantiles, the random guide's draws per [rows, L] position): packed tokens are given to it on the
+    padded micro-batch's grid and taken back, so it draws and normalises as it does padded."""
+    if packing is None:
+        return guide.log_q(logp, entropy, mask)
+    grid = packing.grid
+    on_grid = [None if values is None else grid.to_grid(values) for values in (logp, entropy, mask)]
+    return grid.to_rows(guide.log_q(*on_grid))
 
 
 def checkpoint_layers(decoder: nn.Module) -> None:
@@ -137,7 +166,8 @@ class Batch:
     def rows(self) -> int:
         return self.input_ids.shape[0]
 
-    def model_inputs(self, rows: slice, temperature: float) -> dict:
+    def model_inputs(self, rows: slice | torch.Tensor, temperature: float) -> dict:
+        """The `PolicyHead` forward's inputs for `rows`, padded (`sage_train.micro_batches` packs them)."""
         return {
             "input_ids": self.input_ids[rows],
             "attention_mask": self.attention_mask[rows],
@@ -165,13 +195,20 @@ def make_batch(completions: list, device: torch.device, pad_id: int) -> Batch:
 
 
 @torch.no_grad()
-def score(model: nn.Module, batch: Batch, micro_batch_size: int, temperature: float):
-    """Per-token log-probs and entropies [B, L] of the completions under `model` (a PolicyHead)."""
-    parts = [
-        model(**batch.model_inputs(slice(start, start + micro_batch_size), temperature))
-        for start in range(0, batch.rows, micro_batch_size)
-    ]
-    return torch.cat([logp for logp, _ in parts]), torch.cat([entropy for _, entropy in parts])
+def score(model: nn.Module, batch: Batch, micro_batches: int | list[MicroBatch], temperature: float):
+    """Per-token log-probs and entropies [B, L] of the completions under `model` (a PolicyHead),
+    micro-batch by micro-batch: `micro_batches` from `micro_batches.split`, or a row count (padded).
+    Positions that no packed micro-batch holds (padding) are 0."""
+    if isinstance(micro_batches, int):
+        micro_batches = split(batch, rows=micro_batches)
+    logp = entropy = None
+    for micro in micro_batches:
+        part_logp, part_entropy = model(**micro.model_inputs(batch, temperature))
+        if logp is None:
+            logp, entropy = (part_logp.new_zeros(batch.completion_ids.shape) for _ in range(2))
+        micro.put(logp, part_logp)
+        micro.put(entropy, part_entropy)
+    return logp, entropy
 
 
 #: the behaviour policy's token-entropy quantiles logged per generation (a branch guide's tau is

@@ -36,6 +36,7 @@ from .advantages import group_advantages
 from .config import TrainConfig
 from .context import Generation, RunContext
 from .distributed import all_ranks
+from .micro_batches import split
 from .policy import Batch, entropy_quantiles, make_batch, score
 from .presets import loss_config
 from .report import COMPLETIONS_FILE, write_completions
@@ -125,10 +126,10 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
         batch.completion_mask &= ~truncated[:, None]
 
     # 3. behaviour and reference log-probs (no gradient), fixed for the whole generation
-    mb = cfg.micro_batch_size
-    old_logp, entropy = score(ctx.engine, batch, mb, cfg.temperature)
+    micro_batches = step_micro_batches(ctx, batch)
+    old_logp, entropy = score(ctx.engine, batch, micro_batches, cfg.temperature)
     is_weights, tis_metrics = rollout_correction(cfg, completions, old_logp, batch)
-    ref_logp = score(ctx.reference, batch, mb, cfg.temperature)[0] if ctx.reference is not None else None
+    ref_logp = score(ctx.reference, batch, micro_batches, cfg.temperature)[0] if ctx.reference is not None else None
     timing = dict(zip(TIMING_OF_GENERATION, (sampled - start, time.perf_counter() - sampled)))
 
     # 4. group advantages: (r - mean) / (std + 1e-4) within each prompt's group, of the verifier's
@@ -233,38 +234,46 @@ def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp,
     `guide` (a `Guide` or None) is called by the loss forward of each micro-batch (`PolicyHead`).
 
     The normalisers are the whole step's, over all micro-batches and ranks (module docstring),
-    so the gradient does not depend on ``micro_batch_size``. The guide steps once per optimizer step.
+    so the gradient does not depend on how the rows are split. The guide steps once per optimizer step.
     """
-    cfg, mb = ctx.cfg, ctx.cfg.micro_batch_size
+    cfg = ctx.cfg
     loss_cfg, row_share = step_loss_config(ctx, batch)
-    totals = LossTotals()
+    micro_batches, totals = step_micro_batches(ctx, batch), LossTotals()
     for _ in range(cfg.num_iterations):
         step_loss, why = 0.0, None
-        for start_row in range(0, batch.rows, mb):
-            rows = slice(start_row, start_row + mb)
+        for index, micro in enumerate(micro_batches):
             loss_inputs = {
-                "mask": batch.completion_mask[rows],
-                "advantages": advantages[rows],
-                "old_logp": old_logp[rows],
-                "ref_logp": None if ref_logp is None else ref_logp[rows],
+                "mask": micro.tokens(batch.completion_mask),
+                "advantages": advantages[micro.rows],
+                "old_logp": micro.tokens(old_logp),
+                "ref_logp": None if ref_logp is None else micro.tokens(ref_logp),
                 "guide": guide,
-                "is_weights": None if is_weights is None else is_weights[rows],
+                "is_weights": None if is_weights is None else micro.tokens(is_weights),
                 "config": loss_cfg,
             }
-            loss, out = ctx.engine(**batch.model_inputs(rows, cfg.temperature), loss_inputs=loss_inputs)
-            loss = loss * row_share(rows)
+            # the optimizer steps after the last micro-batch, however many the token budget made
+            ctx.engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
+            loss, out = ctx.engine(**micro.model_inputs(batch, cfg.temperature), loss_inputs=loss_inputs)
+            loss = loss * row_share(micro.size)
             ctx.engine.backward(loss * ctx.world, scale_wrt_gas=False)  # undo DeepSpeed's averaging
             step_loss = step_loss + loss.detach()
             if ctx.engine.is_gradient_accumulation_boundary():
                 why = nonfinite_step(ctx, step_loss)
             with skipped_update(ctx.engine, why is not None):
                 ctx.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
-            totals.add(loss, out, batch.completion_mask[rows])
+            totals.add(loss, out, loss_inputs["mask"])
         if not ctx.engine.was_step_applied():
             totals.skipped.append(why or "non-finite gradient (DeepSpeed's overflow check)")
         if ctx.guide is not None:
             ctx.guide.step()
     return totals
+
+
+def step_micro_batches(ctx: RunContext, batch: Batch) -> list:
+    """The run's micro-batches of `batch` (`sage_train.micro_batches`): its rows or token budget, its layout."""
+    cfg = ctx.cfg
+    rows, budget = cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+    return split(batch, rows=rows, max_tokens=budget, packed=ctx.padding_free, world=ctx.world)
 
 
 def nonfinite_step(ctx: RunContext, step_loss: torch.Tensor) -> str | None:
@@ -361,7 +370,7 @@ def rollout_seed(seed: int, step: int, round_: int, rank: int) -> int:
 
 
 def step_loss_config(ctx: RunContext, batch: Batch):
-    """The step's LossConfig and `row_share(rows)`, the factor of a micro-batch's loss.
+    """The step's LossConfig and `row_share(rows)`, the factor of a micro-batch of `rows` rows' loss.
 
     grpo, sapo, luspo and dr_grpo: a micro-batch counts for its rows over the step's rows
     (prompts_per_step x group_size). The token-count types get a count (0-d: no host sync) and
@@ -380,7 +389,7 @@ def step_loss_config(ctx: RunContext, batch: Batch):
             base, share = base.replace(loss_type="dapo"), 1.0 / ctx.world
         return base.replace(num_items_in_batch=tokens.clamp(min=1.0)), lambda rows: share
     total_rows = ctx.cfg.prompts_per_step * ctx.cfg.group_size
-    return base, lambda rows: len(range(*rows.indices(batch.rows))) / total_rows
+    return base, lambda rows: rows / total_rows
 
 
 class LossTotals:

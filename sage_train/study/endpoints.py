@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..safe_files import write_file
 from .intervals import crossed_interval, crossed_p_value, holm
 
 #: the training curves that show the guide, by where it acts: the loss's q (``sage/*``) or, with
@@ -95,12 +96,12 @@ def refresh(study_dir) -> dict:
     spec = report["study"]
     report["endpoints"] = endpoint_rows(report["counts"], spec["endpoints"])
     report["refreshed_at_commit"] = package_commit()
-    (study_dir / "study.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_file(study_dir / "study.json", json.dumps(report, indent=1) + "\n")
     report = json.loads((study_dir / "study.json").read_text())
     arms = [
         Arm(name, s["algorithm"], {k: v for k, v in s.items() if k != "algorithm"}) for name, s in spec["arms"].items()
     ]
     keys = ("seeds", "baseline", "eval_n", "eval_problems", "train_config", "train", "endpoints")
     study = Study(arms=arms, out=study_dir, **{key: spec[key] for key in keys})
-    (study_dir / "study.md").write_text(markdown(report, study) + "\n")
+    write_file(study_dir / "study.md", markdown(report, study) + "\n")
     return report

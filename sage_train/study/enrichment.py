@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..safe_files import write_file
 from .endpoints import format_p, format_points
 from .intervals import crossed_interval, crossed_p_value, holm, welch
 from .report import START, pass_at_k_matrices
@@ -127,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = Path(argv[0])
     result = recompute(path)
-    (path.parent / "enrichment.json").write_text(json.dumps(result, indent=1) + "\n")
-    (path.parent / "enrichment.md").write_text(markdown(result) + "\n")
+    write_file(path.parent / "enrichment.json", json.dumps(result, indent=1) + "\n")
+    write_file(path.parent / "enrichment.md", markdown(result) + "\n")
     print(markdown(result))
     return 0
 

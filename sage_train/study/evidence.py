@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..safe_files import save_figure
+
 #: (stage label, file under docs/results, how to read its primaries)
 STAGES = (
     ("stage 0: coverage toy, 30 seeds", "toy-sampled/sampled.json", "toy"),
@@ -59,7 +61,7 @@ def plot(rows: list, path: Path) -> None:
     ax.legend(fontsize=7, loc="lower right")
     ax.set(xlabel="percentage points (95% interval)", title="issue 38's registered primaries")
     ax.grid(alpha=0.3)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -21,6 +21,7 @@ import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+from ..safe_files import make_dir, open_append, write_file
 from ..sft import WARM_START_FILE
 from .design import parse_study
 from .grid import _worker_init, finished, record_environment
@@ -34,8 +35,8 @@ def screen_seed(study, seed: int) -> int:
     if not finished(run_dir):
         from ..run import train
 
-        (study.out / "logs").mkdir(parents=True, exist_ok=True)
-        with open(study.out / "logs" / f"{run_dir.name}.log", "a") as log:
+        make_dir(study.out / "logs")
+        with open_append(study.out / "logs" / f"{run_dir.name}.log") as log:
             print(f"sage-study: {study.train_command(None, seed)}", file=log, flush=True)
         train(study.train_config_of(None, seed))
         if not finished(run_dir):
@@ -62,7 +63,7 @@ def selection(steps: dict, seeds: list, long: int, want: int) -> dict | None:
 def screen(study, seeds: list, long: int, want: int, log=print) -> dict:
     steps, started = {}, time.time()
     path = study.out / "screen.json"
-    study.out.mkdir(parents=True, exist_ok=True)
+    make_dir(study.out)
     context = multiprocessing.get_context("spawn")
     pool_args = dict(mp_context=context, initializer=_worker_init, initargs=(context.Event(),))
     with ProcessPoolExecutor(study.jobs, **pool_args) as pool:
@@ -81,7 +82,7 @@ def screen(study, seeds: list, long: int, want: int, log=print) -> dict:
                 log(f"screen: seed {seed}: SFT {steps[seed]} steps ({kind}) [{time.time() - started:.0f} s]")
             chosen = selection(steps, seeds, long, want)
             record = {"long_at_least": long, "want": want, "sft_steps": {str(s): steps[s] for s in sorted(steps)}}
-            path.write_text(json.dumps({**record, "selected": chosen}, indent=1) + "\n")
+            write_file(path, json.dumps({**record, "selected": chosen}, indent=1) + "\n")
             if chosen is not None:
                 queue.clear()
     result = json.loads(path.read_text())

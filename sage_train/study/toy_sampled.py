@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..safe_files import make_dir, save_figure, write_file
 from . import enumerable as E
 from .endpoints import format_points
 from .intervals import holm, t_test
@@ -159,7 +160,7 @@ def run_one(opts: Options, arm: Arm, seed: int) -> dict:
 
 def _run_and_save(opts: Options, arm: Arm, seed: int, path: Path) -> dict:
     record = run_one(opts, arm, seed)
-    path.write_text(json.dumps(record) + "\n")
+    write_file(path, json.dumps(record) + "\n")
     return record
 
 
@@ -234,7 +235,7 @@ def run_study(out: Path, seeds: list, jobs: int, opts: Options, log=print) -> di
     plan = design(opts)
     arms = [Arm(**entry) for entry in plan["arms"]]
     runs_dir = out / "runs"
-    runs_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(runs_dir)
     todo = [(a, s) for s in seeds for a in arms if not (runs_dir / f"{a.name}-s{s}.json").is_file()]
     log(f"toy-sampled: {len(arms)} arms x {len(seeds)} seeds, {len(todo)} runs to do, {jobs} at a time")
     with ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -260,8 +261,8 @@ def run_study(out: Path, seeds: list, jobs: int, opts: Options, log=print) -> di
         for s in seeds:
             result["runs"][a.name][str(s)] = json.loads((runs_dir / f"{a.name}-s{s}.json").read_text())
     result.update(recompute_from(result))
-    (out / "sampled.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "sampled.md").write_text(markdown(result) + "\n")
+    write_file(out / "sampled.json", json.dumps(result, indent=1) + "\n")
+    write_file(out / "sampled.md", markdown(result) + "\n")
     plot(result, out / "pass_at_k.png")
     log(summary(result))
     return result
@@ -382,7 +383,7 @@ def plot(result: dict, path: Path) -> None:
     right.set(xlabel="points (95% CI over seeds)", title="primaries (red) and context (grey)")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 

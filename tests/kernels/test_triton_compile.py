@@ -284,6 +284,7 @@ def compile_all(every: bool = False) -> None:
                 "vespo_lambda_neg",
                 "kl_clamp",
                 "off_policy_threshold",
+                "dppo_ratio_cap",
             )
         },
     )
@@ -297,11 +298,13 @@ def compile_all(every: bool = False) -> None:
         (3, True, "vespo"),
         (3, True, "gmpo"),
         (1, False, "gmpo"),
+        (2, True, "dppo_tv"),
+        (3, False, "dppo_kl"),
     ):
         flags = dict(
             KL=kl,
             BRANCH=not everything,
-            SEQUENCE=everything and loss_type != "gmpo",  # gmpo takes token-level ratios only
+            SEQUENCE=everything and not LOSS_TYPES[loss_type].token_ratio,  # gmpo and dppo read token ratios
             LOSS=LOSS_TYPES[loss_type].code,
             PADDED=everything and loss_type == "luspo",  # luspo_include_padding
             PER_SEQUENCE_MEAN=LOSS_TYPES[loss_type].aggregation == "sequence_mean",

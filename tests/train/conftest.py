@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sage_train import packaged_models
 from sage_train.config import build, resolve
 from sage_train.tasks.math import BENCHMARKS, MathTask, data_root
 
@@ -85,3 +86,20 @@ def gold_answers(math_data) -> list[tuple[str, str]]:
     for name, (file, _, _) in BENCHMARKS.items():
         golds += [(name, p.answer) for p in MathTask(str(math_data / file)).problems()]
     return golds
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A model cache of the test's own (`sage_train.packaged_models`)."""
+    monkeypatch.setenv(packaged_models.CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="session")
+def gguf_path(tmp_path_factory):
+    """The tiny SmolLM2-layout GGUF file (tiny_gguf.py), written once."""
+    from tiny_gguf import write_tiny_gguf  # the gguf package is in the [dev] extra
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path

@@ -1,8 +1,9 @@
 """Two processes on the CPU (gloo), launched by torchrun, with ZeRO-2 and ZeRO-3.
 
 Each rank samples its own half of the prompts; under ZeRO-3 the LM head is gathered inside
-the loss module and generation runs with synced_gpus. A short run must finish, log every
-step, checkpoint, evaluate across both ranks and save a loadable final model."""
+the loss module, generation runs with synced_gpus, and micro-batches come from a token budget.
+A short run must finish, log every step, checkpoint, evaluate across both ranks and save a
+loadable final model."""
 
 import json
 import os
@@ -41,6 +42,9 @@ def test_two_process_run(tmp_path, tiny_run, stage):
         ds_path = tmp_path / "ds.json"
         ds_path.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
         config["deepspeed_config"] = str(ds_path)
+        # micro-batches by a token budget (each rank's 8 rows hold ~70 tokens): their count may differ
+        # between the ranks' rollouts, and every forward gathers the weights, so the ranks must agree on it
+        config["max_tokens_per_micro_batch"] = 20
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

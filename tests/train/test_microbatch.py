@@ -1,8 +1,9 @@
 """The gradient of one optimizer step does not depend on the micro-batch size.
 
 Same model, same batch of completions (ragged lengths, some rows fully masked by overlong
-filtering), micro-batches of 1 and of 4 rows, in a real DeepSpeed engine (ZeRO-0, float32):
-the gradients DeepSpeed hands to the optimizer agree to float32 rounding."""
+filtering), micro-batches of 1 and of 4 rows, and packed micro-batches by a token budget, in a
+real DeepSpeed engine (ZeRO-0, float32): the gradients DeepSpeed hands to the optimizer agree to
+float32 rounding."""
 
 import random
 
@@ -40,9 +41,8 @@ def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
             captured[name] = p.grad.detach().clone()
 
     engine.optimizer.register_step_pre_hook(capture)
-    ctx = RunContext(
-        cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")
-    )
+    cpu, packed = torch.device("cpu"), cfg.padding_free
+    ctx = RunContext(cfg, engine, reference, None, tokenizer, None, [], None, 0, 1, cpu, padding_free=packed)
     old_logp, _ = score(engine, batch, 3, cfg.temperature)
     ref_logp, _ = score(reference, batch, 3, cfg.temperature)
     policy_update(ctx, batch, advantages, old_logp, ref_logp, None)
@@ -60,21 +60,27 @@ def test_gradient_is_invariant_to_micro_batch_size(tiny_config, distributed, alg
     batch.completion_mask[5] = False  # a row dropped by overlong filtering
     advantages = torch.randn(8, generator=torch.Generator().manual_seed(2))
     grads = {}
-    for micro in (1, 4):
+    splits = {  # 8 rows of 58 tokens in all: the budget makes micro-batches of rows 5 7 | 0 1 2 | 3 4 6
+        1: {"micro_batch_size": 1, "padding_free": False},
+        4: {"micro_batch_size": 4, "padding_free": False},
+        "24 tokens, packed": {"micro_batch_size": 4, "max_tokens_per_micro_batch": 24, "padding_free": True},
+    }
+    for split, keys in splits.items():
         cfg = tiny_config(
             algorithm=algorithm,
             loss_type=loss_type,
             prompts_per_step=2,
             group_size=4,
-            micro_batch_size=micro,
             max_grad_norm=0.0,
             temperature=0.8,
             max_new_tokens=8,
+            **keys,
         )
-        grads[micro] = optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed=3)
-    assert grads[1].keys() == grads[4].keys() and len(grads[1]) > 0
-    for name in grads[1]:
-        torch.testing.assert_close(grads[1][name], grads[4][name], rtol=1e-5, atol=1e-6, msg=name)
+        grads[split] = optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed=3)
+    for split in (4, "24 tokens, packed"):
+        assert grads[1].keys() == grads[split].keys() and len(grads[1]) > 0
+        for name in grads[1]:
+            torch.testing.assert_close(grads[1][name], grads[split][name], rtol=1e-5, atol=1e-6, msg=name)
     assert any(g.abs().max() > 1e-4 for g in grads[1].values())
 
 

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-from tiny_gguf import write_tiny_gguf  # the gguf package is in the [dev] extra
 
 from sage_train import packaged_models
 from sage_train.cli import eval_main
@@ -20,19 +19,6 @@ from sage_train.packaged_models import NamedModel, model_directory
 from sage_train.policy import PolicyHead, make_batch
 from sage_train.rollout.base import Completion
 from sage_train.run_dir import check_inputs
-
-
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(packaged_models.CACHE_ENV, str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_tiny_gguf(path)
-    return path
 
 
 def test_a_gguf_file_converts_once_and_loads_like_any_model(gguf_path, cache, capsys):
@@ -168,3 +154,25 @@ def test_sage_bench_train_step_runs_both_trainers_in_the_recipes_setting(gguf_pa
         assert 64 <= row["completion_tokens"] <= 64 * 48 and 0 <= row["reward"] <= 1  # 64 rows, 1 to 48 tokens each
         assert 100 < row["peak_rss_mib"] < 20_000
     assert "| trl |" in (out / "step.md").read_text() and "sage / TRL: tokens/s" in (out / "step.md").read_text()
+
+
+@pytest.mark.slow
+def test_sage_bench_train_update_measures_padded_against_packed(gguf_path, cache, tmp_path):
+    """`sage-bench train --part update` in the recipe's setting on a (tiny) real model: each layout
+    in its own process, one RL step measured; the padded layout computes padding, the
+    packed ones do not, and the token budget makes its own micro-batches."""
+    from sage_bench.cli import main as bench_main
+
+    out = tmp_path / "bench"
+    argv = ["train", "--part=update", "--settings=smollm2", f"--model={gguf_path}", "--steps=1", "--repeats=1"]
+    assert bench_main([*argv, f"--out={out}"]) == 0
+    info, *rows = [json.loads(line) for line in (out / "update.jsonl").read_text().splitlines()]
+    assert [r["layout"] for r in rows] == ["padded", "packed", "packed, budget"] and info["args"]["steps"] == 1
+    assert [r["padding_free"] for r in rows] == [False, True, True]
+    for row in rows:
+        assert row["step"] == 1 and row["rows"] == 64 and 0 < row["padding_fraction"] < 1, row
+        assert row["tokens"] == round(row["rows"] * row["width"] * (1 - row["padding_fraction"]))
+        assert row["update_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_mib"] >= 0, row
+    assert rows[0]["micro_batches"] == rows[1]["micro_batches"] == 4  # 64 rows, 16 at a time
+    assert rows[2]["micro_batches"] >= -(-rows[2]["tokens"] // 1536)
+    assert "| smollm2 | packed, budget |" in (out / "update.md").read_text()

@@ -49,7 +49,7 @@ def test_engine_logprobs_equal_the_fused_scoring_of_the_same_tokens():
     )
     completions = [c for group in groups for c in group]
     batch = make_batch(completions, torch.device("cpu"), tokenizer.pad_token_id)
-    logp, entropy = score(PolicyHead(model), batch, micro_batch_size=4, temperature=0.7)
+    logp, entropy = score(PolicyHead(model), batch, micro_batches=4, temperature=0.7)
     for row, c in enumerate(completions):
         n = len(c.completion_ids)
         torch.testing.assert_close(logp[row, :n], torch.tensor(c.logprobs), atol=2e-5, rtol=1e-5)
@@ -68,7 +68,7 @@ def test_bfloat16_engine_samples_a_fresh_copy_and_reports_its_own_logprobs():
     completions = [c for group in engine.generate(prompts, params) for c in group]
     assert all(p.dtype == torch.float32 for p in model.parameters())
     batch = make_batch(completions, torch.device("cpu"), tokenizer.pad_token_id)
-    logp, _ = score(PolicyHead(model), batch, micro_batch_size=6, temperature=1.0)
+    logp, _ = score(PolicyHead(model), batch, micro_batches=6, temperature=1.0)
     engine_logp = torch.zeros_like(logp)
     for row, c in enumerate(completions):
         engine_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs)

@@ -29,7 +29,7 @@ def trainer_loss(cfg, world: int, masks: list, losses: list, micro: int) -> torc
         config, row_share = step_loss_config(ctx, batch)
         for start in range(0, batch.rows, micro):
             rows = slice(start, start + micro)
-            total = total + aggregate(loss[rows], mask[rows].double(), config) * row_share(rows)
+            total = total + aggregate(loss[rows], mask[rows].double(), config) * row_share(len(mask[rows]))
     return total
 
 
