@@ -38,11 +38,12 @@ from pathlib import Path
 import torch
 
 from .first_order import first_order_only
-from .loss_types import LOSS_TYPES
+from .loss_types import per_token_grad_is_local
 from .native_build import build_extension, extension_name
 from .packing import layout_of
 from .reference import token_stage
-from .spec import LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
+from .shard_sweep import FusedShardSweep
+from .spec import FAST_DTYPES, LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
 
 _HERE = Path(__file__).resolve().parent
 #: environment switch: "0" forces the PyTorch block loop even where the operator builds.
@@ -200,16 +201,6 @@ class _Sweep:
         )
 
 
-def _per_token_grad_is_local(config: LossConfig) -> bool:
-    """True when dloss/dlogp_t and dloss/dH_t depend only on position t's own logp and H."""
-    return (
-        config.importance_sampling == "token"
-        and config.top_entropy_quantile == 1.0
-        and LOSS_TYPES[config.loss_type].token_local_gradient
-        and config.off_policy_mask_threshold is None  # a row's mask needs all of its logp
-    )
-
-
 def _stage_with_grads(logp, entropy, inputs, config):
     """`token_stage` on the [B, L] grid and its gradients g, c with respect to logp and entropy."""
     logp = logp.detach().requires_grad_(True)
@@ -264,7 +255,7 @@ def _run(inputs: SageInputs, config: LossConfig, ops, need: dict):
         "weight": torch.zeros_like(sweep.weight) if need["weight"] else None,
         "bias": torch.zeros_like(sweep.bias) if need["bias"] else None,
     }
-    if _per_token_grad_is_local(config):
+    if per_token_grad_is_local(config):
         # g and c of a block's rows are exact once its own logp and H are in: use the workspace now.
         for block in sweep.blocks:
             logits = sweep.stats(block)
@@ -358,3 +349,35 @@ def logprobs_and_entropy(
     for block in sweep.blocks:
         sweep.stats(block)
     return sweep.logp, sweep.entropy
+
+
+#: the dtypes of hidden and weight this backend takes (`backends.Backend`).
+DTYPES = FAST_DTYPES
+
+
+def shard_stats(hidden2d, weight, bias, token_ids, temperature: float):
+    """(lse, logp, entropy) [n] over one vocabulary shard (`backends.Backend`), float32."""
+    return FusedShardSweep.apply(hidden2d, weight, bias, token_ids, float(temperature), _ShardSweep)
+
+
+class _ShardSweep:
+    """The block loop (`_Sweep`) over every row of one vocabulary shard, forward and backward."""
+
+    def __init__(self, hidden2d, weight, bias, token_ids, temperature):
+        n = hidden2d.shape[0]
+        self.sweep = _Sweep(hidden2d, weight, bias, token_ids, None, logit_map(temperature), _ops_for(None), n)
+
+    def forward(self):
+        for block in self.sweep.blocks:
+            self.sweep.stats(block)
+        # copies: the backward's recomputation rewrites the sweep's buffers
+        return self.sweep.lse.clone(), self.sweep.logp.clone(), self.sweep.entropy.clone()
+
+    def backward(self, g, c, need_hidden, need_weight, need_bias):
+        sweep = self.sweep
+        grad_hidden = torch.empty_like(sweep.hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(sweep.weight) if need_weight else None
+        grad_bias = torch.zeros_like(sweep.bias) if need_bias else None
+        for block in sweep.blocks:
+            sweep.grad(block, sweep.stats(block), g, c, grad_hidden, grad_weight, grad_bias)
+        return grad_hidden, grad_weight, grad_bias

@@ -1,49 +1,26 @@
 """The public entry points: `fused_linear_sage_loss` and `logprobs_and_entropy`.
 
-They validate once (`spec.validate_inputs`), pick a backend and hand it canonical
-inputs. Each backend keeps its own autograd Function beside its kernels:
-
-- ``"reference"``: `reference.py`, materialises the logits (the oracle).
-- ``"cpu"``: `cpu.py`, the native csrc operator, or chunked PyTorch without a compiler.
-- ``"triton"``: `triton/`, the fused GPU kernels (CPU tensors too under TRITON_INTERPRET=1).
-- ``"auto"``: ``"triton"`` for CUDA tensors, ``"cpu"`` otherwise.
+They validate once (`spec.validate_inputs`), pick a backend from the table (`backends.py`) and
+hand it canonical inputs. Each backend keeps its own autograd Function beside its kernels.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import sys
 
 import torch
 
+from .backends import backend_named, device_of, resolve_backend
 from .packing import check_scoring_layout, rows_output, validate_packed_inputs
 from .spec import (
-    FAST_DTYPES,
     OPTION_NAMES,
-    REFERENCE_DTYPES,
     LossConfig,
     SageLossOutput,
     resolve_config,
     validate_inputs,
     validate_scoring_inputs,
 )
-
-BACKENDS = ("reference", "cpu", "triton")
-_BACKEND_MODULES = {"reference": ".reference", "cpu": ".cpu", "triton": ".triton"}
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend name for `backend` ("auto" picks by device)."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "cpu"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {list(BACKENDS)}, got {backend!r}")
-    return backend
-
-
-def _backend_module(name: str):
-    return importlib.import_module(_BACKEND_MODULES[name], __package__)
 
 
 def _full_tensor(value):
@@ -119,7 +96,7 @@ def fused_linear_sage_loss(
         ``.entropy``, ``.q``, ``.kl``, ``.ratio`` and ``.metrics``.
     """
     config = resolve_config(config, options)
-    name = resolve_backend(backend, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
+    chosen = backend_named(resolve_backend(backend, device_of(hidden)))
     arguments = dict(
         bias=bias,
         old_logp=old_logp,
@@ -128,13 +105,13 @@ def fused_linear_sage_loss(
         log_q=log_q,
         sampling_logp=sampling_logp,
         config=config,
-        allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
+        allowed_dtypes=chosen.DTYPES,
     )
     if cu_seqlens is None:
         inputs = validate_inputs(hidden, weight, token_ids, mask, advantages, **arguments)
     else:
         inputs = validate_packed_inputs(hidden, weight, token_ids, mask, advantages, cu_seqlens=cu_seqlens, **arguments)
-    out = _backend_module(name).sage_loss(inputs, config)
+    out = chosen.sage_loss(inputs, config)
     check_logits_finite(out.logp, out.entropy, inputs.loss_mask, config)
     return out if cu_seqlens is None else rows_output(out, inputs, tuple(token_ids.shape))
 
@@ -164,7 +141,7 @@ def logprobs_and_entropy(
     `fused_linear_sage_loss`) is checked against `token_ids` [N] or [1, N]; each token's values do
     not depend on its sequence.
     """
-    name = resolve_backend(backend, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
+    chosen = backend_named(resolve_backend(backend, device_of(hidden)))
     hidden2d, ids, lead = validate_scoring_inputs(
         hidden,
         weight,
@@ -173,12 +150,12 @@ def logprobs_and_entropy(
         temperature=temperature,
         logit_scale=logit_scale,
         logit_softcap=logit_softcap,
-        allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
+        allowed_dtypes=chosen.DTYPES,
     )
     if cu_seqlens is not None:
         check_scoring_layout(token_ids, cu_seqlens, hidden.device)
     with torch.no_grad():
-        logp, entropy = _backend_module(name).logprobs_and_entropy(
+        logp, entropy = chosen.logprobs_and_entropy(
             hidden2d, weight, ids, bias, temperature, logit_scale, logit_softcap
         )
     check_logits_finite(

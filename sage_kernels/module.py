@@ -240,15 +240,16 @@ def _liger_dapo_normaliser(mask: torch.Tensor, num_items_in_batch):
 def _liger_clip_fraction(ratio: torch.Tensor, A: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """Fraction of unmasked tokens whose ratio (before the delta cap) is clipped in the sign of the
     advantages `A` (broadcastable to `ratio`)."""
-    if config.loss_type == "cispo":
+    bounds = LOSS_TYPES[config.loss_type].bounds
+    if bounds == "ratio_cap":
         clipped = (ratio > config.eps_high) & (A > 0)
-    elif config.loss_type == "gmpo":  # GMPO's clip is on the log-ratio (reference.gmpo_ratio)
+    elif bounds == "log_ratio":  # GMPO's clip is on the log-ratio (reference.gmpo_ratio)
         log_ratio = ratio.log()
         clipped = ((log_ratio < -config.eps_low) & (A < 0)) | ((log_ratio > config.eps_high) & (A > 0))
-    elif not LOSS_TYPES[config.loss_type].clipped:
-        clipped = torch.zeros_like(ratio, dtype=torch.bool)
-    else:
+    elif bounds == "ratio":
         clipped = ((ratio < 1.0 - config.eps_low) & (A < 0)) | ((ratio > 1.0 + config.eps_high) & (A > 0))
+    else:
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
     m = mask.float()
     return (clipped.float() * m).sum() / m.sum().clamp(min=1.0)
 
@@ -282,18 +283,17 @@ def _liger_options(
         temperature=float(temperature),
         use_bias_correction_kl=bool(use_bias_correction_kl),
     )
-    if loss_type in LOSS_TYPES and LOSS_TYPES[loss_type].clipped:  # LossConfig names a bad loss_type
-        options["delta_clip"] = delta
-    if loss_type == "sapo":
-        options.update(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
-    if loss_type == "vespo":
-        options.update(
-            vespo_k_pos=vespo_k_pos,
-            vespo_lambda_pos=vespo_lambda_pos,
-            vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg,
-        )
-    return options
+    own = LOSS_TYPES[loss_type].options if loss_type in LOSS_TYPES else ()  # LossConfig names a bad loss_type
+    by_type = dict(
+        delta_clip=delta,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg,
+    )
+    return options | {name: value for name, value in by_type.items() if name in own}
 
 
 def fused_linear_grpo(

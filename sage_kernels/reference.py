@@ -42,7 +42,7 @@ from .loss_types import LOSS_TYPES
 from .metrics import METRICS, reduce_masked
 from .ordered import ordered_sum
 from .packing import layout_of
-from .spec import LossConfig, SageInputs, SageLossOutput
+from .spec import REFERENCE_DTYPES, LossConfig, SageInputs, SageLossOutput
 
 
 def logits_of(
@@ -168,7 +168,9 @@ def token_stage(logp: torch.Tensor, entropy: torch.Tensor, inputs: SageInputs, c
         pg = pg * keep.to(pg.dtype)
     if config.top_entropy_quantile < 1.0:
         pg = pg * high_entropy_mask(entropy, mask, config.top_entropy_quantile, active).to(pg.dtype)
-    if inputs.is_weights is not None and config.loss_type not in ("vespo", "gmpo"):  # both fold w into a row weight
+    if (
+        inputs.is_weights is not None and not LOSS_TYPES[config.loss_type].sequence_weight
+    ):  # else w is in the row weight
         pg = pg * inputs.is_weights.to(pg.dtype)
 
     per_token_loss = pg - config.entropy_coef * entropy
@@ -378,8 +380,9 @@ def reference_sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutpu
     )
 
 
-# The backend interface `function.py` dispatches to (cpu.py and triton/ expose the same two names).
+# The backend interface (`backends.Backend`), as cpu.py and triton/ expose it.
 sage_loss = reference_sage_loss
+DTYPES = REFERENCE_DTYPES
 
 
 def logprobs_and_entropy(hidden2d, weight, token_ids_flat, bias, temperature, logit_scale=1.0, logit_softcap=None):
@@ -395,3 +398,13 @@ def logprobs_and_entropy(hidden2d, weight, token_ids_flat, bias, temperature, lo
         logit_softcap=logit_softcap,
         dtype=dtype,
     )
+
+
+def shard_stats(hidden2d, weight, bias, token_ids, temperature: float):
+    """(lse, logp, entropy) [n] over one vocabulary shard (`backends.Backend`) by autograd through
+    the materialised logits: float64 on float64 inputs, float32 otherwise."""
+    dtype = torch.float64 if hidden2d.dtype == torch.float64 else torch.float32
+    logp, entropy = reference_logprobs_and_entropy(
+        hidden2d, weight, token_ids, bias=bias, temperature=temperature, dtype=dtype
+    )
+    return torch.logsumexp(logits_of(hidden2d, weight, bias, temperature, dtype), -1), logp, entropy

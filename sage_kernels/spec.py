@@ -178,8 +178,11 @@ class LossConfig:
         _require(self.beta >= 0, "beta", ">= 0 (0: no KL term)", self.beta)
         _require(self.gamma >= 0, "gamma", ">= 0", self.gamma)
         _require(0 < self.q_min <= self.q_max, "q_min", f"in (0, q_max={self.q_max}]", self.q_min)
-        if self.loss_type == "gmpo":  # a bound on the log-ratio, not 1 - eps_low on the ratio
-            _require(self.eps_low >= 0, "eps_low", ">= 0 for loss_type 'gmpo' (a log-ratio bound)", self.eps_low)
+        kind = LOSS_TYPES[self.loss_type]
+        if kind.bounds == "log_ratio":  # a bound on the log-ratio, not 1 - eps_low on the ratio
+            _require(
+                self.eps_low >= 0, "eps_low", f">= 0 for loss_type {self.loss_type!r} (a log-ratio bound)", self.eps_low
+            )
         else:
             _require(0 <= self.eps_low < 1, "eps_low", "in [0, 1)", self.eps_low)
         _require(self.eps_high >= 0, "eps_high", ">= 0", self.eps_high)
@@ -201,10 +204,15 @@ class LossConfig:
                 "None or a finite number >= 0",
                 threshold,
             )
-        if self.loss_type == "cispo":
-            _require(self.eps_high > 0, "eps_high", "> 0 for loss_type 'cispo' (the cap on the ratio)", self.eps_high)
+        if kind.bounds == "ratio_cap":
+            _require(
+                self.eps_high > 0,
+                "eps_high",
+                f"> 0 for loss_type {self.loss_type!r} (the cap on the ratio)",
+                self.eps_high,
+            )
         _require(self.dppo_ratio_cap > 0, "dppo_ratio_cap", "> 0", self.dppo_ratio_cap)
-        if LOSS_TYPES[self.loss_type].token_ratio:
+        if kind.token_ratio:
             _require(
                 self.importance_sampling == "token",
                 "importance_sampling",
@@ -213,13 +221,13 @@ class LossConfig:
             )
         if self.luspo_include_padding:
             _require(
-                self.loss_type == "luspo",
+                "luspo_include_padding" in kind.options,
                 "luspo_include_padding",
                 f"False for loss_type {self.loss_type!r} (it selects luspo's aggregation)",
                 self.luspo_include_padding,
             )
-        if not LOSS_TYPES[self.loss_type].clipped:
-            for name in ("delta_clip", "dual_clip_c"):
+        for name in ("delta_clip", "dual_clip_c"):
+            if name not in kind.options:
                 _require(
                     getattr(self, name) is None,
                     name,

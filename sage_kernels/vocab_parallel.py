@@ -37,13 +37,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .backends import Backend, backend_named, device_of, resolve_backend
 from .first_order import SHARDED_SECOND_ORDER, first_order_only
-from .function import check_logits_finite, resolve_backend
+from .function import check_logits_finite
 from .reference import token_stage
-from .shard_sweep import shard_stats
 from .spec import (
-    FAST_DTYPES,
-    REFERENCE_DTYPES,
     LossConfig,
     SageLossOutput,
     resolve_config,
@@ -87,7 +85,7 @@ def vocab_parallel_sage_loss(
             "logit_scale and logit_softcap must be 1.0 and None for a vocabulary-parallel head (not supported yet), "
             f"got {config.logit_scale!r} and {config.logit_softcap!r}"
         )
-    name = resolve_backend(backend, _device_of(hidden))
+    chosen = backend_named(resolve_backend(backend, device_of(hidden)))
     vocab_start, vocab = _shard_layout(weight, group)
     inputs = validate_inputs(
         hidden,
@@ -102,7 +100,7 @@ def vocab_parallel_sage_loss(
         log_q=log_q,
         sampling_logp=sampling_logp,
         config=config,
-        allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
+        allowed_dtypes=chosen.DTYPES,
     )
     active = inputs.loss_mask
     _check_global_ids(token_ids, active, vocab)
@@ -117,7 +115,7 @@ def vocab_parallel_sage_loss(
         inputs.token_ids.reshape(-1).index_select(0, rows),
         config.temperature,
         group,
-        name,
+        chosen,
     )
     zeros = logp_rows.new_zeros(B * L)
     logp = zeros.index_copy(0, rows, logp_rows).view(B, L)
@@ -169,7 +167,7 @@ def sharded_logprobs_and_entropy(
     """`vocab_parallel_logprobs_and_entropy`, differentiable: the weight and bias shards get their
     exact gradient and `hidden` this shard's share of its gradient, to be summed over `group` by the
     caller (verl's ``linear_cross_entropy(dist_process_group=...)`` convention)."""
-    name = resolve_backend(backend, _device_of(hidden))
+    chosen = backend_named(resolve_backend(backend, device_of(hidden)))
     vocab_start, vocab = _shard_layout(weight, group)
     local = _local_ids(token_ids, vocab_start, weight.shape[0])
     hidden2d, local_flat, lead = validate_scoring_inputs(
@@ -178,18 +176,18 @@ def sharded_logprobs_and_entropy(
         local,
         bias=bias,
         temperature=temperature,
-        allowed_dtypes=REFERENCE_DTYPES if name == "reference" else FAST_DTYPES,
+        allowed_dtypes=chosen.DTYPES,
     )
     ids = token_ids.reshape(-1).long()
     _check_global_ids(ids, torch.ones_like(ids, dtype=torch.bool), vocab)
-    logp, entropy = _combined_stats(hidden2d, weight, bias, ids, local_flat, temperature, group, name)
+    logp, entropy = _combined_stats(hidden2d, weight, bias, ids, local_flat, temperature, group, chosen)
     check_logits_finite(logp, entropy, None, LossConfig(beta=0.0, temperature=temperature))
     return logp.view(lead), entropy.view(lead)
 
 
-def _combined_stats(hidden2d, weight, bias, token_ids, local_ids, temperature, group, backend):
+def _combined_stats(hidden2d, weight, bias, token_ids, local_ids, temperature, group, backend: Backend):
     """Global (logp, entropy) [n] of the rows of `hidden2d` from every rank's shard (module docstring)."""
-    lse_r, logp_r, entropy_r = shard_stats(hidden2d, weight, bias, local_ids, temperature, backend)
+    lse_r, logp_r, entropy_r = backend.shard_stats(hidden2d, weight, bias, local_ids, temperature)
     mine = torch.stack((lse_r, logp_r + lse_r, entropy_r))  # this shard's lse, local target logit, H
     lse_r, target_logit, entropy_r = _all_gather_own_graph(mine, group).unbind(1)  # each [tp, n]
     lse = torch.logsumexp(lse_r, 0)
@@ -237,10 +235,6 @@ class _SumGradOverGroup(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
-
-
-def _device_of(hidden) -> torch.device:
-    return hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
 
 
 def _shard_layout(weight, group) -> tuple[int, int]:

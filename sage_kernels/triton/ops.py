@@ -4,7 +4,7 @@ Four operators, so that `torch.compile` can trace a model that calls the loss (t
 operators are opaque to the compiler; their fake implementations give output shapes):
 
 - ``sage_kernels::triton_sage_loss_local`` (`ops_local.py`): the three-matmul path (`three_matmul.py`), for
-  configurations whose per-token gradient is local (`per_token_grad_is_local`; the default
+  configurations whose per-token gradient is local (`three_matmul.exact_for`; the default
   configuration is one). Returns the loss, the [B, L] per-token outputs, the metrics and the
   gradients, formed in the forward; its backward scales them by the upstream gradient in place.
 - ``sage_kernels::triton_sage_loss``: the two-pass path's forward sweep + token stage, for
@@ -57,8 +57,8 @@ from .gemm import has_fp32_output, on_device
 from .stages import stage as timed
 from .sweep_bwd import sweep_backward
 from .sweep_fwd import scoring_forward, sweep_forward
-from .three_matmul import PATHS_TAKEN, per_token_grad_is_local
-from .tiles import interpreting
+from .three_matmul import PATHS_TAKEN, exact_for
+from .tiles import check_device
 
 
 def loss_forward(tensors: LossTensors, config: LossConfig) -> TwoPassOutputs:
@@ -270,23 +270,15 @@ def _logprobs_entropy_fake(hidden2d, weight, bias, token_ids, *_logit_map):
     return (hidden2d.new_empty((n,), dtype=torch.float32), hidden2d.new_empty((n,), dtype=torch.float32))
 
 
-def _check_device(hidden: Tensor) -> None:
-    if hidden.device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import "
-            f"for CPU tensors); hidden is on {hidden.device}"
-        )
-
-
 def takes_three_matmul_path(inputs: SageInputs, config: LossConfig) -> bool:
     """Whether a loss call with `inputs` and `config` runs the three-matmul path (not fp16: see above)."""
     dtype = inputs.hidden.dtype
-    return per_token_grad_is_local(config) and dtype != torch.float16 and has_fp32_output(dtype, inputs.hidden.device)
+    return exact_for(config) and dtype != torch.float16 and has_fp32_output(dtype, inputs.hidden.device)
 
 
 def sage_loss(inputs: SageInputs, config: LossConfig) -> SageLossOutput:
     """The SAGE loss of validated `inputs` with the fused Triton kernels (backend "triton")."""
-    _check_device(inputs.hidden)
+    check_device(inputs.hidden)
     tensors = LossTensors.of(inputs)
     floats, ints, num_items = pack_config(config)
     args = (*tensors.flat(), num_items, floats, ints)
@@ -317,7 +309,7 @@ def logprobs_and_entropy(
     logit_softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """logp and entropy [N] in float32 for every row of `hidden2d` (no gradient)."""
-    _check_device(hidden2d)
+    check_device(hidden2d)
     inner, outer, softcap = logit_map(float(temperature), float(logit_scale), logit_softcap)
     return torch.ops.sage_kernels.triton_logprobs_entropy(
         hidden2d, weight, bias, token_ids_flat, float(inner), float(outer), bool(softcap)

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..loss_types import LOSS_TYPES, LossType
+from ..loss_types import LOSS_TYPES, LossType, per_token_grad_is_local
 from ..packing import layout_of
 from ..spec import LossConfig
 from . import token_stage
@@ -79,22 +79,17 @@ ROW_MULTIPLE = 64
 _DZ_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
-def per_token_grad_is_local(config: LossConfig) -> bool:
-    """True when the three-matmul path is exact for `config`."""
-    return (
-        config.importance_sampling == "token"
-        and config.top_entropy_quantile == 1.0
-        and _kernels_support(LOSS_TYPES[config.loss_type])
-        and config.off_policy_mask_threshold is None  # a row's mask needs all of its logp
-    )
+def exact_for(config: LossConfig) -> bool:
+    """True when the three-matmul path is exact for `config`: a per-token gradient that is local
+    (`loss_types.per_token_grad_is_local`) of a loss type this path is shown exact for."""
+    return per_token_grad_is_local(config) and _kernels_support(LOSS_TYPES[config.loss_type])
 
 
 def _kernels_support(kind: LossType) -> bool:
-    """The loss types this path is shown exact for (new ones join once shown): a token-local
-    gradient of the clipped surrogate, averaged per row or summed over tokens with a normaliser
-    that depends on the mask alone. luspo stays out: its luspo_include_padding form needs the
-    padded rows this path skips."""
-    return kind.token_local_gradient and kind.clipped and kind.aggregation != "sequence_sum"
+    """The loss types this path is shown exact for (new ones join once shown): the clipped
+    surrogate, averaged per row or summed over tokens with a normaliser that depends on the mask
+    alone. luspo stays out: its luspo_include_padding form needs the padded rows this path skips."""
+    return kind.clipped and kind.aggregation != "sequence_sum"
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})

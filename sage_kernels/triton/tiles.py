@@ -34,6 +34,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def check_device(hidden: torch.Tensor) -> None:
+    """A clear error unless the kernels can run on `hidden`'s device (CUDA, or the interpreter)."""
+    if hidden.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import "
+            f"for CPU tensors); hidden is on {hidden.device}"
+        )
+
+
 @dataclass(frozen=True)
 class SweepTiles:
     """Tile shape of a vocabulary sweep: BLOCK_N tokens x BLOCK_V vocab, reduced over D in BLOCK_D chunks."""

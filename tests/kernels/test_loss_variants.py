@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from test_reference import stage
 from test_triton_loss import make_problem
 
-from sage_kernels import LossConfig, cpu
+from sage_kernels import LossConfig
+from sage_kernels.loss_types import per_token_grad_is_local
 from sage_kernels.triton import three_matmul
 
 F64 = torch.float64
@@ -459,8 +460,8 @@ def test_gmpo_eps_low_is_a_log_ratio_bound():
 
 def test_gmpo_takes_no_token_local_fast_path():
     config = LossConfig(loss_type="gmpo")
-    assert not cpu._per_token_grad_is_local(config)
-    assert not three_matmul.per_token_grad_is_local(config)
+    assert not per_token_grad_is_local(config)
+    assert not three_matmul.exact_for(config)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

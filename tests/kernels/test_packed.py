@@ -448,7 +448,7 @@ def test_triton_makes_no_padded_copy(options, monkeypatch):
     )
     with KernelMemoryRecorder(PADDED_HIDDEN) as recorder:
         tensors = boundary.LossTensors.of(inputs)
-        if three_matmul.per_token_grad_is_local(config):
+        if three_matmul.exact_for(config):
             grads = ops_local.local_forward(tensors, config, boundary.GradsWanted(True, True, True))[-3:]
         else:
             out = ops.loss_forward(tensors, config)
@@ -477,7 +477,7 @@ def test_triton_operators_pass_opcheck_on_packed_sequences(options):
     )
     floats, ints, num_items = boundary.pack_config(config)
     args = (*boundary.LossTensors.of(inputs).flat(), num_items, floats, ints)
-    if three_matmul.per_token_grad_is_local(config):
+    if three_matmul.exact_for(config):
         op, args = torch.ops.sage_kernels.triton_sage_loss_local.default, (*args, [True, True, False])
     else:
         op = torch.ops.sage_kernels.triton_sage_loss.default

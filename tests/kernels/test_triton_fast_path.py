@@ -73,7 +73,7 @@ def test_the_default_configuration_takes_the_three_matmul_path(options, expected
     problem = make_problem(B=2, L=5, V=200, D=32, seed=1)
     config = LossConfig(**options)
     assert path_of(lambda: run(problem, config, "triton", torch.float32)) == expected
-    assert three_matmul.per_token_grad_is_local(LossConfig())
+    assert three_matmul.exact_for(LossConfig())
 
 
 def test_scoring_and_no_grad_calls_take_a_path_too():

@@ -1,5 +1,6 @@
 """Every bad input of docs/loss.md raises ValueError/TypeError naming the argument, before any computation."""
 
+import dataclasses
 import math
 import re
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from sage_kernels import FusedLinearSAGELoss, LossConfig, fused_linear_sage_loss, logprobs_and_entropy
+from sage_kernels.loss_types import LOSS_TYPES
 
 B, L, D, V = 2, 3, 4, 5
 
@@ -155,6 +157,18 @@ def test_config_and_options_combine():
     a = call(config=config, beta=0.0)
     b = call(config=LossConfig(beta=0.0, loss_type="bnpo"))
     assert a.loss.item() == b.loss.item()
+
+
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+def test_a_loss_types_own_options_are_config_fields_refused_on_the_other_types(loss_type):
+    kind = LOSS_TYPES[loss_type]
+    assert set(kind.options) <= {field.name for field in dataclasses.fields(LossConfig)}
+    for option, value in (("delta_clip", 2.0), ("dual_clip_c", 3.0), ("luspo_include_padding", True)):
+        if option in kind.options:
+            assert getattr(LossConfig(loss_type=loss_type, **{option: value}), option) == value
+        else:
+            with pytest.raises(ValueError, match=f"^{option} must be"):
+                LossConfig(loss_type=loss_type, **{option: value})
 
 
 def test_scoring_validation():
