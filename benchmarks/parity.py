@@ -94,7 +94,7 @@ def _d_head(a, rows_ids, cols, lse, entropy, g, c, logits):
 def float64_reference(x: Inputs, config, weight_rows: torch.Tensor, hidden_rows: torch.Tensor):
     """(loss, grad of `weight_rows` of the weight, grad of `hidden_rows` of hidden) in float64."""
     from sage_kernels import reference
-    from sage_kernels.spec import validate_inputs
+    from sage_kernels.inputs import validate_inputs
 
     B, L, D = x.hidden.shape
     h = x.hidden.reshape(-1, D)

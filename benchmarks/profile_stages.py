@@ -2,7 +2,7 @@
 
 At one point (shape, N, dtype, masked fraction) it runs fwd+bwd of the Triton backend on
 both of its paths, the three-matmul path (the default configuration) and the two-pass path
-(the same loss with sequence-level ratios), with `sage_kernels.triton.stages` recording each
+(the same loss with sequence-level ratios), with `sage_kernels.triton.stage_timing` recording each
 stage (logits GEMM, row stats, token stage, d(logits), each gradient GEMM; forward sweep,
 backward d(logits), ...), and the bare GEMM floor (`providers.gemm-floor`: the three products
 and nothing else). Per path: the median over the timed runs of every stage, the whole call,
@@ -103,7 +103,7 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
     """Stage times (median ms over `repeats` runs), the whole call and the peak memory of one path
     (of the three-matmul path at `TALL_CHUNK_ROWS` for `TALL`: this process measures nothing else)."""
     from sage_kernels import fused_linear_sage_loss
-    from sage_kernels.triton import stages, three_matmul, tiles
+    from sage_kernels.triton import stage_timing, three_matmul, tiles
 
     from .providers import SETTINGS
 
@@ -135,7 +135,7 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
         meter.start()
         _sync(point.device)
         begin = time.perf_counter()
-        with stages.recording(torch.device(point.device)) as recorder:
+        with stage_timing.recording(torch.device(point.device)) as recorder:
             _fwd_bwd(loss_fn, inputs)
             _sync(point.device)
             totals.append(1e3 * (time.perf_counter() - begin))

@@ -8,8 +8,9 @@ The loss contract is docs/loss.md.
 """
 
 from .function import fused_linear_sage_loss, logprobs_and_entropy
-from .module import FusedLinearSAGELoss, fused_linear_grpo
-from .spec import LossConfig, SageLossOutput
+from .inputs import SageLossOutput
+from .integrations.liger import FusedLinearSAGELoss, fused_linear_grpo
+from .spec import LossConfig
 from .vocab_parallel import vocab_parallel_logprobs_and_entropy, vocab_parallel_sage_loss
 
 __all__ = [

@@ -23,7 +23,8 @@ from typing import Protocol
 
 import torch
 
-from .spec import LossConfig, SageInputs, SageLossOutput
+from .inputs import SageInputs, SageLossOutput
+from .spec import LossConfig
 
 
 class Backend(Protocol):

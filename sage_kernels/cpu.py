@@ -38,12 +38,13 @@ from pathlib import Path
 import torch
 
 from .first_order import first_order_only
+from .inputs import FAST_DTYPES, SageInputs, SageLossOutput
 from .loss_types import per_token_grad_is_local
 from .native_build import build_extension, extension_name
 from .packing import layout_of
 from .reference import token_stage
 from .shard_sweep import FusedShardSweep
-from .spec import FAST_DTYPES, LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
+from .spec import LogitMap, LossConfig, logit_map
 
 _HERE = Path(__file__).resolve().parent
 #: environment switch: "0" forces the PyTorch block loop even where the operator builds.

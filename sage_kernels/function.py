@@ -1,6 +1,6 @@
 """The public entry points: `fused_linear_sage_loss` and `logprobs_and_entropy`.
 
-They validate once (`spec.validate_inputs`), pick a backend from the table (`backends.py`) and
+They validate once (`inputs.validate_inputs`), pick a backend from the table (`backends.py`) and
 hand it canonical inputs. Each backend keeps its own autograd Function beside its kernels.
 """
 
@@ -12,15 +12,9 @@ import sys
 import torch
 
 from .backends import backend_named, device_of, resolve_backend
+from .inputs import SageLossOutput, validate_inputs, validate_scoring_inputs
 from .packing import check_scoring_layout, rows_output, validate_packed_inputs
-from .spec import (
-    OPTION_NAMES,
-    LossConfig,
-    SageLossOutput,
-    resolve_config,
-    validate_inputs,
-    validate_scoring_inputs,
-)
+from .spec import OPTION_NAMES, LossConfig, resolve_config
 
 
 def _full_tensor(value):
@@ -171,7 +165,7 @@ def check_logits_finite(
     logp: torch.Tensor, entropy: torch.Tensor, where: torch.Tensor | None, config: LossConfig
 ) -> None:
     """After a sweep: no NaN or +inf logp and a finite entropy where read (`where`; None: everywhere).
-    Every input is finite by then (`spec.validate_inputs`), so anything else means that a logit
+    Every input is finite by then (`inputs.validate_inputs`), so anything else means that a logit
     z = s (W h + b) / T overflowed to +inf: a ValueError naming temperature and logit_scale (on CUDA
     an asynchronous device assertion, so no host sync is added). A logp of -inf is a probability
     that rounds to 0 (a vocabulary entry masked by a bias of finfo.min over T < 1) and passes."""

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from .spec import SageInputs, SageLossOutput, _check_tensor, validate_inputs
+from .inputs import SageInputs, SageLossOutput, check_tensor, validate_inputs
 
 #: the per-token outputs of `SageLossOutput`, [B, L] from the backends, [N] to a packed caller.
 PER_TOKEN_OUTPUTS = ("logp", "entropy", "q", "kl", "ratio")
@@ -64,7 +64,7 @@ def read_cu_seqlens(cu_seqlens, tokens: int, device: torch.device) -> torch.Tens
         raise TypeError(
             f"cu_seqlens must have dtype int32 or int64 (flash-attention's varlen layout), got {cu_seqlens.dtype}"
         )
-    _check_tensor("cu_seqlens", cu_seqlens, ndim=(1,), device=device)
+    check_tensor("cu_seqlens", cu_seqlens, ndim=(1,), device=device)
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must have S + 1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
     bounds = cu_seqlens.to("cpu", torch.int64)
@@ -131,7 +131,7 @@ def on_grid(layout: TokenLayout, name: str, value, device: torch.device) -> torc
     """A packed per-token tensor ([N] or [1, N], checked) on `layout`'s [S, L] grid; None stays None."""
     if value is None:
         return None
-    _check_tensor(name, value, device=device)
+    check_tensor(name, value, device=device)
     tokens = layout.cells.numel()
     if tuple(value.shape) not in ((tokens,), (1, tokens)):
         shape = tuple(value.shape)
@@ -154,16 +154,16 @@ def validate_packed_inputs(
     allowed_dtypes,
     **per_token_inputs,
 ) -> SageInputs:
-    """`spec.validate_inputs` for a packed call (the module docstring gives the layout): hidden
+    """`inputs.validate_inputs` for a packed call (the module docstring gives the layout): hidden
     [N, D] or [1, N, D]; token_ids, mask and the per-token inputs [N] or [1, N]; advantages
     [S] (or [S, 1]) per sequence or [N] (or [1, N]) per token. Returns `SageInputs` on the grid."""
     if config.luspo_include_padding:
         raise ValueError(
             "luspo_include_padding must be False with cu_seqlens: packed sequences have no padded positions to sum"
         )
-    _check_tensor("hidden", hidden, ndim=(2, 3), float_=True)
+    check_tensor("hidden", hidden, ndim=(2, 3), float_=True)
     device = hidden.device
-    _check_tensor("token_ids", token_ids, ndim=(1, 2), device=device)
+    check_tensor("token_ids", token_ids, ndim=(1, 2), device=device)
     tokens = token_ids.shape[-1]
     if token_ids.dim() == 2 and token_ids.shape[0] != 1:
         raise ValueError(f"token_ids must have shape [N] or [1, N] with cu_seqlens, got {tuple(token_ids.shape)}")
@@ -176,7 +176,7 @@ def validate_packed_inputs(
         )
     layout = packed_layout(cu_seqlens, tokens, device)
     sequences, longest = layout.shape
-    _check_tensor("advantages", advantages, ndim=(1, 2), device=device, float_=True)
+    check_tensor("advantages", advantages, ndim=(1, 2), device=device, float_=True)
     if holds_sequences("advantages", advantages, sequences, tokens, lambda: longest > 1):
         advantages = advantages.reshape(sequences)
     else:

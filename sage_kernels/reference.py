@@ -38,11 +38,12 @@ import math
 import torch
 
 from .guides import branch_guide
+from .inputs import REFERENCE_DTYPES, SageInputs, SageLossOutput
 from .loss_types import LOSS_TYPES
 from .metrics import METRICS, reduce_masked
 from .ordered import ordered_sum
 from .packing import layout_of
-from .spec import REFERENCE_DTYPES, LossConfig, SageInputs, SageLossOutput
+from .spec import LossConfig
 
 
 def logits_of(

@@ -40,14 +40,9 @@ import torch.distributed as dist
 from .backends import Backend, backend_named, device_of, resolve_backend
 from .first_order import SHARDED_SECOND_ORDER, first_order_only
 from .function import check_logits_finite
+from .inputs import SageLossOutput, validate_inputs, validate_scoring_inputs
 from .reference import token_stage
-from .spec import (
-    LossConfig,
-    SageLossOutput,
-    resolve_config,
-    validate_inputs,
-    validate_scoring_inputs,
-)
+from .spec import LossConfig, resolve_config
 
 
 def vocab_parallel_sage_loss(

@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from ..guides import branch_guide
+from ..inputs import SageInputs
 from ..reference import kl_estimate, policy_gradient_term
-from ..spec import LossConfig, SageInputs
+from ..spec import LossConfig
 from .hf_logits import logit_options
 from .verl import linear_cross_entropy
 

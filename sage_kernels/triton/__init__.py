@@ -31,7 +31,7 @@ current device. On CPU tensors the kernels run under ``TRITON_INTERPRET=1`` (tes
 CUDA they are compiled.
 """
 
-from ..spec import FAST_DTYPES as DTYPES
+from ..inputs import FAST_DTYPES as DTYPES
 from .ops import logprobs_and_entropy, sage_loss
 from .shard_sweep import shard_stats
 

@@ -22,10 +22,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..inputs import SageInputs
 from ..loss_types import LOSS_TYPE_CODES
 from ..packing import layout_of
-from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LogitMap, LossConfig, SageInputs
-from .stages import stage as timed
+from ..spec import GUIDE_CODES, IS_LEVEL_CODES, KL_CODES, LogitMap, LossConfig
+from .stage_timing import stage as timed
 from .sweep_fwd import compact_rows, host_row_count
 
 _CODE_TABLES = {

@@ -3,7 +3,7 @@
 Four operators, so that `torch.compile` can trace a model that calls the loss (the
 operators are opaque to the compiler; their fake implementations give output shapes):
 
-- ``sage_kernels::triton_sage_loss_local`` (`ops_local.py`): the three-matmul path (`three_matmul.py`), for
+- ``sage_kernels::triton_sage_loss_local`` (`ops_three_matmul.py`): the three-matmul path (`three_matmul.py`), for
   configurations whose per-token gradient is local (`three_matmul.exact_for`; the default
   configuration is one). Returns the loss, the [B, L] per-token outputs, the metrics and the
   gradients, formed in the forward; its backward scales them by the upstream gradient in place.
@@ -35,10 +35,11 @@ import torch
 from torch import Tensor
 
 from ..first_order import first_order_only
+from ..inputs import SageInputs, SageLossOutput
 from ..metrics import COLUMNS, METRIC_NAMES, metrics_vector
 from ..packing import layout_of
-from ..spec import LogitMap, LossConfig, SageInputs, SageLossOutput, logit_map
-from . import ops_local  # noqa: F401  (registers the three-matmul operator)
+from ..spec import LogitMap, LossConfig, logit_map
+from . import ops_three_matmul  # noqa: F401  (registers the three-matmul operator)
 from . import token_stage as stage
 from .boundary import (
     BackwardFlags,
@@ -54,7 +55,7 @@ from .boundary import (
     unpack_config,
 )
 from .gemm import has_fp32_output, on_device
-from .stages import stage as timed
+from .stage_timing import stage as timed
 from .sweep_bwd import sweep_backward
 from .sweep_fwd import scoring_forward, sweep_forward
 from .three_matmul import PATHS_TAKEN, exact_for

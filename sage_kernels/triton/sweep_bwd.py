@@ -51,7 +51,7 @@ import triton.language as tl
 
 from ..spec import LogitMap
 from .gemm import addmm_f32_, on_device
-from .stages import stage
+from .stage_timing import stage
 from .tiles import dot_precision, dot_upcast, new_buffer, tiles_for
 
 #: cap on one chunk of dz, in bytes, above the 4096-column floor.

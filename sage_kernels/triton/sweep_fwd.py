@@ -35,7 +35,7 @@ from .tiles import dot_precision, dot_upcast, interpreting, new_buffer, tiles_fo
 
 #: running-max start value: finite, so the first rescale computes 0 * finite, never 0 * inf
 #: (a constexpr: jitted code may read only constexpr globals).
-_NEG_START = tl.constexpr(-1.0e30)
+NEG_START = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def _sweep_fwd_kernel(
         valid = idx < count
         rows = tl.load(rows_ptr + idx, mask=valid, other=0)
         targets = tl.load(ids_ptr + rows, mask=valid, other=-1)
-        run_max = tl.full([BLOCK_N], _NEG_START, dtype=tl.float32)
+        run_max = tl.full([BLOCK_N], NEG_START, dtype=tl.float32)
         sumexp = tl.zeros([BLOCK_N], dtype=tl.float32)
         shifted_pz = tl.zeros([BLOCK_N], dtype=tl.float32)
         target = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -117,7 +117,7 @@ def _sweep_fwd_kernel(
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             # columns past V at a finite -1e30: exp gives exactly 0 there and 0 * shifted stays 0,
             # so one select covers them (fewer live [BLOCK_N, BLOCK_V] values: no spills)
-            z = tl.where(col_ok[None, :], head_logits(acc, logit_inner, logit_outer, SOFTCAP), _NEG_START)
+            z = tl.where(col_ok[None, :], head_logits(acc, logit_inner, logit_outer, SOFTCAP), NEG_START)
             new_max = tl.maximum(run_max, tl.max(z, axis=1))
             rescale = tl.exp(run_max - new_max)
             shifted = z - new_max[:, None]

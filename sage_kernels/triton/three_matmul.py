@@ -60,8 +60,8 @@ from ..spec import LossConfig
 from . import token_stage
 from .boundary import GradsWanted, LossTensors, RowOrder
 from .gemm import addmm_f32_, mm_f32, on_device
-from .stages import stage
-from .sweep_fwd import _NEG_START, head_logits
+from .stage_timing import stage
+from .sweep_fwd import NEG_START, head_logits
 from .tiles import new_buffer, tiles_for
 
 #: paths taken by the loss forward, by name ("three-matmul", "two-pass"): tests read it.
@@ -118,7 +118,7 @@ def _row_stats_kernel(
         row = tl.load(rows_ptr + idx)
         target_id = tl.load(ids_ptr + row)
         z_row = logits_ptr + local * stride_z
-        run_max = tl.full([BLOCK_V], _NEG_START, dtype=tl.float32)
+        run_max = tl.full([BLOCK_V], NEG_START, dtype=tl.float32)
         sumexp = tl.zeros([BLOCK_V], dtype=tl.float32)
         shifted_pz = tl.zeros([BLOCK_V], dtype=tl.float32)
         target = tl.zeros([BLOCK_V], dtype=tl.float32)
@@ -130,7 +130,7 @@ def _row_stats_kernel(
             z = tl.load(z_row + cols, mask=ok, other=0.0)
             if HAS_BIAS:
                 z += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            z = tl.where(ok, head_logits(z, logit_inner, logit_outer, SOFTCAP), _NEG_START)
+            z = tl.where(ok, head_logits(z, logit_inner, logit_outer, SOFTCAP), NEG_START)
             new_max = tl.maximum(run_max, z)
             rescale = tl.exp(run_max - new_max)
             shifted = z - new_max

@@ -76,6 +76,44 @@ def kl_and_slope(delta, KL: tl.constexpr):
 
 
 @triton.jit
+def kl_with_slopes(
+    ref_ptr,
+    at,
+    active,
+    lp,
+    log_q,
+    ratio,
+    beta,
+    kl_clamp,
+    KL: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HAS_KL_CLAMP: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+):
+    """The token stage's KL term per token: (its value, beta x its slope in logp at a fixed ratio,
+    beta x its slope in the ratio); zeros without ref_logp."""
+    kl = tl.zeros_like(lp)
+    kl_slope = tl.zeros_like(lp)
+    kl_ratio_slope = tl.zeros_like(lp)
+    if HAS_REF:
+        ref = tl.load(ref_ptr + at, mask=active, other=0.0)
+        delta = ref + log_q - lp
+        if HAS_KL_CLAMP:  # the opt-in overflow guard, torch.clamp's gradient: zero outside the bounds
+            inside = (delta >= -kl_clamp) & (delta <= kl_clamp)
+            delta = tl.minimum(tl.maximum(delta, -kl_clamp), kl_clamp)
+        kl, kl_slope = kl_and_slope(delta, KL)
+        if HAS_KL_CLAMP:
+            kl_slope = tl.where(inside, kl_slope, 0.0)
+        kl = tl.where(active, kl, 0.0)
+        if BIAS_CORRECTION:
+            kl_ratio_slope = tl.where(beta != 0.0, beta * kl, 0.0)
+            kl = kl * ratio
+            kl_slope = kl_slope * ratio
+        kl_slope = tl.where(active & (beta != 0.0), beta * kl_slope, 0.0)
+    return kl, kl_slope, kl_ratio_slope
+
+
+@triton.jit
 def tie_weight(a, b):
     """d min(a, b) / d a as autograd computes it: 1 if a < b, 1/2 on a tie, 0 otherwise."""
     return tl.where(a < b, 1.0, tl.where(a == b, 0.5, 0.0))

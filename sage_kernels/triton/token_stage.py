@@ -47,7 +47,7 @@ from .token_math import (
     LOSS_LUSPO,
     LOSS_VESPO,
     gmpo_clip,
-    kl_and_slope,
+    kl_with_slopes,
     log_guide,
     policy_gradient,
 )
@@ -224,27 +224,9 @@ def _token_stage_kernel(
         else:
             ratio = tl.full([BLOCK_L], 1.0, tl.float32)
 
-        # the KL term: its value, its slope in logp at a fixed ratio, its slope in the ratio
-        if HAS_REF:
-            ref = tl.load(ref_ptr + at, mask=active, other=0.0)
-            delta = ref + log_q - lp
-            if HAS_KL_CLAMP:  # the opt-in overflow guard, torch.clamp's gradient: zero outside the bounds
-                inside = (delta >= -kl_clamp) & (delta <= kl_clamp)
-                delta = tl.minimum(tl.maximum(delta, -kl_clamp), kl_clamp)
-            kl, kl_slope = kl_and_slope(delta, KL)
-            if HAS_KL_CLAMP:
-                kl_slope = tl.where(inside, kl_slope, 0.0)
-            kl = tl.where(active, kl, 0.0)
-            kl_ratio_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
-            if BIAS_CORRECTION:
-                kl_ratio_slope = tl.where(beta != 0.0, beta * kl, 0.0)
-                kl = kl * ratio
-                kl_slope = kl_slope * ratio
-            kl_slope = tl.where(active & (beta != 0.0), beta * kl_slope, 0.0)
-        else:
-            kl = tl.zeros([BLOCK_L], dtype=tl.float32)
-            kl_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
-            kl_ratio_slope = tl.zeros([BLOCK_L], dtype=tl.float32)
+        kl, kl_slope, kl_ratio_slope = kl_with_slopes(
+            ref_ptr, at, active, lp, log_q, ratio, beta, kl_clamp, KL, HAS_REF, HAS_KL_CLAMP, BIAS_CORRECTION
+        )
 
         pg, d_pg, d_pg_logp, low, high = policy_gradient(
             ratio,

@@ -14,8 +14,8 @@ import torch
 from tolerances import assert_close, assert_grad_close
 
 from sage_kernels import cpu, fused_linear_sage_loss
+from sage_kernels.inputs import validate_inputs
 from sage_kernels.metrics import METRIC_NAMES
-from sage_kernels.spec import validate_inputs
 
 F64 = torch.float64
 PER_TOKEN = ("logp", "entropy", "q", "kl", "ratio")

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from tolerances import assert_close
 
 from sage_kernels import LossConfig, cpu, logprobs_and_entropy
+from sage_kernels.inputs import validate_inputs
 from sage_kernels.reference import reference_logprobs_and_entropy
-from sage_kernels.spec import validate_inputs
 
 PATHS = ("native", "torch")
 

@@ -5,7 +5,7 @@ finfo(float32).min (a common masking idiom), also at temperature 0.5, where thos
 probability is exactly 0, and 0 times a huge logit stays 0 (it must neither leave ~1e-38 weights
 that a huge logit turns into a wrong entropy, nor 0 * inf = NaN).
 
-An -inf in `bias` (or `weight`) is refused by name in `spec.validate_inputs`, on every backend."""
+An -inf in `bias` (or `weight`) is refused by name in `inputs.validate_inputs`, on every backend."""
 
 from __future__ import annotations
 

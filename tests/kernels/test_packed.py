@@ -19,11 +19,12 @@ from packed_batches import cu_of, lengths_strategy, pad, unpad
 from tolerances import assert_close, assert_grad_close
 
 from sage_kernels import LossConfig, cpu, fused_linear_sage_loss, logprobs_and_entropy
+from sage_kernels.inputs import FAST_DTYPES, validate_inputs
 from sage_kernels.loss_types import LOSS_TYPES
 from sage_kernels.metrics import METRIC_NAMES
 from sage_kernels.packing import rows_output, validate_packed_inputs
 from sage_kernels.reference import reference_logprobs_and_entropy
-from sage_kernels.spec import FAST_DTYPES, KL_CODES, validate_inputs
+from sage_kernels.spec import KL_CODES
 from sage_kernels.triton import three_matmul
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -428,7 +429,7 @@ def test_triton_makes_no_padded_copy(options, monkeypatch):
     # test_triton_memory.py calls them
     from test_triton_memory import KernelMemoryRecorder
 
-    from sage_kernels.triton import boundary, ops, ops_local, tiles
+    from sage_kernels.triton import boundary, ops, ops_three_matmul, tiles
 
     monkeypatch.setitem(tiles.TILE_OVERRIDE, "chunk_n", 32)  # three chunks: the interpreter runs fewer stages
 
@@ -449,7 +450,7 @@ def test_triton_makes_no_padded_copy(options, monkeypatch):
     with KernelMemoryRecorder(PADDED_HIDDEN) as recorder:
         tensors = boundary.LossTensors.of(inputs)
         if three_matmul.exact_for(config):
-            grads = ops_local.local_forward(tensors, config, boundary.GradsWanted(True, True, True))[-3:]
+            grads = ops_three_matmul.local_forward(tensors, config, boundary.GradsWanted(True, True, True))[-3:]
         else:
             out = ops.loss_forward(tensors, config)
             flags = boundary.BackwardFlags.of(config, need_hidden=True, need_weight=True, need_bias=True)

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
+from sage_kernels.inputs import validate_inputs
 from sage_kernels.reference import token_stage
-from sage_kernels.spec import validate_inputs
 
 F64 = torch.float64
 

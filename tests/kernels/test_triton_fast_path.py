@@ -18,8 +18,8 @@ from test_triton_ops import loss_op_args
 from tolerances import TOLERANCES, assert_grad_close  # noqa: E402
 
 from sage_kernels import LossConfig, fused_linear_sage_loss  # noqa: E402
-from sage_kernels.spec import validate_inputs  # noqa: E402
-from sage_kernels.triton import boundary, gemm, ops_local, sweep_fwd, three_matmul, tiles
+from sage_kernels.inputs import validate_inputs  # noqa: E402
+from sage_kernels.triton import boundary, gemm, ops_three_matmul, sweep_fwd, three_matmul, tiles
 from sage_kernels.triton.tiles import interpreting  # noqa: E402
 
 THREE, TWO = "three-matmul", "two-pass"
@@ -241,7 +241,7 @@ def test_three_matmul_stays_under_the_logits_limit(dtype):
     )
     with KernelMemoryRecorder(B * L * V // 16) as recorder:
         wanted = boundary.GradsWanted(hidden=True, weight=True, bias=True)
-        out = ops_local.local_forward(boundary.LossTensors.of(inputs), config, wanted)
+        out = ops_three_matmul.local_forward(boundary.LossTensors.of(inputs), config, wanted)
     recorder.check()
     assert recorder.largest > 0
     assert all(torch.isfinite(t).all() for t in out)

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
-from sage_kernels.spec import validate_inputs
+from sage_kernels.inputs import validate_inputs
 from sage_kernels.triton import boundary, ops, tiles
 from sage_kernels.triton.tiles import interpreting
 

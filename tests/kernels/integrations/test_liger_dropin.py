@@ -15,7 +15,7 @@ liger_grpo = pytest.importorskip("liger_kernel.chunked_loss.grpo_loss")
 from tolerances import TOLERANCES, assert_close, assert_grad_close  # noqa: E402
 
 from sage_kernels import FusedLinearSAGELoss  # noqa: E402
-from sage_kernels import module as sage_module  # noqa: E402
+from sage_kernels.integrations import liger as sage_module  # noqa: E402
 
 B, T, D, V = 3, 7, 16, 37
 BACKEND = "auto"  # integration tests: the default backend of the device ("cpu" here)

@@ -13,6 +13,7 @@ import torch
 
 from sage_kernels import fused_linear_sage_loss
 from sage_kernels.integrations import verl as sage_verl
+from sage_kernels.integrations import verl_kernel
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
 real_verl = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed here")
@@ -50,7 +51,7 @@ def forward_backward(fn, hidden, weight, labels, upstream):
 
 @pytest.mark.parametrize("block_rows", [1024, 4], ids=["one-block", "blocks-of-4"])
 def test_linear_cross_entropy_matches_formula(monkeypatch, block_rows):
-    monkeypatch.setattr(sage_verl, "BACKWARD_BLOCK_ROWS", block_rows)
+    monkeypatch.setattr(verl_kernel, "BACKWARD_BLOCK_ROWS", block_rows)  # read by its backward
     hidden, weight, labels, g = make_head()
     upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
     ours = forward_backward(

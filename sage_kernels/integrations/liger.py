@@ -33,10 +33,10 @@ import warnings
 import torch
 from torch import nn
 
-from .function import fused_linear_sage_loss, logprobs_and_entropy
-from .loss_types import LOSS_TYPES
-from .packing import per_token, read_cu_seqlens
-from .spec import LossConfig
+from ..function import fused_linear_sage_loss, logprobs_and_entropy
+from ..loss_types import LOSS_TYPES
+from ..packing import per_token, read_cu_seqlens
+from ..spec import LossConfig
 
 
 class SageMetrics(tuple):
