@@ -102,7 +102,10 @@ class RunOptions:
     max_tokens_per_micro_batch: int = 0
     # each micro-batch's sequences packed into one row, positions restarting per sequence, attention
     # kept within each (`sage_train.micro_batches`): no padding computed. null: packed where the
-    # model's attention supports it (`sage_train.model.packs_sequences`), padded elsewhere
+    # attention skips pairs across sequences (flash-attention's varlen, flex attention), padded under
+    # sdpa and eager (a dense mask over the packed row costs more than the padding) unless each
+    # micro-batch is one sequence (micro_batch_size 1, no token budget: no mask at all); true: packed
+    # wherever the model keeps sequences apart (`sage_train.model.packs_sequences`)
     padding_free: bool | None = None
     # activation checkpointing of the policy's decoder layers in the update (`policy.checkpoint_layers`):
     # one layer's activations held instead of all, for a second forward in the backward; same gradient

@@ -90,17 +90,32 @@ class MicroBatch:
             grid.view(-1).index_copy_(0, self.packed.cells, values)
 
 
+#: attention implementations whose packed row costs what its sequences cost alone: flash-attention's
+#: varlen kernel (boundaries from the position ids) and flex attention's block mask skip the pairs of
+#: tokens in different sequences. eager and sdpa compute a dense [T, T] mask over the whole packed row:
+#: (sum of lengths)^2 scores where the padded rows cost rows x width^2, more than the padding saves at
+#: the demo's and SmolLM2's settings (benchmarks/README.md, "Padded against packed").
+SEQUENCE_LOCAL_ATTENTION = ("flash_attention", "flex_attention")
+
+
 def padding_free(cfg, lm) -> tuple[bool, str]:
     """(whether the run packs its micro-batches, why not when it does not): ``padding_free`` true
-    or null packs when the loss options and `lm`'s attention allow it; true where they do not is
-    refused naming the key."""
+    packs when the loss options and `lm`'s attention allow it (refused naming the key where they do
+    not); null packs where, in addition, the attention computes no pair of tokens from two sequences
+    (`SEQUENCE_LOCAL_ATTENTION`) or each micro-batch is one sequence (a plain causal row, no padding)."""
     if cfg.padding_free is False:
         return False, "padding_free: false"
+    attention = str(getattr(getattr(lm, "config", None), "_attn_implementation", None) or "its attention")
+    one_sequence = cfg.micro_batch_size == 1 and not cfg.max_tokens_per_micro_batch
+    if cfg.padding_free is None and not one_sequence and not any(n in attention for n in SEQUENCE_LOCAL_ATTENTION):
+        return False, (
+            f"{attention} attention would compute a dense mask over each packed row, more than the padding "
+            "it saves; padding_free: true packs anyway"
+        )
     why_not = ""
     if cfg.luspo_include_padding:
         why_not = "luspo_include_padding sums the loss over padded positions, which packed sequences have none of"
     elif not packs_sequences(lm):
-        attention = getattr(getattr(lm, "config", None), "_attn_implementation", "its attention")
         why_not = (
             f"{type(lm).__name__} ({attention}) does not compute sequences packed in one row as it computes "
             "them alone (`sage_train.model.packs_sequences`)"

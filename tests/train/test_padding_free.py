@@ -208,9 +208,13 @@ def test_a_micro_batch_of_empty_completions_scores_one_masked_slot():
 
 def test_which_models_pack_and_the_refusals(tiny_config):
     tokenizer = build_char_tokenizer()
-    assert padding_free(tiny_config(), tiny_model(tokenizer)) == (True, "")
+    assert padding_free(tiny_config(padding_free=True), tiny_model(tokenizer)) == (True, "")
     assert padding_free(tiny_config(padding_free=False), tiny_model(tokenizer)) == (False, "padding_free: false")
+    packed, why = padding_free(tiny_config(), tiny_model(tokenizer))  # sdpa: a dense mask over the row
+    assert not packed and why.startswith("sdpa attention would compute a dense mask")
+    assert padding_free(tiny_config(micro_batch_size=1), tiny_model(tokenizer)) == (True, "")  # one causal row each
     bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2))
+    bloom.config._attn_implementation = "flash_attention_2"  # as loaded with flash-attn: null would pack
     packed, why = padding_free(tiny_config(), bloom)  # ALiBi, no position ids: padded, and why
     assert not packed and "BloomForCausalLM" in why
     with pytest.raises(ConfigError, match="config key 'padding_free' must be false or null here: BloomForCausalLM"):
