@@ -38,9 +38,10 @@ from .distributed import all_ranks
 from .micro_batches import split
 from .policy import Batch, entropy_quantiles, make_batch, score
 from .presets import loss_config
-from .report import COMPLETIONS_FILE, write_completions
+from .report import write_completions
 from .reward_kl import objective_advantages
 from .rollout import SamplingParams
+from .run_files import RUN_FILES
 from .tasks.grading import grade
 
 #: host wall-clock seconds of a step's parts (on CUDA, without a synchronise: kernels still queued
@@ -353,7 +354,7 @@ def collect_groups(ctx: RunContext, step: int):
                 break
     groups = (informative + uninformative)[:needed]
     if cfg.log_completions and ctx.rank == 0:
-        write_completions(cfg.run_dir / COMPLETIONS_FILE, step, groups[: cfg.log_completions], ctx.task.prompt)
+        write_completions(cfg.run_dir / RUN_FILES.completions, step, groups[: cfg.log_completions], ctx.task.prompt)
     rewards = torch.tensor([g["rewards"] for g in groups], dtype=torch.float32)
     return groups, rewards, rounds
 

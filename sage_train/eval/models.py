@@ -14,6 +14,7 @@ from .. import config_files
 from ..model_files import check_model, fingerprint
 from ..packaged_models import gguf_source, model_directory
 from ..rollout.base import RolloutEngine
+from ..run_files import RUN_FILES
 
 #: prompts longer than this many bytes per allowed token are refused without tokenizing them (no
 #: tokenizer packs that much text into its tokens on average)
@@ -35,10 +36,10 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
     resolved = []
     for given in paths:
         path = Path(given)
-        if (path / "config.yaml").is_file() and (path / "final").is_dir():
-            config = _run_config(path / "config.yaml")
-            resolved.append((path.resolve().name, str(path / "final"), config))
-        elif (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+        if (path / RUN_FILES.config).is_file() and (path / RUN_FILES.final).is_dir():
+            config = _run_config(path / RUN_FILES.config)
+            resolved.append((path.resolve().name, str(path / RUN_FILES.final), config))
+        elif (path / RUN_FILES.config).is_file() and not (path / "config.json").is_file():
             raise ValueError(
                 f"--model {given!r} is a run directory without a final model ({path / 'final'}); did the run finish?"
             )
@@ -48,7 +49,7 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
             raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory or a hub name")
         else:
             name = path.resolve().name if path.is_dir() else given
-            if name == "final" and path.is_dir():  # runs/<name>/final: call it by the run's name
+            if name == RUN_FILES.final and path.is_dir():  # runs/<name>/final: call it by the run's name
                 name = path.resolve().parent.name
             resolved.append((name, given, None))
     labels = [label for label, _, _ in resolved]
@@ -64,7 +65,7 @@ def trained_config(model: ModelSpec) -> dict:
     config.yaml beside it; {} when there is none."""
     if model.run_config is not None:
         return model.run_config
-    beside = Path(model.path).parent / "config.yaml"
+    beside = Path(model.path).parent / RUN_FILES.config
     if Path(model.path).is_dir() and beside.is_file():
         return _run_config(beside)
     return {}

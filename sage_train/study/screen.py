@@ -21,8 +21,8 @@ import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+from ..run_files import RUN_FILES
 from ..safe_files import make_dir, open_append, write_file
-from ..sft import WARM_START_FILE
 from .design import parse_study
 from .grid import _worker_init, finished, record_environment
 from .report import START
@@ -42,7 +42,7 @@ def screen_seed(study, seed: int) -> int:
         if not finished(run_dir):
             raise RuntimeError(f"the starting point of seed {seed} did not finish ({run_dir})")
         record_environment(run_dir, "train")
-    return json.loads((run_dir / "sft" / WARM_START_FILE).read_text())["sft_steps"]
+    return json.loads((run_dir / RUN_FILES.sft / RUN_FILES.warm_start).read_text())["sft_steps"]
 
 
 def selection(steps: dict, seeds: list, long: int, want: int) -> dict | None:

@@ -4,8 +4,8 @@ import pytest
 
 from sage_train.config import ConfigError, TrainConfig, build, parse_args, resolve
 from sage_train.config_files import packaged_config_names
+from sage_train.inputs import check_inputs
 from sage_train.presets import PRESETS, loss_config
-from sage_train.run_dir import check_inputs
 
 
 def test_packaged_default_loads_and_resolves_to_sage_branch():
@@ -146,7 +146,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 def test_packaged_deepspeed_files_merge_and_must_agree_with_zero_stage(stage):
     import torch
 
-    from sage_train.build import deepspeed_config
+    from sage_train.inputs import deepspeed_config
 
     cfg = resolve(build({"zero_stage": stage, "deepspeed_config": f"ds-zero{stage}"}))
     merged = deepspeed_config(cfg, world=2, accumulation=4, device=torch.device("cpu"))

@@ -14,11 +14,11 @@ import torch
 from sage_train import packaged_models
 from sage_train.cli import eval_main
 from sage_train.config import ConfigError, parse_args
+from sage_train.inputs import check_inputs
 from sage_train.model import load_pretrained
 from sage_train.packaged_models import NamedModel, model_directory
 from sage_train.policy import PolicyHead, make_batch
 from sage_train.rollout.base import Completion
-from sage_train.run_dir import check_inputs
 
 
 def test_a_gguf_file_converts_once_and_loads_like_any_model(gguf_path, cache, capsys):

@@ -20,8 +20,8 @@ from tiny_models import tiny_model
 from sage_train import packaged_models
 from sage_train.cli import eval_main, train_main
 from sage_train.config import build, parse_args, resolve, save_yaml
+from sage_train.inputs import check_inputs
 from sage_train.model import build_char_tokenizer
-from sage_train.run_dir import check_inputs
 
 CUSTOM_CODE = """from pathlib import Path
 
