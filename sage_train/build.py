@@ -13,11 +13,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from sage_kernels.guides import BranchGuide, Guide, RandomGuide, TokenGuide
-
 from .checkpoint import folder_written_atomically
 from .config import ConfigError, TrainConfig
 from .context import RunContext
+from .guide import make_guide
 from .inputs import RunPlan, run_prompts
 from .lora import AdapterDisabled, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
 from .lr_schedule import lr_schedule
@@ -219,30 +218,3 @@ def derived_max_model_len(cfg: TrainConfig, tokenizer, prompts: Iterable[str]) -
         raise ConfigError("config key 'vllm_max_model_len' is 0 (derived) but no prompt was given to derive it from")
     longest = max(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
     return longest + max(cfg.max_new_tokens, cfg.eval_max_new_tokens)
-
-
-def make_guide(cfg: TrainConfig, rank: int) -> Guide | None:
-    """The run's guide (`sage_kernels.guides.GUIDES[cfg.guide]`), or None for ``guide: none``.
-    A scheduled guide's schedule runs over the run's optimizer steps; its noise is seeded per rank."""
-    bounds = {"q_min": cfg.q_min, "q_max": cfg.q_max}
-    if cfg.guide == "branch":
-        return BranchGuide(gamma=cfg.gamma, tau=cfg.tau, **bounds)
-    schedule = {
-        "max_steps": cfg.steps,
-        "sigma_max": cfg.guide_sigma_max,
-        "sigma_min": cfg.guide_sigma_min,
-        "num_cycles": cfg.guide_num_cycles,
-        "decay_rate": cfg.guide_decay_rate,
-        "seed": cfg.seed * 1009 + rank,
-        **bounds,
-    }
-    if cfg.guide == "token":
-        return TokenGuide(
-            alpha_max=cfg.guide_alpha_max,
-            alpha_min=cfg.guide_alpha_min,
-            normalization=cfg.guide_normalization,
-            **schedule,
-        )
-    if cfg.guide == "random":
-        return RandomGuide(eps_max=cfg.guide_eps_max, eps_min=cfg.guide_eps_min, **schedule)
-    return None

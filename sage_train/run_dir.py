@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import checkpoint, config_files
 from .config import ConfigError, TrainConfig, plain_yaml, save_yaml
 from .distributed import on_rank0
+from .guide import is_scheduled
 from .run_files import FRESH_RUN_CLEARS, RUN_FILES
 from .safe_files import make_dir, open_lock, remove
 
@@ -222,7 +223,7 @@ def _extension_note(cfg: TrainConfig, saved_steps: int, done: int) -> str:
     """What a resume with other ``steps`` does, and to the schedules that depend on them."""
     note = f"sage-train: --resume with steps {saved_steps} -> {cfg.steps}: steps 1..{done} are kept"
     depends = [f"the {cfg.lr_schedule} learning-rate decay"] if cfg.lr_schedule != "constant" else []
-    if cfg.guide in ("token", "random"):
+    if is_scheduled(cfg.guide):
         depends.append(f"the {cfg.guide} guide's annealing")
     if depends:
         note += (

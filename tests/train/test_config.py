@@ -1,5 +1,7 @@
 """TrainConfig: YAML + --key=value, type checks, unknown keys, presets."""
 
+import dataclasses
+
 import pytest
 
 from sage_train.config import ConfigError, TrainConfig, build, parse_args, resolve
@@ -181,3 +183,14 @@ def test_train_problems_beyond_the_default_pool_draws_a_larger_pool_with_the_def
     # the warm start sees the pool the prompts come from, and never less than the default one
     assert larger.sft_problems == larger.train_problems and smaller.sft_problems == default.sft_problems
     assert [p.id for p in smaller.train_problems] == [p.id for p in default.train_problems[:100]]
+
+
+def test_the_guide_keys_are_the_guide_settings_fields_and_read_back_through_them():
+    from sage_train.config import FIELDS
+    from sage_train.guide import GUIDE_KEYS, GuideSettings, guide_settings, is_scheduled
+
+    assert set(GUIDE_KEYS) <= set(FIELDS) and len(GUIDE_KEYS) == len(dataclasses.fields(GuideSettings))
+    cfg = resolve(build({"algorithm": "sage-random", "guide_eps_max": 0.2, "guide_num_cycles": 3}))
+    settings = guide_settings(cfg)
+    assert (settings.eps_max, settings.num_cycles, settings.sigma_max) == (0.2, 3, 0.15)  # the random guide's sigma
+    assert [is_scheduled(g) for g in ("none", "branch", "token", "random")] == [False, False, True, True]

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from test_microbatch import completions
 from tiny_models import tiny_model
 
-from sage_train.build import build_engines, make_guide
+from sage_train.build import build_engines
 from sage_train.config import ConfigError
 from sage_train.context import RunContext
+from sage_train.guide import make_guide
 from sage_train.inputs import engine_config
 from sage_train.lora import with_lora
 from sage_train.micro_batches import padding_free, split, token_budget_groups
