@@ -152,7 +152,7 @@ class RunOptions:
     openai_model: str = ""  # the served model's name ("": the `model` key)
     openai_shared_dir: str = ""  # where adapters are saved for the server to load
     # the rollout-mismatch toolkit between the rollout engine's and the trainer's log-probs
-    # (sage_train.importance): truncated importance sampling, min(r, tis_cap) per token or sequence
+    # (sage_train.rl_maths): truncated importance sampling, min(r, tis_cap) per token or sequence
     tis_level: str = "off"  # "token", "sequence" (geometric mean) or "off"
     tis_cap: float = 2.0
     # TRL 1.16's modes ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -167,7 +167,7 @@ class RunOptions:
     # loss options: one key per field of sage_kernels.LossConfig (`LOSS_KEYS`, added below the class)
     loss_backend: str = "auto"
 
-    # SAGE's objective through the reward (reward_kl.py; presets *-exact, grpo-kl-in-reward): at
+    # SAGE's objective through the reward (rl_maths.py; presets *-exact, grpo-kl-in-reward): at
     # generation, beta times each completion's KL to q * pi_ref (k1: sum of log pi_old - log pi_ref
     # - log q) comes off its reward before the group advantages, and the loss's beta is 0
     kl_in_reward: bool | None = None

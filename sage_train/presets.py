@@ -27,7 +27,7 @@ command line win. The resolved values are saved with the run.
 | dppo-kl           | DPPO-Binary-KL: the token's binary KL to the old policy <= 0.05, no KL              |
 | sage-branch-dppo  | dppo-tv with beta 0.05 and the branch guide                                         |
 
-The ``*-exact`` presets and grpo-kl-in-reward set ``kl_in_reward`` (`sage_train.reward_kl`): the
+The ``*-exact`` presets and grpo-kl-in-reward set ``kl_in_reward`` (`sage_train.rl_maths`): the
 KL is measured at generation and enters the advantage as J's gradient asks, -beta (c - group mean
 of c) beside the task reward's own group advantage, never divided by a std; the loss's beta is 0.
 (Changed in issue 38: before, the KL came off the reward before the group statistics, so the

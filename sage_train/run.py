@@ -31,7 +31,7 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
   policy's weights after every optimizer step (``rollout/sync_time`` logs the cost of every push
   of the step). With ``tis_level`` token or sequence, the PG term is reweighted by truncated
   importance sampling, min(pi_train / pi_rollout, tis_cap) (`rollout_correction`), both
-  log-probs of the temperature-scaled distribution before truncation (`sage_train.importance`:
+  log-probs of the temperature-scaled distribution before truncation (`sage_train.rl_maths`:
   vLLM's raw log-probs at temperature 1, as in the official code), so the weights are 1 where
   the engine and the trainer agree, min_p or not.
 - The reference is the policy at the start of RL (after the warm start), frozen. With LoRA

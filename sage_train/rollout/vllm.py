@@ -18,7 +18,7 @@ per training process, as in the official SAGE code
   never share sampling noise;
 - log-probs come back for each sampled token from the temperature-scaled distribution before
   min-p / top-k / top-p truncation (`logprobs_mode`, chosen by `logprobs_mode_for`), the
-  quantity the trainer computes, so truncated importance sampling (`sage_train.importance`)
+  quantity the trainer computes, so truncated importance sampling (`sage_train.rl_maths`)
   compares like with like.
 
 Coded against vLLM's documented Python API (`vllm.LLM`, `SamplingParams`, `LLM.sleep`,
