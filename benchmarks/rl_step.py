@@ -104,7 +104,7 @@ def trl_worker(model: str, steps: int, threads: int, checkpointing: bool) -> dic
     from trl import GRPOConfig, GRPOTrainer
 
     from sage_train.inputs import check_inputs
-    from sage_train.model import load_pretrained
+    from sage_train.models.loading import load_pretrained
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out:

@@ -18,10 +18,10 @@ from .config import ConfigError, TrainConfig
 from .context import RunContext
 from .guide import make_guide
 from .inputs import RunPlan, run_prompts
-from .lora import AdapterDisabled, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
 from .lr_schedule import lr_schedule
 from .micro_batches import padding_free
-from .model import load_pretrained, model_for
+from .models.loading import load_pretrained, model_for
+from .models.lora import AdapterDisabled, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
 from .policy import PolicyHead
 from .rollout import make_engine
 from .run_files import RUN_FILES

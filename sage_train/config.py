@@ -49,7 +49,7 @@ class RunOptions:
     overwrite: bool = False  # a fresh run may delete the checkpoints and final model of a run of the same name
 
     # model: "tiny" builds a Qwen2-style model from the tiny_* keys; a named model shipped by a package
-    # (packaged_models.NAMED_MODELS: smollm2-135m-instruct), a local .gguf file, a hub name or a local path
+    # (models.packaged.NAMED_MODELS: smollm2-135m-instruct), a local .gguf file, a hub name or a local path
     model: str = "tiny"
     gguf_file: str = ""  # a GGUF file inside the `model` directory (or an absolute path), converted once
     tiny_hidden_size: int = 64
@@ -59,7 +59,7 @@ class RunOptions:
     tiny_intermediate_size: int = 128
     tiny_max_positions: int = 256
 
-    # LoRA through peft (sage_train/lora.py): 0 trains every weight; > 0 trains an adapter of this
+    # LoRA through peft (sage_train/models/lora.py): 0 trains every weight; > 0 trains an adapter of this
     # rank only, the LM head frozen, and the reference is the base model with the adapter disabled
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -105,7 +105,7 @@ class RunOptions:
     max_tokens_per_micro_batch: int = 0
     # each micro-batch's sequences packed into one row, positions restarting per sequence, attention
     # kept within each (`sage_train.micro_batches`): no padding computed. null: packed where the
-    # model's attention supports it (`sage_train.model.packs_sequences`), padded elsewhere
+    # model's attention supports it (`sage_train.models.loading.packs_sequences`), padded elsewhere
     padding_free: bool | None = None
     # activation checkpointing of the policy's decoder layers in the update (`policy.checkpoint_layers`):
     # one layer's activations held instead of all, for a second forward in the backward; same gradient

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from .config import ConfigError, TrainConfig, read_yaml
-from .model import load_skeleton, tokenizer_for
-from .model_files import ModelFilesError, check_model
-from .packaged_models import model_directory
+from .models.files import ModelFilesError, check_model
+from .models.loading import load_skeleton, tokenizer_for
+from .models.packaged import model_directory
 from .run_files import FRESH_RUN_CLEARS, RUN_ENTRIES
 from .safe_files import refuse_links
 from .sft import sft_examples

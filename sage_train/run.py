@@ -35,7 +35,7 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
   vLLM's raw log-probs at temperature 1, as in the official code), so the weights are 1 where
   the engine and the trainer agree, min_p or not.
 - The reference is the policy at the start of RL (after the warm start), frozen. With LoRA
-  (``lora_rank > 0``, `sage_train.lora`) it is the model with the adapter disabled: no copy; after
+  (``lora_rank > 0``, `sage_train.models.lora`) it is the model with the adapter disabled: no copy; after
   a warm start with ``sft_adapter: continue`` that is the raw pre-SFT base (the official SAGE way).
 - The KL term is a per-token loss term, not a reward penalty.
 - The supervised warm start is a plain AdamW phase run identically on every rank (it needs no
@@ -61,7 +61,7 @@ from .context import RunContext
 from .distributed import InterruptFlag, RunError, init_distributed, on_rank0, reduce_rows, seed_everything
 from .eval.evaluate import evaluate_engine, mean_pass_at_k
 from .inputs import check_inputs, eval_set
-from .lora import base_lm, is_lora, merged_named_weights
+from .models.lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
 from .run_dir import RunLock, prepare_run_dir
 from .run_files import RUN_FILES

@@ -150,10 +150,10 @@ def _output_to(log):
         os.close(saved[1])
 
 
-_stop = threading.Event()  # in a worker: the study's stop event (`_worker_init`), set once it is stopping
+_stop = threading.Event()  # in a worker: the study's stop event (`worker_init`), set once it is stopping
 
 
-def _worker_init(stop) -> None:
+def worker_init(stop) -> None:
     """Workers leave Ctrl-C to the study, which sets `stop` and signals them with SIGTERM
     (`stop_workers`); an idle worker ignores it. A worker dies with the study (`_die_with_parent`).
     Each is a world of one on a port of its own: a launcher's (or the caller's) rank variables are
@@ -237,7 +237,7 @@ def run_grid(study: Study, state: dict, log=print) -> dict:
     state["stop"] = context.Event()
     if state["stopping"]:  # a signal before the event existed
         state["stop"].set()
-    workers = dict(mp_context=context, initializer=_worker_init, initargs=(state["stop"],))
+    workers = dict(mp_context=context, initializer=worker_init, initargs=(state["stop"],))
     with ProcessPoolExecutor(study.jobs, **workers) as pool:
         pending = {pool.submit(run_task, study, None, seed): (None, seed) for seed in study.seeds}
         while pending:

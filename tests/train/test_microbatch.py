@@ -14,7 +14,7 @@ from tiny_models import tiny_model
 from sage_train.build import build_engines
 from sage_train.context import RunContext
 from sage_train.inputs import engine_config
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import make_batch, score
 from sage_train.rollout import Completion
 from sage_train.step import policy_update

@@ -17,7 +17,7 @@ from tiny_models import tiny_model
 
 from sage_train.cli import eval_main, study_main, train_main
 from sage_train.config import build, parse_args, resolve, save_yaml
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.run_dir import RunLock, prepare_run_dir
 from sage_train.run_files import RUN_FILES
 from sage_train.safe_files import RunDirError, write_file

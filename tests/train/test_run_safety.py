@@ -398,7 +398,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, capsys, distri
     """beta = 3e38 (finite, accepted): from step 1 the KL gradient overflows float32, so every
     optimizer step is skipped; after max_nonfinite_steps in a row the run stops, exit 1, with the
     weights it started from in its checkpoint."""
-    from sage_train.model import load_model_and_tokenizer
+    from sage_train.models.loading import load_model_and_tokenizer
 
     yaml_file = write_yaml(tmp_path / "tiny.yaml", {**TINY_RUN, **OPTIONS})
     argv = [
@@ -515,7 +515,7 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
     from sage_train.build import build_engines
     from sage_train.context import RunContext
     from sage_train.inputs import engine_config
-    from sage_train.model import build_char_tokenizer
+    from sage_train.models.loading import build_char_tokenizer
     from sage_train.policy import make_batch, score
     from sage_train.rollout import Completion
     from sage_train.step import policy_update

@@ -8,7 +8,7 @@ import torch
 
 from sage_train.build import build_engines, initial_policy, policy_and_reference
 from sage_train.inputs import check_inputs
-from sage_train.model import load_model_and_tokenizer
+from sage_train.models.loading import load_model_and_tokenizer
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.tasks import get_task

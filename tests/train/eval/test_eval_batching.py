@@ -12,7 +12,7 @@ from sage_train.config import ConfigError
 from sage_train.context import RunContext
 from sage_train.eval.evaluate import evaluate_engine
 from sage_train.inputs import run_prompts
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import derive_seed
 from sage_train.rollout.hf import HFEngine

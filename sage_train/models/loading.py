@@ -1,6 +1,6 @@
 """Models and tokenizers: a tiny Qwen2-style model with a character-level tokenizer the
 package builds itself (nothing downloaded), or a real model: a named model shipped by a package,
-a GGUF file (both through `sage_train.packaged_models`), a hub name or a local path.
+a GGUF file (both through `sage_train.models.packaged`), a hub name or a local path.
 
 The tiny tokenizer maps each printable ASCII character and the newline to one token, plus
 ``<pad>``, ``<eos>`` and ``<unk>``; other characters are dropped. It is a `Qwen2Tokenizer`, the
@@ -19,9 +19,9 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
+from .files import ModelFilesError
 from .lora import base_lm
-from .model_files import ModelFilesError
-from .packaged_models import model_directory
+from .packaged import model_directory
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARACTERS = "\n" + "".join(c for c in string.printable if c.isprintable())
@@ -117,7 +117,7 @@ def tokenizer_for(source: str):
 
 
 def model_for(cfg, source: str, tokenizer):
-    """The model of a source (`packaged_models.model_directory`'s answer): "tiny" builds it
+    """The model of a source (`packaged.model_directory`'s answer): "tiny" builds it
     (`tiny_model`), anything else is loaded (`load_weights`)."""
     return tiny_model(cfg, tokenizer) if source == "tiny" else load_weights(source, tokenizer)
 
@@ -143,7 +143,7 @@ def load_model_and_tokenizer(cfg):
 
 def load_pretrained(path: str, gguf_file: str = ""):
     """A causal LM and its tokenizer from a hub name, an HF-format directory, or a named model or
-    GGUF file (`sage_train.packaged_models`: converted once to a cached HF directory, loaded from
+    GGUF file (`sage_train.models.packaged`: converted once to a cached HF directory, loaded from
     there)."""
     path = model_directory(path, gguf_file)
     tokenizer = pretrained_tokenizer(path)
