@@ -68,10 +68,11 @@ def worker(setting: str, layout: str, model: str, steps: int) -> list[dict]:
     """`steps` RL steps of the setting in this process; a row per step after the first."""
     import torch
 
-    from sage_train.context import build_context
+    from sage_train.build import build_context
     from sage_train.distributed import init_distributed, seed_everything
+    from sage_train.inputs import check_inputs
     from sage_train.micro_batches import split
-    from sage_train.run_dir import check_inputs, prepare_run_dir
+    from sage_train.run_dir import prepare_run_dir
     from sage_train.step import generate, rl_step
 
     from .measure import PeakMemory
@@ -80,12 +81,12 @@ def worker(setting: str, layout: str, model: str, steps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         cfg = setting_config(setting, layout, model, steps, out)
         rank, world, device = init_distributed()
-        inputs = check_inputs(cfg, world)
+        plan = check_inputs(cfg, world, device)
         if device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         prepare_run_dir(cfg, cfg.run_dir, rank, world)
         seed_everything(cfg.seed + rank)
-        ctx = build_context(cfg, inputs, rank, world, device)
+        ctx = build_context(plan, rank, device)
         ctx.rollout.sync_weights(ctx.engine.module.lm)
         meter = PeakMemory(device.type)
         for step in range(1, steps + 1):

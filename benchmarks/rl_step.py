@@ -103,13 +103,14 @@ def trl_worker(model: str, steps: int, threads: int, checkpointing: bool) -> dic
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from sage_train.model import load_pretrained
-    from sage_train.run_dir import check_inputs
+    from sage_train.inputs import check_inputs
+    from sage_train.models.loading import load_pretrained
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out:
         cfg = recipe_config(model, steps, out, threads, checkpointing)
-        task, train_problems = check_inputs(cfg, 1)[:2]
+        plan = check_inputs(cfg, 1)
+        task, train_problems = plan.task, plan.train_problems
         by_id = {p.id: p for p in train_problems}
         dataset = Dataset.from_list(
             [{"prompt": [{"role": "user", "content": task.prompt(p)}], "problem_id": p.id} for p in train_problems]

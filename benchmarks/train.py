@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     if args.part == "update":
         return packed_updates(args)
     torch.set_num_threads(args.threads)
-    from sage_train.model import load_pretrained
+    from sage_train.models.loading import load_pretrained
 
     model, tokenizer = load_pretrained(args.model)
     model.eval()

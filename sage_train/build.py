@@ -1,33 +1,108 @@
-"""What a run is built from: the DeepSpeed engine and optimiser of the policy, the reference
-scorer, the rollout engine, the learning-rate schedule and the guide computed outside the loss."""
+"""The one builder: `build_context` turns a checked `RunPlan` (`sage_train.inputs`) into the run's
+`RunContext`, in this order: the policy the run starts from (the warm start, or its saved result on
+resume), the reference, the DeepSpeed engine and optimiser of the policy, the run's prompted task, the
+rollout engine and the guide computed outside the loss. It checks nothing `check_inputs` checked."""
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from sage_kernels.guides import BranchGuide, Guide, RandomGuide, TokenGuide
-
+from .checkpoint import folder_written_atomically
 from .config import ConfigError, TrainConfig
-from .lora import AdapterDisabled, apply_lora, base_lm, is_lora, merged_named_weights
+from .context import RunContext
+from .guide import make_guide
+from .inputs import RunPlan, run_prompts
 from .lr_schedule import lr_schedule
-from .packaged_models import model_directory
+from .micro_batches import padding_free
+from .models.loading import load_pretrained, model_for
+from .models.lora import AdapterDisabled, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
 from .policy import PolicyHead
 from .rollout import make_engine
+from .run_files import RUN_FILES
+from .sft import sft_warm_start
+from .tasks.chat import chat_prompted
 
 
-def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: torch.device):
-    """The DeepSpeed engine of the policy and the reference scorer (ZeRO-3-partitioned under stage 3)."""
+def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
+    """The run's models (the warm start, or its saved result on resume), engines, prompted task,
+    rollout engine and guide, in that order (the rollout engine's context length is derived from
+    every prompt the run samples)."""
+    cfg = plan.cfg
+    model, tokenizer = initial_policy(plan, rank, resumed=cfg.resume)
+    rollout_init = rollout_model_path(plan, model, tokenizer, rank)
+    model, reference_lm = policy_and_reference(cfg, model)
+    packed, why_padded = padding_free(cfg, model)
+    if why_padded and cfg.padding_free is None and rank == 0:
+        print(f"sage-train: padded micro-batches: {why_padded}", flush=True)
+    engine, reference = build_engines(cfg, model, reference_lm, plan.deepspeed, device)
+    task = chat_prompted(cfg, plan.task, tokenizer)
+    prompts = run_prompts(cfg, task, tokenizer, plan.train_problems)  # read only to derive vLLM's context length
+    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, plan.world, prompts)
+    guide = make_guide(cfg, rank)
+    return RunContext(
+        cfg,
+        engine,
+        reference,
+        rollout,
+        tokenizer,
+        task,
+        plan.train_problems,
+        guide,
+        rank,
+        plan.world,
+        device,
+        padding_free=packed,
+    )
+
+
+def initial_policy(plan: RunPlan, rank: int, *, resumed: bool):
+    """(model, tokenizer) RL starts from: the plan's model, warm-started by SFT when ``sft_steps``
+    or ``sft_epochs`` > 0 (`sage_train.sft`).
+
+    With LoRA the warm start trains an adapter. ``sft_adapter: continue`` (the official SAGE way)
+    returns that adapter on the raw base model, and RL goes on training it, so the reference (the
+    adapter disabled) is the pre-SFT base; ``merge`` merges it into the weights, and RL puts a
+    fresh adapter on the merged model, whose reference is then the warm-started model.
+
+    The warm-started model (or adapter) is saved to ``run_dir/sft``; a resumed run rebuilds the
+    reference from there (with the tokenizer saved there), or for ``continue`` from the plan's
+    model (its policy weights then come from the checkpoint)."""
+    cfg, tokenizer = plan.cfg, plan.tokenizer
+    sft_dir = cfg.run_dir / RUN_FILES.sft
+    continue_adapter = cfg.lora_rank > 0 and cfg.sft_adapter == "continue"
+    if cfg.warm_start and resumed and continue_adapter:
+        return with_lora(model_for(cfg, plan.model, tokenizer), cfg), tokenizer
+    if cfg.warm_start and resumed and (sft_dir / "config.json").is_file():
+        return load_pretrained(str(sft_dir))
+    model = model_for(cfg, plan.model, tokenizer)
+    if cfg.warm_start:
+        if torch.cuda.is_available():  # warm-start where RL will run, not on the host
+            model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+        if cfg.lora_rank:
+            model = with_lora(model, cfg)
+        steps = sft_warm_start(model, tokenizer, plan.sft_task, plan.sft_problems, cfg)
+        if not continue_adapter:
+            model = merge_lora(model)
+        if rank == 0:
+            print(f"sage-train: warm start done after {steps} SFT steps", flush=True)
+            with folder_written_atomically(sft_dir) as staged:  # a resume loads it when config.json is there
+                model.save_pretrained(staged)
+                tokenizer.save_pretrained(staged)
+                (staged / RUN_FILES.warm_start).write_text(json.dumps({"sft_steps": steps}) + "\n")  # what made it
+    return model, tokenizer
+
+
+def build_engines(cfg: TrainConfig, model, reference_lm, ds_config: dict, device: torch.device):
+    """The DeepSpeed engine of the policy and the reference scorer (ZeRO-3-partitioned under stage 3),
+    configured by `ds_config` (the plan's, `inputs.deepspeed_config`)."""
     import deepspeed
 
-    local_rows = check_batch_shape(cfg, world)
-    # DeepSpeed's nominal accumulation: the update marks its last micro-batch itself (a token budget varies their count)
-    ds_config = deepspeed_config(cfg, world, max(1, local_rows // cfg.micro_batch_size), device)
     policy = PolicyHead(model.to(device), cfg.loss_backend, cfg.gradient_checkpointing)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # the adapter only under LoRA
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -60,16 +135,6 @@ def build_engines(cfg: TrainConfig, model, reference_lm, world: int, device: tor
     return engine, reference
 
 
-def with_lora(model, cfg: TrainConfig):
-    return apply_lora(
-        model,
-        rank=cfg.lora_rank,
-        alpha=cfg.lora_alpha,
-        dropout=cfg.lora_dropout,
-        target_modules=cfg.lora_target_modules,
-    )
-
-
 def policy_and_reference(cfg: TrainConfig, model):
     """(the policy, the reference LM or None) at the start of RL. With LoRA the policy carries an
     adapter (the warm start's, or a fresh one) and the reference is the policy with it disabled
@@ -79,25 +144,16 @@ def policy_and_reference(cfg: TrainConfig, model):
     return model, (copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None)
 
 
-def chat_prompted(cfg: TrainConfig, task, tokenizer):
-    """`task` with its prompts through the chat template ``chat_template`` (after ``system_prompt``),
-    else `task` (`sage_train.tasks.chat`; "official" installs the template on `tokenizer`)."""
-    if not cfg.chat_template:
-        return task
-    from .tasks.chat import ChatPromptTask
-
-    return ChatPromptTask(task, tokenizer, cfg.system_prompt, cfg.chat_template)
-
-
-def rollout_model_path(cfg: TrainConfig, model, tokenizer, run_dir: Path, rank: int) -> str:
-    """What an engine that loads weights itself (vllm) starts from: `cfg.model`, or, for a model
-    built here ("tiny") or warm-started, a copy saved to ``run_dir/rollout_init`` (HF format).
+def rollout_model_path(plan: RunPlan, model, tokenizer, rank: int) -> str:
+    """What an engine that loads weights itself (vllm) starts from: the plan's model source, or, for
+    a model built here ("tiny") or warm-started, a copy saved to ``run_dir/rollout_init`` (HF format).
     The engine then receives the policy's weights before the first step in any case."""
+    cfg = plan.cfg
     if cfg.rollout_engine != "vllm":
         return cfg.model
     if cfg.model != "tiny" and (not cfg.warm_start or is_lora(model)):  # an adapter: the base loads
-        return model_directory(cfg.model, cfg.gguf_file)  # a named model or GGUF file: its cached conversion
-    path = run_dir / "rollout_init"
+        return plan.model  # a named model or GGUF file: its cached conversion
+    path = cfg.run_dir / RUN_FILES.rollout_init
     if rank == 0:
         if is_lora(model):  # the warm start's adapter, merged out of place
             base_lm(model).save_pretrained(path, state_dict=dict(merged_named_weights(model)))
@@ -115,6 +171,23 @@ def build_rollout(
 
     prompts: every prompt the run samples (RL and evaluation), read only to derive vLLM's
     context length when ``vllm_max_model_len`` is 0 (`derived_max_model_len`)."""
+    if cfg.rollout_engine == "vllm":
+        from .rollout.vllm import logprobs_mode_for
+
+        max_model_len = cfg.vllm_max_model_len or derived_max_model_len(cfg, tokenizer, prompts)
+        return make_engine(
+            "vllm",
+            model_path,
+            tokenizer,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            enable_sleep_mode=cfg.vllm_sleep_mode,
+            sync_bucket_mb=cfg.vllm_sync_bucket_mb,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=cfg.vllm_max_num_batched_tokens or None,
+            dtype=cfg.vllm_dtype,
+            seed=cfg.seed + rank,
+            logprobs_mode=logprobs_mode_for(cfg.temperature),
+        )
     if cfg.rollout_engine == "hf":
         return make_engine(
             "hf",
@@ -125,23 +198,7 @@ def build_rollout(
             max_rows=cfg.prompts_per_step // world * cfg.group_size,  # no generate larger than a step's
             dtype=getattr(torch, cfg.hf_rollout_dtype) if cfg.hf_rollout_dtype else None,
         )
-    if cfg.rollout_engine == "vllm":
-        from .rollout.vllm import logprobs_mode_for
-
-        return make_engine(
-            "vllm",
-            model_path,
-            tokenizer,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            enable_sleep_mode=cfg.vllm_sleep_mode,
-            sync_bucket_mb=cfg.vllm_sync_bucket_mb,
-            max_model_len=cfg.vllm_max_model_len or derived_max_model_len(cfg, tokenizer, prompts),
-            max_num_batched_tokens=cfg.vllm_max_num_batched_tokens or None,
-            dtype=cfg.vllm_dtype,
-            seed=cfg.seed + rank,
-            logprobs_mode=logprobs_mode_for(cfg.temperature),
-        )
-    shared = cfg.openai_shared_dir or str(cfg.run_dir / "adapters")
+    shared = cfg.openai_shared_dir or str(cfg.run_dir / RUN_FILES.adapters)
     return make_engine(
         "openai",
         cfg.openai_base_url,
@@ -161,73 +218,3 @@ def derived_max_model_len(cfg: TrainConfig, tokenizer, prompts: Iterable[str]) -
         raise ConfigError("config key 'vllm_max_model_len' is 0 (derived) but no prompt was given to derive it from")
     longest = max(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
     return longest + max(cfg.max_new_tokens, cfg.eval_max_new_tokens)
-
-
-def check_batch_shape(cfg: TrainConfig, world: int) -> int:
-    """Each rank's rows per step (its prompts x group_size); they must split into micro-batches
-    (of ``micro_batch_size`` rows, unless a token budget makes them)."""
-    local_rows = cfg.prompts_per_step // world * cfg.group_size
-    if cfg.prompts_per_step % world or (local_rows % cfg.micro_batch_size and not cfg.max_tokens_per_micro_batch):
-        raise ConfigError(
-            f"config key 'prompts_per_step' ({cfg.prompts_per_step}) must split evenly over "
-            f"{world} rank(s), and each rank's prompts x group_size ({local_rows}) into "
-            f"'micro_batch_size' ({cfg.micro_batch_size}) micro-batches"
-        )
-    return local_rows
-
-
-def deepspeed_config(cfg: TrainConfig, world: int, accumulation: int, device: torch.device) -> dict:
-    """The DeepSpeed config implied by `cfg`, with ``cfg.deepspeed_config`` (a file) merged over it."""
-    config = {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": accumulation,
-        "train_batch_size": cfg.micro_batch_size * accumulation * world,
-        "gradient_clipping": cfg.max_grad_norm,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": device.type == "cuda" and cfg.bf16},
-        "steps_per_print": 2**31,
-        "wall_clock_breakdown": False,
-    }
-    if cfg.deepspeed_config:
-        from .config import read_yaml  # JSON is YAML too
-
-        for key, value in read_yaml(cfg.deepspeed_config).items():
-            if isinstance(value, dict) and isinstance(config.get(key), dict):
-                config[key] = {**config[key], **value}
-            else:
-                config[key] = value
-    stage = config["zero_optimization"].get("stage", 0)
-    if stage != cfg.zero_stage:
-        raise ConfigError(
-            f"config key 'deepspeed_config' ({cfg.deepspeed_config}) sets ZeRO stage {stage} but "
-            f"'zero_stage' is {cfg.zero_stage}; make them agree (the trainer reads zero_stage)"
-        )
-    return config
-
-
-def make_guide(cfg: TrainConfig, rank: int) -> Guide | None:
-    """The run's guide (`sage_kernels.guides.GUIDES[cfg.guide]`), or None for ``guide: none``.
-    A scheduled guide's schedule runs over the run's optimizer steps; its noise is seeded per rank."""
-    bounds = {"q_min": cfg.q_min, "q_max": cfg.q_max}
-    if cfg.guide == "branch":
-        return BranchGuide(gamma=cfg.gamma, tau=cfg.tau, **bounds)
-    schedule = {
-        "max_steps": cfg.steps,
-        "sigma_max": cfg.guide_sigma_max,
-        "sigma_min": cfg.guide_sigma_min,
-        "num_cycles": cfg.guide_num_cycles,
-        "decay_rate": cfg.guide_decay_rate,
-        "seed": cfg.seed * 1009 + rank,
-        **bounds,
-    }
-    if cfg.guide == "token":
-        return TokenGuide(
-            alpha_max=cfg.guide_alpha_max,
-            alpha_min=cfg.guide_alpha_min,
-            normalization=cfg.guide_normalization,
-            **schedule,
-        )
-    if cfg.guide == "random":
-        return RandomGuide(eps_max=cfg.guide_eps_max, eps_min=cfg.guide_eps_min, **schedule)
-    return None

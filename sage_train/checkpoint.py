@@ -41,6 +41,7 @@ from safetensors import SafetensorError
 
 from .config import ConfigError, save_yaml
 from .distributed import RunError
+from .run_files import RUN_FILES
 from .safe_files import fresh_dir, remove, write_file
 
 TAG_PREFIX = "step"
@@ -51,7 +52,7 @@ FULL_DISK_BYTES = 1 << 20
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / RUN_FILES.checkpoints
 
 
 def tag_of(step: int) -> str:
@@ -147,7 +148,7 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
         state = {"rng": rng_state(), "guide": guide.state_dict() if guide is not None else None}
         torch.save(state, staging / tag / f"rank{rank}.pt")
         if rank == 0:
-            save_yaml(cfg, staging / tag / "config.yaml")
+            save_yaml(cfg, staging / tag / RUN_FILES.config)
     except (OSError, RuntimeError) as caught:  # torch reports a failed write as a RuntimeError
         error = error or _write_failure(caught, root, tag)
     errors = [None] * dist.get_world_size()

@@ -5,7 +5,8 @@ the name of a packaged config such as ``tiny-cpu``), then ``--key=value`` overri
 `load` takes them as a mapping). Unknown keys and values of the wrong type fail with a message
 naming the key and the expected type; ranges and cross-key rules are `config_rules.validate`'s.
 The loss options are the fields of `sage_kernels.LossConfig` (`LOSS_KEYS`), so a new loss option
-is a trainer key without a line here. Loss options left as None take the algorithm preset's value
+is a trainer key without a line here; likewise the token and random guides' ``guide_*`` keys are the
+fields of `guide.GuideSettings` (`GUIDE_KEYS`). Keys left as None take the algorithm preset's value
 (`presets.py`); `resolve` fills them in, and the resolved config is what gets saved in
 ``runs/<name>/config.yaml`` and in every checkpoint.
 """
@@ -25,6 +26,7 @@ from sage_kernels import LossConfig
 
 from . import config_files
 from .config_rules import ConfigError, validate
+from .guide import GuideSettings
 from .presets import LOSS_KEYS, PresetError, apply_preset
 
 DEFAULT_CONFIG = "tiny-cpu"
@@ -36,7 +38,8 @@ REAL_MODEL_CONFIG = "smollm2-arithmetic"
 
 @dataclass
 class RunOptions:
-    """Every key of a run except the loss options, which `TrainConfig` adds from `LossConfig`."""
+    """Every key of a run except the loss options and the guide settings, which `TrainConfig` adds
+    from `LossConfig` and `GuideSettings`."""
 
     # run
     name: str = "tiny-arithmetic-sage"
@@ -46,7 +49,7 @@ class RunOptions:
     overwrite: bool = False  # a fresh run may delete the checkpoints and final model of a run of the same name
 
     # model: "tiny" builds a Qwen2-style model from the tiny_* keys; a named model shipped by a package
-    # (packaged_models.NAMED_MODELS: smollm2-135m-instruct), a local .gguf file, a hub name or a local path
+    # (models.packaged.NAMED_MODELS: smollm2-135m-instruct), a local .gguf file, a hub name or a local path
     model: str = "tiny"
     gguf_file: str = ""  # a GGUF file inside the `model` directory (or an absolute path), converted once
     tiny_hidden_size: int = 64
@@ -56,7 +59,7 @@ class RunOptions:
     tiny_intermediate_size: int = 128
     tiny_max_positions: int = 256
 
-    # LoRA through peft (sage_train/lora.py): 0 trains every weight; > 0 trains an adapter of this
+    # LoRA through peft (sage_train/models/lora.py): 0 trains every weight; > 0 trains an adapter of this
     # rank only, the LM head frozen, and the reference is the base model with the adapter disabled
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -105,7 +108,7 @@ class RunOptions:
     # attention skips pairs across sequences (flash-attention's varlen, flex attention), padded under
     # sdpa and eager (a dense mask over the packed row costs more than the padding) unless each
     # micro-batch is one sequence (micro_batch_size 1, no token budget: no mask at all); true: packed
-    # wherever the model keeps sequences apart (`sage_train.model.packs_sequences`)
+    # wherever the model keeps sequences apart (`sage_train.models.loading.packs_sequences`)
     padding_free: bool | None = None
     # activation checkpointing of the policy's decoder layers in the update (`policy.checkpoint_layers`):
     # one layer's activations held instead of all, for a second forward in the backward; same gradient
@@ -152,7 +155,7 @@ class RunOptions:
     openai_model: str = ""  # the served model's name ("": the `model` key)
     openai_shared_dir: str = ""  # where adapters are saved for the server to load
     # the rollout-mismatch toolkit between the rollout engine's and the trainer's log-probs
-    # (sage_train.importance): truncated importance sampling, min(r, tis_cap) per token or sequence
+    # (sage_train.rl_maths): truncated importance sampling, min(r, tis_cap) per token or sequence
     tis_level: str = "off"  # "token", "sequence" (geometric mean) or "off"
     tis_cap: float = 2.0
     # TRL 1.16's modes ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -167,21 +170,7 @@ class RunOptions:
     # loss options: one key per field of sage_kernels.LossConfig (`LOSS_KEYS`, added below the class)
     loss_backend: str = "auto"
 
-    # token / random guides (sage-token, sage-random; sage_kernels.guides): (alpha, sigma) of the
-    # token guide and (eps, sigma) of the random one anneal from *_max to *_min within each of
-    # guide_num_cycles cycles over `steps` optimizer steps, the *_max bounds times guide_decay_rate
-    # per cycle; None takes the official value (presets.py)
-    guide_alpha_max: float | None = None
-    guide_alpha_min: float | None = None
-    guide_sigma_max: float | None = None
-    guide_sigma_min: float | None = None
-    guide_eps_max: float | None = None
-    guide_eps_min: float | None = None
-    guide_num_cycles: int | None = None
-    guide_decay_rate: float | None = None
-    guide_normalization: str | None = None  # the token guide's: "minmax", "rank" or "zscore"
-
-    # SAGE's objective through the reward (reward_kl.py; presets *-exact, grpo-kl-in-reward): at
+    # SAGE's objective through the reward (rl_maths.py; presets *-exact, grpo-kl-in-reward): at
     # generation, beta times each completion's KL to q * pi_ref (k1: sum of log pi_old - log pi_ref
     # - log q) comes off its reward before the group advantages, and the loss's beta is 0
     kl_in_reward: bool | None = None
@@ -239,12 +228,22 @@ def _loss_option_fields() -> list:
     return [(name, hints[name] | None, field(default=None)) for name in LOSS_KEYS]
 
 
-#: the run's keys: `RunOptions` and one key per loss option (the loss's own list, not a copy of it)
+def _guide_setting_fields() -> list:
+    """(guide_<name>, type | None, None) for each field of `GuideSettings`: None takes the preset's value."""
+    hints = typing.get_type_hints(GuideSettings)
+    return [(f"guide_{f.name}", hints[f.name] | None, field(default=None)) for f in dataclasses.fields(GuideSettings)]
+
+
+#: the run's keys: `RunOptions`, one key per loss option and one per guide setting (their own lists,
+#: not copies of them)
 TrainConfig = dataclasses.make_dataclass(
     "TrainConfig",
-    _loss_option_fields(),
+    _loss_option_fields() + _guide_setting_fields(),
     bases=(RunOptions,),
-    namespace={"__module__": __name__, "__doc__": "A run's config: `RunOptions` plus the loss options."},
+    namespace={
+        "__module__": __name__,
+        "__doc__": "A run's config: `RunOptions` plus the loss options and the guide settings.",
+    },
 )
 
 

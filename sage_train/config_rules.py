@@ -7,8 +7,8 @@ import math
 import os
 from pathlib import Path
 
-from .importance import IS_MODES, parse_rejection
 from .presets import LOSS_KEYS
+from .rl_maths import IS_MODES, parse_rejection
 
 #: the longest file name (in bytes) the filesystems sage writes to take
 NAME_MAX = 255
@@ -46,7 +46,7 @@ class ConfigError(ValueError):
 
 
 def check_rollout_correction(cfg, require) -> None:
-    """The rollout-mismatch keys (`sage_train.importance`): one weighting at a time, TRL's bounds,
+    """The rollout-mismatch keys (`sage_train.rl_maths`): one weighting at a time, TRL's bounds,
     verl's rejection options and thresholds."""
     mode = cfg.vllm_importance_sampling_mode
     require(

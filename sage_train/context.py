@@ -1,6 +1,7 @@
-"""A run's context: what its steps and evaluations read, built once (`build_context`: the warm-started
-policy and its reference in their engines, the rollout engine, the prompted task, the guide), and
-the state that the steps carry from one to the next (the current generation, the stop reason)."""
+"""A run's context, types only: what its steps and evaluations read (`RunContext`, built once by
+`sage_train.build.build_context`: the warm-started policy and its reference in their engines, the
+rollout engine, the prompted task, the guide), and the state that the steps carry from one to the
+next (the current generation, the stop reason)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,9 @@ import torch
 
 from sage_kernels.guides import Guide
 
-from .build import build_engines, build_rollout, chat_prompted, make_guide, policy_and_reference, rollout_model_path
 from .config import TrainConfig
-from .micro_batches import padding_free
 from .policy import Batch
 from .rollout.base import RolloutEngine
-from .run_dir import Inputs, run_prompts
-from .sft import initial_policy
 from .tasks.base import Problem, Task
 
 if TYPE_CHECKING:
@@ -47,7 +44,7 @@ class Generation:
 
 @dataclass
 class RunContext:
-    """What the run's steps and evaluations read (built once by `build_context`), and the state the
+    """What the run's steps and evaluations read (built once by `sage_train.build.build_context`), and the state the
     steps carry."""
 
     cfg: TrainConfig
@@ -65,35 +62,3 @@ class RunContext:
     nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
     stop: str = ""  # why the run must stop (set by `step.check_finite_steps`)
     padding_free: bool = False  # micro-batches packed into one row each (`sage_train.micro_batches`)
-
-
-def build_context(cfg: TrainConfig, inputs: Inputs, rank: int, world: int, device: torch.device) -> RunContext:
-    """The run's models (the warm start, or its saved result on resume), engines, rollout engine,
-    prompted task and guide, in that order (the rollout engine's context length is derived from every
-    prompt the run samples)."""
-    task, train_problems, sft_task, sft_problems = inputs
-    model, tokenizer = initial_policy(cfg, sft_task, sft_problems, cfg.run_dir, rank, resumed=cfg.resume)
-    rollout_init = rollout_model_path(cfg, model, tokenizer, cfg.run_dir, rank)
-    model, reference_lm = policy_and_reference(cfg, model)
-    packed, why_padded = padding_free(cfg, model)
-    if why_padded and cfg.padding_free is None and rank == 0:
-        print(f"sage-train: padded micro-batches: {why_padded}", flush=True)
-    engine, reference = build_engines(cfg, model, reference_lm, world, device)
-    task = chat_prompted(cfg, task, tokenizer)
-    prompts = run_prompts(cfg, task, tokenizer, train_problems)  # read only to derive vLLM's context length
-    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, world, prompts)
-    guide = make_guide(cfg, rank)
-    return RunContext(
-        cfg,
-        engine,
-        reference,
-        rollout,
-        tokenizer,
-        task,
-        train_problems,
-        guide,
-        rank,
-        world,
-        device,
-        padding_free=packed,
-    )

@@ -14,7 +14,7 @@ How the decoder sees them. Padded: the micro-batch's rows of the step's `Batch` 
 prompts, right-padded completions, as wide as the step's longest). Packed (``padding_free``,
 `PackedRows`): one row holding the micro-batch's sequences back to back, each its prompt then its
 completion, positions restarting at 0 for each and no attention mask; the model's attention keeps
-each sequence to itself (`sage_train.model.packs_sequences` decides whether it does). The decoder
+each sequence to itself (`sage_train.models.loading.packs_sequences` decides whether it does). The decoder
 then computes no padding, and the loss takes the completion tokens' hidden states with
 ``cu_seqlens`` (`sage_kernels.packing`). Log-probs and every per-token tensor of the step stay on
 the step's [B, L] completion grid; a micro-batch reads its tokens from it and writes them back.
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from sage_kernels.packing import TokenLayout
 
 from .config import ConfigError
-from .model import packs_sequences
+from .models.loading import packs_sequences
 
 
 @dataclass
@@ -118,7 +118,7 @@ def padding_free(cfg, lm) -> tuple[bool, str]:
     elif not packs_sequences(lm):
         why_not = (
             f"{type(lm).__name__} ({attention}) does not compute sequences packed in one row as it computes "
-            "them alone (`sage_train.model.packs_sequences`)"
+            "them alone (`sage_train.models.loading.packs_sequences`)"
         )
     if why_not and cfg.padding_free:
         raise ConfigError(f"config key 'padding_free' must be false or null here: {why_not}")

@@ -29,9 +29,9 @@ from torch import nn
 from sage_kernels import fused_linear_sage_loss, logprobs_and_entropy
 from sage_kernels.integrations.hf_logits import logit_options
 
-from .lora import base_lm
 from .micro_batches import MicroBatch, PackedRows, split
-from .model import decoder_of
+from .models.loading import decoder_of
+from .models.lora import base_lm
 
 
 class PolicyHead(nn.Module):

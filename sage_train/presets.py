@@ -27,7 +27,7 @@ command line win. The resolved values are saved with the run.
 | dppo-kl           | DPPO-Binary-KL: the token's binary KL to the old policy <= 0.05, no KL              |
 | sage-branch-dppo  | dppo-tv with beta 0.05 and the branch guide                                         |
 
-The ``*-exact`` presets and grpo-kl-in-reward set ``kl_in_reward`` (`sage_train.reward_kl`): the
+The ``*-exact`` presets and grpo-kl-in-reward set ``kl_in_reward`` (`sage_train.rl_maths`): the
 KL is measured at generation and enters the advantage as J's gradient asks, -beta (c - group mean
 of c) beside the task reward's own group advantage, never divided by a std; the loss's beta is 0.
 (Changed in issue 38: before, the KL came off the reward before the group statistics, so the
@@ -65,7 +65,9 @@ from __future__ import annotations
 import dataclasses
 
 from sage_kernels import LossConfig
-from sage_kernels.guides import DECAY_RATE, GUIDES, NORMALIZATIONS, NUM_CYCLES, RANDOM_SCHEDULE, TOKEN_SCHEDULE
+from sage_kernels.guides import GUIDES, NORMALIZATIONS, RANDOM_SCHEDULE, TOKEN_SCHEDULE
+
+from .guide import GUIDE_KEYS, GuideSettings
 
 #: LossConfig fields the trainer sets itself: the sampling temperature, dr_grpo's normaliser
 #: (max_new_tokens), the per-step token count and the model's own logit scale and softcap (read from
@@ -74,17 +76,12 @@ TRAINER_SET = ("temperature", "max_completion_length", "num_items_in_batch", "lo
 LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name not in TRAINER_SET)
 
 #: what every preset starts from: the loss's own defaults (the official SAGE values), the guide
-#: off, and the trainer-level keys below
+#: off with its settings' defaults (the sigma bounds follow the resolved guide: `apply_preset`), and
+#: the trainer-level keys below
 BASE = {
     **{name: getattr(LossConfig(), name) for name in LOSS_KEYS},
     "guide": "none",
-    "guide_alpha_max": TOKEN_SCHEDULE["alpha"][0],
-    "guide_alpha_min": TOKEN_SCHEDULE["alpha"][1],
-    "guide_eps_max": RANDOM_SCHEDULE["eps"][0],
-    "guide_eps_min": RANDOM_SCHEDULE["eps"][1],
-    "guide_num_cycles": NUM_CYCLES,
-    "guide_decay_rate": DECAY_RATE,
-    "guide_normalization": NORMALIZATIONS[0],
+    **dict(zip(GUIDE_KEYS, dataclasses.astuple(GuideSettings()))),
     "dynamic_sampling": False,
     "overlong_filter": False,
     "scale_rewards": True,

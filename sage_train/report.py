@@ -20,6 +20,7 @@ import secrets
 from pathlib import Path
 
 from .distributed import RunError
+from .run_files import RUN_FILES
 from .safe_files import make_dir, open_append, remove, save_figure, write_file
 
 #: the progress bar's fields: (metric name, label, format)
@@ -42,9 +43,6 @@ PLOT_PANELS = (
     ("clip fractions", ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")),
     ("completion length", ("completions/mean_length",)),
 )
-
-
-COMPLETIONS_FILE = "completions.jsonl"
 
 
 def write_completions(path: Path, step: int, groups: list, prompt_of) -> None:
@@ -145,7 +143,7 @@ class TensorBoardLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         purge = history[-1]["step"] + 1 if history else None
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+        self.writer = SummaryWriter(str(run_dir / RUN_FILES.tensorboard), purge_step=purge)
 
     def log(self, rows: list[dict]) -> None:
         for row in rows:
@@ -168,7 +166,7 @@ class WandbLogger:
     def __init__(self, cfg, run_dir: Path, history: list[dict]):
         import wandb
 
-        self.folder = make_dir(run_dir / "wandb")
+        self.folder = make_dir(run_dir / RUN_FILES.wandb)
         id_file = self.folder / "run_id"
         offline = os.environ.get("WANDB_MODE", "") in ("offline", "dryrun")
         if history and offline:

@@ -31,11 +31,11 @@ RL simplifications in force (as in TRL's GRPOTrainer unless said):
   policy's weights after every optimizer step (``rollout/sync_time`` logs the cost of every push
   of the step). With ``tis_level`` token or sequence, the PG term is reweighted by truncated
   importance sampling, min(pi_train / pi_rollout, tis_cap) (`rollout_correction`), both
-  log-probs of the temperature-scaled distribution before truncation (`sage_train.importance`:
+  log-probs of the temperature-scaled distribution before truncation (`sage_train.rl_maths`:
   vLLM's raw log-probs at temperature 1, as in the official code), so the weights are 1 where
   the engine and the trainer agree, min_p or not.
 - The reference is the policy at the start of RL (after the warm start), frozen. With LoRA
-  (``lora_rank > 0``, `sage_train.lora`) it is the model with the adapter disabled: no copy; after
+  (``lora_rank > 0``, `sage_train.models.lora`) it is the model with the adapter disabled: no copy; after
   a warm start with ``sft_adapter: continue`` that is the raw pre-SFT base (the official SAGE way).
 - The KL term is a per-token loss term, not a reward penalty.
 - The supervised warm start is a plain AdamW phase run identically on every rank (it needs no
@@ -55,13 +55,16 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, report
+from .build import build_context
 from .config import TrainConfig
-from .context import RunContext, build_context
+from .context import RunContext
 from .distributed import InterruptFlag, RunError, init_distributed, on_rank0, reduce_rows, seed_everything
 from .eval.evaluate import evaluate_engine, mean_pass_at_k
-from .lora import base_lm, is_lora, merged_named_weights
+from .inputs import check_inputs, eval_set
+from .models.lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
-from .run_dir import RunLock, check_inputs, eval_set, prepare_run_dir
+from .run_dir import RunLock, prepare_run_dir
+from .run_files import RUN_FILES
 from .step import rl_step
 
 
@@ -70,21 +73,21 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict], None] | None = None) 
     resume, evaluate before, the step loop, then finish (evaluate after, the final model, the summary).
 
     on_step(step, row) is called on rank 0 after each logged step (tests use it to interrupt).
-    Bad input raises `ConfigError` before the run directory is touched; the directory is locked
-    for the run's life (`sage_train.run_dir`).
+    Bad input raises `ConfigError` before the run directory is touched (`sage_train.inputs`); the
+    directory is locked for the run's life (`sage_train.run_dir`).
     """
     run_start = time.time()
     rank, world, device = init_distributed()
-    inputs = check_inputs(cfg, world)
+    plan = check_inputs(cfg, world, device)
     with RunLock(cfg.run_dir, rank):
         if device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)  # tiny models run fastest on one thread per process
         resume_from, skipped = prepare_run_dir(cfg, cfg.run_dir, rank, world)
         seed_everything(cfg.seed + rank)
-        ctx = build_context(cfg, inputs, rank, world, device)
+        ctx = build_context(plan, rank, device)
         first_step = 1 + (checkpoint.load(ctx.engine, resume_from, skipped, ctx.guide) if resume_from else 0)
         ctx.rollout.sync_weights(ctx.engine.module.lm)  # the engine starts from the policy being trained
-        eval_before = evaluate_once(ctx, cfg.run_dir / "eval_before.json")
+        eval_before = evaluate_once(ctx, cfg.run_dir / RUN_FILES.eval_before)
         step, finished = step_loop(ctx, first_step, on_step)
         return finish(ctx, step, finished, eval_before, run_start)
 
@@ -95,7 +98,7 @@ def step_loop(ctx: RunContext, first_step: int, on_step) -> tuple[int, bool]:
     cfg, rank, run_dir = ctx.cfg, ctx.rank, ctx.cfg.run_dir
     log = None
     if rank == 0:
-        log = report.MetricsLog(run_dir / "metrics.jsonl", resume_step=first_step - 1)
+        log = report.MetricsLog(run_dir / RUN_FILES.metrics, resume_step=first_step - 1)
         log.loggers = report.make_loggers(cfg, run_dir, log.history)
     bar = report.progress_bar(cfg.steps, first_step - 1, cfg.progress and rank == 0)
     interrupted = InterruptFlag()
@@ -134,9 +137,9 @@ def finish(ctx: RunContext, step: int, finished: bool, eval_before: dict | None,
     """Evaluate after and save the final model (a finished run), then the summary (rank 0's; {} on
     the others)."""
     cfg, run_dir = ctx.cfg, ctx.cfg.run_dir
-    eval_after = evaluate_once(ctx, run_dir / "eval_after.json") if finished else None
+    eval_after = evaluate_once(ctx, run_dir / RUN_FILES.eval_after) if finished else None
     if finished:
-        save_final(ctx.engine, ctx.tokenizer, run_dir / "final", cfg, ctx.rank)
+        save_final(ctx.engine, ctx.tokenizer, run_dir / RUN_FILES.final, cfg, ctx.rank)
     summary = {}
     if ctx.rank == 0:
         summary = write_summary(
@@ -229,9 +232,9 @@ def write_summary(
     *,
     interrupted: bool,
 ) -> dict:
-    rows = report.read_metrics(run_dir / "metrics.jsonl")
+    rows = report.read_metrics(run_dir / RUN_FILES.metrics)
     evals = {"before": eval_before, "after": eval_after}
-    plot = report.plot_metrics(rows, run_dir / "metrics.png", evals) if cfg.plots else None
+    plot = report.plot_metrics(rows, run_dir / RUN_FILES.plot, evals) if cfg.plots else None
     summary = {
         "name": cfg.name,
         "algorithm": cfg.algorithm,
@@ -244,8 +247,8 @@ def write_summary(
         "eval_before": eval_before,
         "eval_after": eval_after,
         "run_dir": str(run_dir),
-        "final_model": None if interrupted else str(run_dir / "final"),
+        "final_model": None if interrupted else str(run_dir / RUN_FILES.final),
         "plot": str(plot) if plot else None,
     }
-    checkpoint.write_atomically(run_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
+    checkpoint.write_atomically(run_dir / RUN_FILES.summary, json.dumps(summary, indent=1) + "\n")
     return summary

@@ -7,62 +7,17 @@ phase never does.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-from pathlib import Path
 
 import torch
 
-from .build import chat_prompted, with_lora
-from .checkpoint import folder_written_atomically
 from .config import ConfigError, TrainConfig
-from .lora import merge_lora
 from .lr_schedule import lr_schedule
-from .model import load_model_and_tokenizer, load_pretrained
 from .tasks.chat import official_sft_completion
 
 #: steps over which the warm start's loss is averaged for ``sft_target_loss``
 SFT_WINDOW = 50
-#: written into ``sft/``: the number of SFT steps the warm start took (a study records it per seed)
-WARM_START_FILE = "warm_start.json"
-
-
-def initial_policy(cfg: TrainConfig, task, train_problems: list, run_dir: Path, rank: int, *, resumed: bool):
-    """The model RL starts from: `cfg.model`, warm-started by SFT when ``sft_steps`` or ``sft_epochs`` > 0.
-
-    With LoRA the warm start trains an adapter. ``sft_adapter: continue`` (the official SAGE way)
-    returns that adapter on the raw base model, and RL goes on training it, so the reference (the
-    adapter disabled) is the pre-SFT base; ``merge`` merges it into the weights, and RL puts a
-    fresh adapter on the merged model, whose reference is then the warm-started model.
-
-    The warm-started model (or adapter) is saved to ``run_dir/sft``; a resumed run rebuilds the
-    reference from there, or for ``continue`` from `cfg.model` (its policy weights then come from
-    the checkpoint)."""
-    sft_dir = run_dir / "sft"
-    continue_adapter = cfg.lora_rank > 0 and cfg.sft_adapter == "continue"
-    if cfg.warm_start and resumed and continue_adapter:
-        model, tokenizer = load_model_and_tokenizer(cfg)
-        return with_lora(model, cfg), tokenizer
-    if cfg.warm_start and resumed and (sft_dir / "config.json").is_file():
-        return load_pretrained(str(sft_dir))
-    model, tokenizer = load_model_and_tokenizer(cfg)
-    if cfg.warm_start:
-        if torch.cuda.is_available():  # warm-start where RL will run, not on the host
-            model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
-        if cfg.lora_rank:
-            model = with_lora(model, cfg)
-        steps = sft_warm_start(model, tokenizer, chat_prompted(cfg, task, tokenizer), train_problems, cfg)
-        if not continue_adapter:
-            model = merge_lora(model)
-        if rank == 0:
-            print(f"sage-train: warm start done after {steps} SFT steps", flush=True)
-            with folder_written_atomically(sft_dir) as staged:  # a resume loads it when config.json is there
-                model.save_pretrained(staged)
-                tokenizer.save_pretrained(staged)
-                (staged / WARM_START_FILE).write_text(json.dumps({"sft_steps": steps}) + "\n")  # what made it
-    return model, tokenizer
 
 
 def sft_examples(task, problems: list, tokenizer, cfg: TrainConfig) -> list[tuple[list[int], list[int]]]:

@@ -1,6 +1,6 @@
 """One RL step, top to bottom: rollouts -> rewards -> behaviour and reference log-probs -> group
 advantages (with ``kl_in_reward``, the reward's plus J's KL part, minus beta times the KL to q
-pi_ref centred per group: `sage_train.reward_kl`) -> the fused SAGE loss -> the optimizer step.
+pi_ref centred per group: `sage_train.rl_maths`) -> the fused SAGE loss -> the optimizer step.
 
 Normalisers. The loss of one optimizer step is that of the whole batch, over all micro-batches
 (TRL's with the step as one local batch and no accumulation) and ranks: grpo and dr_grpo weight
@@ -31,17 +31,17 @@ import torch.distributed as dist
 from sage_kernels.loss_types import LOSS_TYPES
 from sage_kernels.metrics import MEAN_METRICS
 
-from . import importance
-from .advantages import group_advantages
+from . import rl_maths
 from .config import TrainConfig
 from .context import Generation, RunContext
 from .distributed import all_ranks
 from .micro_batches import split
 from .policy import Batch, entropy_quantiles, make_batch, score
 from .presets import loss_config
-from .report import COMPLETIONS_FILE, write_completions
-from .reward_kl import objective_advantages
+from .report import write_completions
+from .rl_maths import group_advantages, objective_advantages
 from .rollout import SamplingParams
+from .run_files import RUN_FILES
 from .tasks.grading import grade
 
 #: host wall-clock seconds of a step's parts (on CUDA, without a synchronise: kernels still queued
@@ -183,7 +183,7 @@ def check_finite_steps(ctx: RunContext, step: int, skipped: list[str]) -> None:
 
 
 def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: Batch):
-    """(is_weights [B, L] or None, metrics): the rollout-mismatch toolkit (`sage_train.importance`)
+    """(is_weights [B, L] or None, metrics): the rollout-mismatch toolkit (`sage_train.rl_maths`)
     between the rollout engine's log-probs and the trainer's, both of the temperature-scaled
     distribution before top-k / top-p / min-p truncation: ``tis_level`` or
     ``vllm_importance_sampling_mode`` weights, and ``rollout_rs`` rejection, which takes the rejected
@@ -206,17 +206,17 @@ def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: B
         )
     rollout_logp = rollout_logp.to(train_logp.device)
     mask = batch.completion_mask
-    log_ratio = importance.rollout_log_ratio(train_logp, rollout_logp, mask)
+    log_ratio = rl_maths.rollout_log_ratio(train_logp, rollout_logp, mask)
     weights, outside, kept = None, None, None
     if cfg.tis_level != "off":
-        weights = importance.truncated_is_weights(train_logp, rollout_logp, mask, level=cfg.tis_level, cap=cfg.tis_cap)
+        weights = rl_maths.truncated_is_weights(train_logp, rollout_logp, mask, level=cfg.tis_level, cap=cfg.tis_cap)
         outside = (weights >= cfg.tis_cap) & mask
     elif mode != "off":
         low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
-        weights, outside = importance.is_weights(log_ratio, mask, mode, low, high)
+        weights, outside = rl_maths.is_weights(log_ratio, mask, mode, low, high)
     if cfg.rollout_rs:
-        kept = importance.rejection_mask(log_ratio, mask, cfg.rollout_rs, cfg.rollout_rs_threshold)
-    metrics = importance.mismatch_metrics(
+        kept = rl_maths.rejection_mask(log_ratio, mask, cfg.rollout_rs, cfg.rollout_rs_threshold)
+    metrics = rl_maths.mismatch_metrics(
         train_logp, rollout_logp, mask, weights=weights, outside=outside, mode=mode, kept=kept
     )
     if cfg.tis_level != "off":
@@ -354,7 +354,7 @@ def collect_groups(ctx: RunContext, step: int):
                 break
     groups = (informative + uninformative)[:needed]
     if cfg.log_completions and ctx.rank == 0:
-        write_completions(cfg.run_dir / COMPLETIONS_FILE, step, groups[: cfg.log_completions], ctx.task.prompt)
+        write_completions(cfg.run_dir / RUN_FILES.completions, step, groups[: cfg.log_completions], ctx.task.prompt)
     rewards = torch.tensor([g["rewards"] for g in groups], dtype=torch.float32)
     return groups, rewards, rounds
 

@@ -1,5 +1,5 @@
 """`sage-eval`'s models: which folder each --model names (a run directory, an HF directory, a hub
-name), checked before anything is written (`model_files.check_model`); the run config it was trained
+name), checked before anything is written (`models.files.check_model`); the run config it was trained
 with; its fingerprint, which keys its records (`eval_records`), so that the samples of a retrained
 model are never mixed with the old ones; the engine that samples it, and its prompts: in its chat
 format, and no longer than --max-prompt-tokens (a 30 MB problem line must not reach the model)."""
@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import config_files
-from ..model_files import check_model, fingerprint
-from ..packaged_models import gguf_source, model_directory
+from ..models.files import check_model, fingerprint
+from ..models.packaged import gguf_source, model_directory
 from ..rollout.base import RolloutEngine
+from ..run_files import RUN_FILES
 
 #: prompts longer than this many bytes per allowed token are refused without tokenizing them (no
 #: tokenizer packs that much text into its tokens on average)
@@ -35,10 +36,10 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
     resolved = []
     for given in paths:
         path = Path(given)
-        if (path / "config.yaml").is_file() and (path / "final").is_dir():
-            config = _run_config(path / "config.yaml")
-            resolved.append((path.resolve().name, str(path / "final"), config))
-        elif (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+        if (path / RUN_FILES.config).is_file() and (path / RUN_FILES.final).is_dir():
+            config = _run_config(path / RUN_FILES.config)
+            resolved.append((path.resolve().name, str(path / RUN_FILES.final), config))
+        elif (path / RUN_FILES.config).is_file() and not (path / "config.json").is_file():
             raise ValueError(
                 f"--model {given!r} is a run directory without a final model ({path / 'final'}); did the run finish?"
             )
@@ -48,7 +49,7 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
             raise ValueError(f"--model {given!r}: expected a run directory, an HF model directory or a hub name")
         else:
             name = path.resolve().name if path.is_dir() else given
-            if name == "final" and path.is_dir():  # runs/<name>/final: call it by the run's name
+            if name == RUN_FILES.final and path.is_dir():  # runs/<name>/final: call it by the run's name
                 name = path.resolve().parent.name
             resolved.append((name, given, None))
     labels = [label for label, _, _ in resolved]
@@ -64,7 +65,7 @@ def trained_config(model: ModelSpec) -> dict:
     config.yaml beside it; {} when there is none."""
     if model.run_config is not None:
         return model.run_config
-    beside = Path(model.path).parent / "config.yaml"
+    beside = Path(model.path).parent / RUN_FILES.config
     if Path(model.path).is_dir() and beside.is_file():
         return _run_config(beside)
     return {}
@@ -77,12 +78,12 @@ def build_engine(kind: str, model_path: str, device: str) -> RolloutEngine:
     from ..rollout import make_engine
 
     if kind == "hf":
-        from ..model import load_pretrained
+        from ..models.loading import load_pretrained
 
         model, tokenizer = load_pretrained(model_path)
         model.to(device).eval()
         return make_engine("hf", model, tokenizer, device=device)
-    from ..model import load_tokenizer
+    from ..models.loading import load_tokenizer
 
     return make_engine(
         kind, model_path, load_tokenizer(model_path), enable_sleep_mode=False, gpu_memory_utilization=0.85
@@ -96,7 +97,7 @@ def in_prompt_format(task, model: ModelSpec, prompt_format: tuple[str, str]):
     template, system = prompt_format
     if not template:
         return task
-    from ..model import load_tokenizer
+    from ..models.loading import load_tokenizer
     from ..tasks.chat import ChatPromptTask
 
     try:
@@ -114,13 +115,13 @@ def _run_config(path: Path) -> dict:
 
 
 def check_models(models: list[ModelSpec]) -> None:
-    """`model_files.check_model` of each model: one line naming what cannot load."""
+    """`models.files.check_model` of each model: one line naming what cannot load."""
     for model in models:
         check_model(model.path, f"--model {model.label!r}")
 
 
 def fingerprints(models: list[ModelSpec], out: Path) -> dict[str, str]:
-    """{label: `model_files.fingerprint`} (an --out inside a model's folder is not part of it)."""
+    """{label: `models.files.fingerprint`} (an --out inside a model's folder is not part of it)."""
     return {m.label: fingerprint(m.path, skip=out) for m in models}
 
 
@@ -137,7 +138,7 @@ def check_prompt_lengths(task, problems: list, model: ModelSpec, max_tokens: int
             count = f"{size} bytes"
         else:
             if tokenizer is None:
-                from ..model import load_tokenizer
+                from ..models.loading import load_tokenizer
 
                 tokenizer = load_tokenizer(model.path)
             tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])

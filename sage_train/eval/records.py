@@ -2,7 +2,7 @@
 records.jsonl (and its completions in completions.jsonl), written at once, so a killed evaluation
 loses at most the problem in progress and resumes from the file. A resume cannot mix draws made
 otherwise: the sampling settings are kept beside them (sampling.json), and each record names the
-fingerprint of the weights that drew it (`model_files.fingerprint`), so the records of a model that
+fingerprint of the weights that drew it (`models.files.fingerprint`), so the records of a model that
 has since been retrained or replaced are refused, not reused."""
 
 from __future__ import annotations

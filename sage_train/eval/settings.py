@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..rollout.base import SamplingParams
+from ..run_files import RUN_FILES
 from . import evaluate
 from .evaluate import check_ks
 from .models import ModelSpec, check_models, check_prompt_lengths, in_prompt_format, resolve_models, trained_config
@@ -307,7 +308,7 @@ def resolve_settings(args: argparse.Namespace) -> EvalSettings:
         engine=args.engine,
         device=args.device,
         protocol=args.protocol,
-        out=Path(args.out or (Path(args.model[0]) / "eval" if models[0].run_config is not None else "eval")),
+        out=Path(args.out or (Path(args.model[0]) / RUN_FILES.eval if models[0].run_config is not None else "eval")),
         problems_per_call=args.problems_per_call,
         samples_per_call=args.samples_per_call,
         save_completions=args.save_completions,

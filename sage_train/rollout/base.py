@@ -10,7 +10,7 @@ the call (up to the engine's batch numerics).
 
 Log-probs. Every engine reports, for each sampled token, its log-prob under the temperature-
 scaled distribution *before* top-k / top-p / min-p truncation: the quantity the trainer computes
-(`sage_train.policy.score`), so that truncated importance sampling (`sage_train.importance`)
+(`sage_train.policy.score`), so that truncated importance sampling (`sage_train.rl_maths`)
 compares like with like and gives weights of 1 where the engine and the trainer agree.
 """
 

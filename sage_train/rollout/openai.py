@@ -31,7 +31,7 @@ class OpenAIServerEngine:
     ids and per-token log-probs come back exactly. A request carries one seed for all its prompts,
     which would give every prompt the same sampling noise, so a seed is sent only for a call of
     one prompt. The log-probs are those the server reports: start it with ``--logprobs-mode
-    raw_logprobs`` at temperature 1 (`sage_train.importance`).
+    raw_logprobs`` at temperature 1 (`sage_train.rl_maths`).
 
     base_model: the weights the policy's adapter is trained on; when given, the server's model
     (``GET /v1/models``: its ``root``) must be it, or the engine refuses to start: an adapter

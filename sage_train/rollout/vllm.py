@@ -18,7 +18,7 @@ per training process, as in the official SAGE code
   never share sampling noise;
 - log-probs come back for each sampled token from the temperature-scaled distribution before
   min-p / top-k / top-p truncation (`logprobs_mode`, chosen by `logprobs_mode_for`), the
-  quantity the trainer computes, so truncated importance sampling (`sage_train.importance`)
+  quantity the trainer computes, so truncated importance sampling (`sage_train.rl_maths`)
   compares like with like.
 
 Coded against vLLM's documented Python API (`vllm.LLM`, `SamplingParams`, `LLM.sleep`,
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from ..distributed import zero3_gathered
-from ..lora import is_lora, merged_named_weights
+from ..models.lora import is_lora, merged_named_weights
 from .base import Completion, SamplingParams, prompt_seeds
 
 VLLM_MISSING = "the vllm engine needs vLLM on a CUDA machine: pip install 'sage-rl[vllm]'"
@@ -62,7 +62,7 @@ def executor_backend() -> str | None:
 
 def policy_weights_for_vllm(model):
     """(name, tensor) pairs of `model` named as in the Hugging Face checkpoint, a LoRA adapter
-    merged out of place (`sage_train.lora.merged_named_weights`: base weights untouched)."""
+    merged out of place (`sage_train.models.lora.merged_named_weights`: base weights untouched)."""
     return merged_named_weights(model)
 
 

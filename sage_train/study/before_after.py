@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..config import load_yaml
 from ..eval.evaluate import mean_pass_at_k
+from ..run_files import RUN_FILES
 from ..safe_files import write_file
 from .endpoints import endpoint_rows
 
@@ -26,11 +27,11 @@ from .endpoints import endpoint_rows
 def run_record(run_dir: Path, split: str) -> dict:
     """{seed, problems (ids), n, before, after (correct per problem), wall_time_s, reward_first,
     reward_last} of one finished run; ValueError naming the file that lacks what is needed."""
-    summary_path = run_dir / "summary.json"
+    summary_path = run_dir / RUN_FILES.summary
     if not summary_path.is_file():
         raise ValueError(f"{run_dir}: no summary.json (the run has not finished)")
     summary = json.loads(summary_path.read_text())
-    record = {"run": run_dir.name, "seed": load_yaml(run_dir / "config.yaml").seed}
+    record = {"run": run_dir.name, "seed": load_yaml(run_dir / RUN_FILES.config).seed}
     for when in ("before", "after"):
         evaluation = (summary.get(f"eval_{when}") or {}).get(split) or {}
         if "counts" not in evaluation:

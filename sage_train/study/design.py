@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from ..config import ConfigError, TrainConfig, load, read_yaml
+from ..run_files import RUN_FILES
 from .report import START
 
 STUDY_KEYS = ("algorithms", "seeds", "baseline", "eval_n", "eval_problems", "train_config", "train", "endpoints")
@@ -51,7 +52,7 @@ class Study:
         if arm is None:  # the warm start only: one RL step (steps must be > 0), no evaluation
             values.update(name=f"{START}-s{seed}", steps=1, eval_problems=0)
         else:
-            start = self.run_dir(START, seed) / "sft"
+            start = self.run_dir(START, seed) / RUN_FILES.sft
             values.update(arm.overrides, algorithm=arm.algorithm, name=f"{arm.name}-s{seed}")
             values.update(model=str(start), sft_steps=0, eval_problems=0)
         return values

@@ -48,6 +48,7 @@ from pathlib import Path
 import yaml
 
 from ..config import ConfigError
+from ..run_files import RUN_FILES
 from ..safe_files import make_dir, open_append, refuse_links
 from .design import Arm, Study, StudyError, parse_study
 from .report import ENV_FILE, START, write_report
@@ -79,7 +80,7 @@ def _run(study: Study, arm: Arm | None, seed: int) -> str:
             record_environment(run_dir, "train")
         if _stop.is_set():
             return "trained, not evaluated: the study was stopped"
-        return evaluate(study, run_dir, run_dir / ("sft" if arm is None else "final"), seed)
+        return evaluate(study, run_dir, run_dir / (RUN_FILES.sft if arm is None else RUN_FILES.final), seed)
 
 
 def record_environment(run_dir: Path, stage: str) -> None:
@@ -95,10 +96,10 @@ def record_environment(run_dir: Path, stage: str) -> None:
 
 def evaluate(study: Study, run_dir: Path, model: Path, seed: int) -> str:
     """sage-eval of `model` on the study's held-out problems into run_dir/study_eval (resumable)."""
-    out = run_dir / "study_eval"
+    out = run_dir / RUN_FILES.study_eval
     if eval_done(out, study):
         return "ok (reused)"
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config = yaml.safe_load((run_dir / RUN_FILES.config).read_text())
     from ..eval.command import run_eval
     from ..eval.settings import command_line, options, resolve_settings
 
@@ -149,10 +150,10 @@ def _output_to(log):
         os.close(saved[1])
 
 
-_stop = threading.Event()  # in a worker: the study's stop event (`_worker_init`), set once it is stopping
+_stop = threading.Event()  # in a worker: the study's stop event (`worker_init`), set once it is stopping
 
 
-def _worker_init(stop) -> None:
+def worker_init(stop) -> None:
     """Workers leave Ctrl-C to the study, which sets `stop` and signals them with SIGTERM
     (`stop_workers`); an idle worker ignores it. A worker dies with the study (`_die_with_parent`).
     Each is a world of one on a port of its own: a launcher's (or the caller's) rank variables are
@@ -215,7 +216,7 @@ def stop_workers(state: dict) -> None:
 
 
 def finished(run_dir: Path) -> bool:
-    summary = run_dir / "summary.json"
+    summary = run_dir / RUN_FILES.summary
     return summary.is_file() and not json.loads(summary.read_text()).get("interrupted", True)
 
 
@@ -236,7 +237,7 @@ def run_grid(study: Study, state: dict, log=print) -> dict:
     state["stop"] = context.Event()
     if state["stopping"]:  # a signal before the event existed
         state["stop"].set()
-    workers = dict(mp_context=context, initializer=_worker_init, initargs=(state["stop"],))
+    workers = dict(mp_context=context, initializer=worker_init, initargs=(state["stop"],))
     with ProcessPoolExecutor(study.jobs, **workers) as pool:
         pending = {pool.submit(run_task, study, None, seed): (None, seed) for seed in study.seeds}
         while pending:

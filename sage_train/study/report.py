@@ -27,6 +27,7 @@ import numpy as np
 from ..environment import LIBRARIES, package_commit
 from ..eval.evaluate import pass_at_k_table
 from ..report import read_metrics
+from ..run_files import RUN_FILES
 from ..safe_files import save_figure, write_file
 from .endpoints import GUIDE_COLUMNS, SHOWN_CURVES, endpoint_rows, format_p, shown_curves
 from .intervals import crossed_interval, t_interval
@@ -49,7 +50,7 @@ def collect_counts(study, arm_names: list) -> tuple:
     for arm in arm_names:
         counts[arm] = {}
         for seed in study.seeds:
-            results = study.run_dir(arm, seed) / "study_eval" / "results.json"
+            results = study.run_dir(arm, seed) / RUN_FILES.study_eval / "results.json"
             if not results.is_file():
                 continue
             model = next(iter(json.loads(results.read_text())["models"].values()))
@@ -115,12 +116,11 @@ def recompute(path) -> dict:
 
 def warm_starts(study, counts: dict) -> dict:
     """{str(seed): {"sft_steps", "pass_at_1", "pass_at_n"}}: each seed's warm start, as its sft/
-    records it (`sft.WARM_START_FILE`; None if absent) and as the study evaluated it."""
-    from ..sft import WARM_START_FILE
+    records it (`RUN_FILES.warm_start`; None if absent) and as the study evaluated it."""
 
     result = {}
     for seed in study.seeds:
-        path = study.run_dir(START, seed) / "sft" / WARM_START_FILE
+        path = study.run_dir(START, seed) / RUN_FILES.sft / RUN_FILES.warm_start
         entry = {"sft_steps": json.loads(path.read_text())["sft_steps"] if path.is_file() else None}
         if str(seed) in counts.get(START, {}):
             matrices = pass_at_k_matrices(counts[START], [seed], [1, study.eval_n])
@@ -150,7 +150,7 @@ def curves(study) -> dict:
     its 95% t-interval (the band); only steps every seed reached."""
     result = {}
     for arm in study.arms:
-        runs = [read_metrics(p) for s in study.seeds if (p := study.run_dir(arm.name, s) / "metrics.jsonl").is_file()]
+        runs = [read_metrics(p) for s in study.seeds if (p := study.run_dir(arm.name, s) / RUN_FILES.metrics).is_file()]
         runs = [rows for rows in runs if rows]
         result[arm.name] = {}
         for metric in CURVE_METRICS:

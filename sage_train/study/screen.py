@@ -21,10 +21,10 @@ import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+from ..run_files import RUN_FILES
 from ..safe_files import make_dir, open_append, write_file
-from ..sft import WARM_START_FILE
 from .design import parse_study
-from .grid import _worker_init, finished, record_environment
+from .grid import finished, record_environment, worker_init
 from .report import START
 from .toy_sampled import seeds_of
 
@@ -42,7 +42,7 @@ def screen_seed(study, seed: int) -> int:
         if not finished(run_dir):
             raise RuntimeError(f"the starting point of seed {seed} did not finish ({run_dir})")
         record_environment(run_dir, "train")
-    return json.loads((run_dir / "sft" / WARM_START_FILE).read_text())["sft_steps"]
+    return json.loads((run_dir / RUN_FILES.sft / RUN_FILES.warm_start).read_text())["sft_steps"]
 
 
 def selection(steps: dict, seeds: list, long: int, want: int) -> dict | None:
@@ -65,7 +65,7 @@ def screen(study, seeds: list, long: int, want: int, log=print) -> dict:
     path = study.out / "screen.json"
     make_dir(study.out)
     context = multiprocessing.get_context("spawn")
-    pool_args = dict(mp_context=context, initializer=_worker_init, initargs=(context.Event(),))
+    pool_args = dict(mp_context=context, initializer=worker_init, initargs=(context.Event(),))
     with ProcessPoolExecutor(study.jobs, **pool_args) as pool:
         queue, pending = list(seeds), {}
         while queue or pending:

@@ -8,7 +8,7 @@ sage-token: a deterministic token-dependent guide passed as log_q), five ways to
 (b) expected: the trainer's loss (beta k3, guide recomputed each step, normalised advantages)
     with every sequence weighted by its probability;
 (c) sampled: G completions per prompt, `group_advantages`, one on-policy step per batch;
-(d), (e): the trainer's ``kl_in_reward`` (`sage_train.reward_kl`) in expectation and sampled,
+(d), (e): the trainer's ``kl_in_reward`` (`sage_train.rl_maths`) in expectation and sampled,
     q recomputed from the current policy: toward the self-consistent optimum pi = pi*(q(pi)).
     (d) is J's gradient with that q (as the trainer's with an unscaled task part and large groups);
     (e) uses the trainer's `advantages_of_j` (task part scaled by its group std by default).
@@ -32,9 +32,8 @@ import torch.nn.functional as F
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 
-from ..advantages import group_advantages
 from ..lr_schedule import lr_schedule
-from ..reward_kl import advantages_of_j, sequence_kl
+from ..rl_maths import advantages_of_j, group_advantages, sequence_kl
 from . import enumerable as E
 from .toy_report import compare, sampled_report
 

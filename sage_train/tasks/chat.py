@@ -96,3 +96,11 @@ class ChatPromptTask:
         messages = [{"role": "system", "content": self.system}] if self.system else []
         messages.append({"role": "user", "content": self.task.prompt(problem)})
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def chat_prompted(cfg, task, tokenizer):
+    """`task` with its prompts through a run's chat template (its ``chat_template`` and
+    ``system_prompt`` keys), else `task` ("official" installs the template on `tokenizer`)."""
+    if not cfg.chat_template:
+        return task
+    return ChatPromptTask(task, tokenizer, cfg.system_prompt, cfg.chat_template)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sage_train import packaged_models
 from sage_train.config import build, resolve
+from sage_train.models import packaged
 from sage_train.tasks.math import BENCHMARKS, MathTask, data_root
 
 #: a run that takes seconds: a 2-layer, 32-wide model on 1-digit addition
@@ -90,8 +90,8 @@ def gold_answers(math_data) -> list[tuple[str, str]]:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """A model cache of the test's own (`sage_train.packaged_models`)."""
-    monkeypatch.setenv(packaged_models.CACHE_ENV, str(tmp_path / "cache"))
+    """A model cache of the test's own (`sage_train.models.packaged`)."""
+    monkeypatch.setenv(packaged.CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sage_train.advantages import group_advantages
+from sage_train.rl_maths import group_advantages
 
 
 def test_matches_the_formula_per_group():

@@ -1,11 +1,13 @@
 """TrainConfig: YAML + --key=value, type checks, unknown keys, presets."""
 
+import dataclasses
+
 import pytest
 
 from sage_train.config import ConfigError, TrainConfig, build, parse_args, resolve
 from sage_train.config_files import packaged_config_names
+from sage_train.inputs import check_inputs
 from sage_train.presets import PRESETS, loss_config
-from sage_train.run_dir import check_inputs
 
 
 def test_packaged_default_loads_and_resolves_to_sage_branch():
@@ -146,7 +148,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 def test_packaged_deepspeed_files_merge_and_must_agree_with_zero_stage(stage):
     import torch
 
-    from sage_train.build import deepspeed_config
+    from sage_train.inputs import deepspeed_config
 
     cfg = resolve(build({"zero_stage": stage, "deepspeed_config": f"ds-zero{stage}"}))
     merged = deepspeed_config(cfg, world=2, accumulation=4, device=torch.device("cpu"))
@@ -181,3 +183,14 @@ def test_train_problems_beyond_the_default_pool_draws_a_larger_pool_with_the_def
     # the warm start sees the pool the prompts come from, and never less than the default one
     assert larger.sft_problems == larger.train_problems and smaller.sft_problems == default.sft_problems
     assert [p.id for p in smaller.train_problems] == [p.id for p in default.train_problems[:100]]
+
+
+def test_the_guide_keys_are_the_guide_settings_fields_and_read_back_through_them():
+    from sage_train.config import FIELDS
+    from sage_train.guide import GUIDE_KEYS, GuideSettings, guide_settings, is_scheduled
+
+    assert set(GUIDE_KEYS) <= set(FIELDS) and len(GUIDE_KEYS) == len(dataclasses.fields(GuideSettings))
+    cfg = resolve(build({"algorithm": "sage-random", "guide_eps_max": 0.2, "guide_num_cycles": 3}))
+    settings = guide_settings(cfg)
+    assert (settings.eps_max, settings.num_cycles, settings.sigma_max) == (0.2, 3, 0.15)  # the random guide's sigma
+    assert [is_scheduled(g) for g in ("none", "branch", "token", "random")] == [False, False, True, True]

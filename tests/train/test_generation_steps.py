@@ -10,7 +10,7 @@ from tiny_models import tiny_model
 from sage_kernels import LossConfig
 from sage_kernels.guides import TokenGuide
 from sage_train import report
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.run import train
 

@@ -10,11 +10,15 @@ import torch
 from test_microbatch import completions
 from tiny_models import tiny_model
 
-from sage_train.build import build_engines, with_lora
+from sage_train.build import build_engines
 from sage_train.context import RunContext
-from sage_train.model import build_char_tokenizer, decoder_of
+from sage_train.inputs import engine_config
+from sage_train.models.loading import build_char_tokenizer, decoder_of
+from sage_train.models.lora import with_lora
 from sage_train.policy import make_batch, score
 from sage_train.step import policy_update
+
+CPU = torch.device("cpu")
 
 
 def step_gradients(cfg, tokenizer, batch, advantages):
@@ -26,7 +30,7 @@ def step_gradients(cfg, tokenizer, batch, advantages):
         model = with_lora(model, cfg)
     else:
         reference = tiny_model(tokenizer, seed=4, max_positions=64).requires_grad_(False)
-    engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
+    engine, reference = build_engines(cfg, model, reference, engine_config(cfg, 1, CPU), CPU)
     captured, calls = {}, []
     engine.optimizer.register_step_pre_hook(
         lambda *_: captured.update(
@@ -81,7 +85,7 @@ def test_a_copy_of_a_checkpointed_model_runs_its_own_layers(tiny_config, distrib
     tokenizer = build_char_tokenizer()
     cfg = tiny_config(gradient_checkpointing=True, prompts_per_step=2, group_size=4, micro_batch_size=4)
     engine, _ = build_engines(
-        cfg, tiny_model(tokenizer, seed=3, max_positions=64), None, world=1, device=torch.device("cpu")
+        cfg, tiny_model(tokenizer, seed=3, max_positions=64), None, engine_config(cfg, 1, CPU), CPU
     )
     lm = engine.module.lm
     replica = copy.deepcopy(lm)

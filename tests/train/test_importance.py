@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from sage_train.importance import truncated_is_weights
+from sage_train.rl_maths import truncated_is_weights
 
 
 def test_token_level_weights_are_truncated_ratios():

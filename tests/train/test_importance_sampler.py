@@ -10,7 +10,7 @@ import torch
 from tiny_models import tiny_model
 
 from sage_train.config import ConfigError
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import Completion

@@ -1,4 +1,4 @@
-"""``kl_in_reward``: the KL to q pi_ref moved from the loss into the reward (sage_train/reward_kl.py),
+"""``kl_in_reward``: the KL to q pi_ref moved from the loss into the reward (sage_train/rl_maths.py),
 its presets, and `sage-train --algorithm=sage-branch-exact` on the tiny model."""
 
 import pytest
@@ -8,11 +8,10 @@ from conftest import TINY_RUN
 
 from sage_kernels.guides import BranchGuide, RandomGuide, TokenGuide, branch_guide
 from sage_train import report, step
-from sage_train.advantages import group_advantages
 from sage_train.cli import train_main
 from sage_train.config import ConfigError
 from sage_train.presets import loss_config
-from sage_train.reward_kl import generation_log_q, objective_advantages, sequence_kl
+from sage_train.rl_maths import generation_log_q, group_advantages, objective_advantages, sequence_kl
 
 
 def tensors(seed: int = 0, rows: int = 6, length: int = 5):
@@ -49,7 +48,7 @@ def config(**keys):
 def test_generation_guides_are_the_guides_own():
     """Each run's guide (`make_guide`) gives the reward its q from the behaviour policy's log-probs
     and entropies: the branch guide with the run's gamma / tau / bounds, the scheduled ones their draws."""
-    from sage_train.build import make_guide
+    from sage_train.guide import make_guide
 
     old, _, _, mask = tensors(1)
     entropy = torch.rand(old.shape, generator=torch.Generator().manual_seed(2)) * 3

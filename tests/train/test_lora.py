@@ -11,10 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sage_train import checkpoint, report
-from sage_train.build import build_engines, with_lora
+from sage_train.build import build_engines
 from sage_train.context import RunContext
-from sage_train.lora import AdapterDisabled, is_lora
-from sage_train.model import load_model_and_tokenizer
+from sage_train.inputs import engine_config
+from sage_train.models.loading import load_model_and_tokenizer
+from sage_train.models.lora import AdapterDisabled, is_lora, with_lora
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.run import train
@@ -30,7 +31,7 @@ def lora_setup(tiny_config, distributed, **overrides):
     model, tokenizer = load_model_and_tokenizer(cfg)
     base = copy.deepcopy(model).eval()
     model = with_lora(model, cfg)
-    engine, reference = build_engines(cfg, model, None, world, device)
+    engine, reference = build_engines(cfg, model, None, engine_config(cfg, world, device), device)
     rollout = make_engine("hf", engine.module.lm, tokenizer, device=device)
     task = get_task("arithmetic", digits=1)
     problems = list(task.problems("train", 16, 0))
@@ -129,7 +130,7 @@ def test_lora_loop_end_to_end(tiny_config, distributed):
 
 
 def test_merged_weights_out_of_place(tiny_config):
-    from sage_train.lora import merged_named_weights
+    from sage_train.models.lora import merged_named_weights
     from sage_train.rollout.vllm import policy_weights_for_vllm, weight_buckets
 
     cfg = tiny_config(lora_rank=4)

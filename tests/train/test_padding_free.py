@@ -18,11 +18,14 @@ from hypothesis import strategies as st
 from test_microbatch import completions
 from tiny_models import tiny_model
 
-from sage_train.build import build_engines, make_guide, with_lora
+from sage_train.build import build_engines
 from sage_train.config import ConfigError
 from sage_train.context import RunContext
+from sage_train.guide import make_guide
+from sage_train.inputs import engine_config
 from sage_train.micro_batches import padding_free, split, token_budget_groups
-from sage_train.model import build_char_tokenizer, load_pretrained
+from sage_train.models.loading import build_char_tokenizer, load_pretrained
+from sage_train.models.lora import with_lora
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.rollout import Completion
 from sage_train.step import policy_update, step_micro_batches
@@ -62,7 +65,7 @@ def one_step(cfg, kind, gguf_path, batch, packed: bool):
         with torch.no_grad():  # a reference that differs from the policy: the KL term is not 0
             for p in reference.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    engine, reference = build_engines(cfg, model, reference, world=1, device=CPU)
+    engine, reference = build_engines(cfg, model, reference, engine_config(cfg, 1, CPU), CPU)
     grads = {}
 
     def capture(optimizer, args, kwargs):

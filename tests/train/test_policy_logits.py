@@ -8,7 +8,7 @@ import transformers
 from test_microbatch import completions
 
 from sage_kernels import LossConfig
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import PolicyHead, make_batch, score
 
 

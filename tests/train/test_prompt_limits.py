@@ -3,7 +3,7 @@ tiny real model: the tokens kept, and where a completion ends."""
 
 from tiny_models import tiny_model
 
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.rollout import SamplingParams, make_engine
 
 DIGITS = tuple("0123456789")

@@ -17,8 +17,9 @@ from tiny_models import tiny_model
 
 from sage_train.cli import eval_main, study_main, train_main
 from sage_train.config import build, parse_args, resolve, save_yaml
-from sage_train.model import build_char_tokenizer
-from sage_train.run_dir import LOCK_FILE, RunLock, prepare_run_dir
+from sage_train.models.loading import build_char_tokenizer
+from sage_train.run_dir import RunLock, prepare_run_dir
+from sage_train.run_files import RUN_FILES
 from sage_train.safe_files import RunDirError, write_file
 
 
@@ -84,7 +85,7 @@ def train_over(capsys, received: Path, *extra) -> tuple[int, list[str]]:
 def test_a_linked_run_lock_is_refused_and_the_file_it_points_at_is_untouched(capsys, received, elsewhere, extra):
     """Every command naming the run, a refused one too (a fresh run over a previous one):
     the lock linked to a user's file is neither truncated, written nor deleted."""
-    (received / LOCK_FILE).symlink_to(elsewhere / "precious.txt")
+    (received / RUN_FILES.lock).symlink_to(elsewhere / "precious.txt")
     before, outside = snapshot(received), snapshot(elsewhere)
     status, lines = train_over(capsys, received, *extra)
     assert status == 2 and len(lines) == 1, lines
@@ -94,7 +95,7 @@ def test_a_linked_run_lock_is_refused_and_the_file_it_points_at_is_untouched(cap
 
 @pytest.mark.parametrize("kind", ["folder", "fifo"])
 def test_a_lock_that_is_not_a_file_is_one_line(capsys, received, kind):
-    lock = received / LOCK_FILE
+    lock = received / RUN_FILES.lock
     lock.mkdir() if kind == "folder" else os.mkfifo(lock)
     status, lines = train_over(capsys, received, "--resume")
     assert status == 2 and len(lines) == 1 and "run.lock" in lines[0], lines

@@ -5,10 +5,10 @@ import pytest
 import torch
 import yaml
 
-from sage_train.build import deepspeed_config
 from sage_train.cli import train_main
 from sage_train.config import ConfigError, parse_args
 from sage_train.config_files import packaged_config_names, packaged_config_path
+from sage_train.inputs import deepspeed_config
 
 QWEN_ALGORITHMS = [
     "grpo",

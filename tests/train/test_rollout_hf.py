@@ -4,7 +4,7 @@ import torch
 from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.rollout import SamplingParams, make_engine
 

@@ -1,4 +1,4 @@
-"""The rollout-mismatch toolkit (`sage_train.importance`) against its peers' own code on shared inputs:
+"""The rollout-mismatch toolkit (`sage_train.rl_maths`) against its peers' own code on shared inputs:
 TRL 1.16's four ``vllm_importance_sampling_mode``s (the block of ``GRPOTrainer`` that computes them,
 run verbatim from the installed trl), verl 0.9.1's IcePop weights, rejection sampler and mismatch
 metrics (``rollout_corr_helper``, from its wheel: `peer_source`); NaN engine log-probs; the config
@@ -15,11 +15,11 @@ import torch
 import yaml
 from peer_source import peer_functions
 
-from sage_train import importance, report
+from sage_train import report, rl_maths
 from sage_train.cli import train_main
 from sage_train.config import ConfigError
 
-MODES = importance.IS_MODES[1:]
+MODES = rl_maths.IS_MODES[1:]
 
 
 def mismatch_batch(seed, B=6, L=9, nan=True):
@@ -72,7 +72,7 @@ def trl_block():
 def test_modes_equal_trl(trl_block, mode, bounds):
     train, rollout, mask = mismatch_batch(1)
     want = trl_block(train, rollout, mask, mode, *bounds).expand(mask.shape)
-    weights, outside = importance.is_weights(importance.rollout_log_ratio(train, rollout, mask), mask, mode, *bounds)
+    weights, outside = rl_maths.is_weights(rl_maths.rollout_log_ratio(train, rollout, mask), mask, mode, *bounds)
     torch.testing.assert_close(weights[mask], want[mask], rtol=1e-6, atol=0)
     assert (weights[~mask] == 1).all()
     assert torch.equal(outside, ((want != weights) | (weights == 0)) & mask) or mode.endswith("truncate")
@@ -103,8 +103,8 @@ def verl():
 def test_icepop_token_mask_equals_verl(verl):
     train, rollout, mask = mismatch_batch(2, nan=False)
     want, _ = verl.compute_rollout_correction_weights(train - rollout, mask.float(), "token", "0.8_1.25")
-    weights, outside = importance.is_weights(
-        importance.rollout_log_ratio(train, rollout, mask), mask, "token_mask", 0.8, 1.25
+    weights, outside = rl_maths.is_weights(
+        rl_maths.rollout_log_ratio(train, rollout, mask), mask, "token_mask", 0.8, 1.25
     )
     torch.testing.assert_close(weights[mask], want[mask], rtol=1e-6, atol=0)
     assert 0 < int(outside.sum()) < int(mask.sum())
@@ -130,11 +130,11 @@ def test_icepop_token_mask_equals_verl(verl):
 def test_rejection_sampler_equals_verl(verl, options, thresholds):
     train, rollout, mask = mismatch_batch(3, nan=False)
     want, verl_metrics = verl.compute_rollout_rejection_mask(train - rollout, mask.float(), options, thresholds)
-    log_ratio = importance.rollout_log_ratio(train, rollout, mask)
-    kept = importance.rejection_mask(log_ratio, mask, options, thresholds)
+    log_ratio = rl_maths.rollout_log_ratio(train, rollout, mask)
+    kept = rl_maths.rejection_mask(log_ratio, mask, options, thresholds)
     assert torch.equal(kept, want.bool())
     assert 0 < int((mask & ~kept).sum()) < int(mask.sum())  # something is rejected, not everything
-    metrics = importance.mismatch_metrics(train, rollout, mask, kept=kept)
+    metrics = rl_maths.mismatch_metrics(train, rollout, mask, kept=kept)
     assert float(metrics["rollout_corr/rejected_frac"]) == pytest.approx(verl_metrics["rollout_rs_masked_fraction"])
     want_rows = verl_metrics["rollout_rs_seq_masked_fraction"]  # verl divides by every row; all have tokens here
     assert float(metrics["rollout_corr/seq_rejected_frac"]) == pytest.approx(want_rows)
@@ -143,7 +143,7 @@ def test_rejection_sampler_equals_verl(verl, options, thresholds):
 def test_mismatch_metrics_equal_verl_and_skip_unscored_tokens(verl):
     train, rollout, mask = mismatch_batch(4, nan=False)
     want = verl.compute_offpolicy_metrics(train, rollout, mask.float())
-    metrics = importance.mismatch_metrics(train, rollout, mask)
+    metrics = rl_maths.mismatch_metrics(train, rollout, mask)
     assert float(metrics["rollout_corr/k1"]) == pytest.approx(want["kl"], rel=1e-5)
     assert float(metrics["rollout_corr/k3"]) == pytest.approx(want["k3_kl"], rel=1e-5)
     # NaN engine log-probs: left out of the means (TRL's choice for its logp-difference metrics)
@@ -151,18 +151,18 @@ def test_mismatch_metrics_equal_verl_and_skip_unscored_tokens(verl):
     unscored[2, 1] = unscored[4, 0] = float("nan")
     kept = mask.clone()
     kept[2, 1] = kept[4, 0] = False
-    with_nan = importance.mismatch_metrics(train, unscored, mask)
+    with_nan = rl_maths.mismatch_metrics(train, unscored, mask)
     assert float(with_nan["rollout_corr/k3"]) == pytest.approx(
-        float(importance.mismatch_metrics(train, rollout, kept)["rollout_corr/k3"])
+        float(rl_maths.mismatch_metrics(train, rollout, kept)["rollout_corr/k3"])
     )
     assert float(with_nan["rollout_corr/unscored_frac"]) == pytest.approx(2 / float(mask.sum()))
 
 
 def test_unscored_tokens_are_never_rejected_and_add_nothing_to_sequence_sums():
     train, rollout, mask = mismatch_batch(5)
-    log_ratio = importance.rollout_log_ratio(train, rollout, mask)
+    log_ratio = rl_maths.rollout_log_ratio(train, rollout, mask)
     assert log_ratio[1, 2] == 0 and log_ratio[3, 0] == 0
-    assert importance.rejection_mask(log_ratio, mask, "token_k1", "0.999_1.001")[1, 2]
+    assert rl_maths.rejection_mask(log_ratio, mask, "token_k1", "0.999_1.001")[1, 2]
 
 
 @pytest.mark.parametrize(

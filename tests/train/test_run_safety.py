@@ -28,7 +28,8 @@ from sage_train.cli import train_main
 from sage_train.config import ConfigError, build, resolve
 from sage_train.distributed import RunError
 from sage_train.run import train
-from sage_train.run_dir import LOCK_FILE, RunLock
+from sage_train.run_dir import RunLock
+from sage_train.run_files import RUN_FILES
 
 REPO = Path(__file__).resolve().parents[2]
 #: the shared runs: 6 steps, checkpoints every 2 (all kept)
@@ -250,15 +251,17 @@ def test_garbled_metrics_line_inside_the_file_is_an_error(runs, tmp_path):
 
 def test_lock_refuses_a_second_holder_and_reports_a_stale_one(tmp_path, capsys):
     with RunLock(tmp_path, rank=0):
-        holder = json.loads((tmp_path / LOCK_FILE).read_text())
+        holder = json.loads((tmp_path / RUN_FILES.lock).read_text())
         assert holder["pid"] == os.getpid()
         with pytest.raises(ConfigError, match=rf"in use by pid {os.getpid()} on "):
             RunLock(tmp_path, rank=0).__enter__()
-    assert not (tmp_path / LOCK_FILE).exists()  # released on exit
-    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 999999, "host": "gone", "started": "then", "command": "x"}))
+    assert not (tmp_path / RUN_FILES.lock).exists()  # released on exit
+    (tmp_path / RUN_FILES.lock).write_text(
+        json.dumps({"pid": 999999, "host": "gone", "started": "then", "command": "x"})
+    )
     with RunLock(tmp_path, rank=0):
         assert "left by pid 999999 on gone" in capsys.readouterr().out
-    assert not (tmp_path / LOCK_FILE).exists()
+    assert not (tmp_path / RUN_FILES.lock).exists()
 
 
 def kill_inside_a_save(process: subprocess.Popen, run_dir: Path) -> bool:
@@ -298,7 +301,7 @@ def test_second_run_and_kill_9_in_the_checkpoint_window(runs, tmp_path, capsys):
         process = sage_train_process(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             if attempt == 0:
-                lock, deadline = run_dir / LOCK_FILE, time.time() + 300
+                lock, deadline = run_dir / RUN_FILES.lock, time.time() + 300
                 while not (lock.is_file() and lock.read_text()) and time.time() < deadline:
                     time.sleep(0.05)
                 process.send_signal(signal.SIGSTOP)  # held, so that it is still running during the second
@@ -395,7 +398,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, capsys, distri
     """beta = 3e38 (finite, accepted): from step 1 the KL gradient overflows float32, so every
     optimizer step is skipped; after max_nonfinite_steps in a row the run stops, exit 1, with the
     weights it started from in its checkpoint."""
-    from sage_train.model import load_model_and_tokenizer
+    from sage_train.models.loading import load_model_and_tokenizer
 
     yaml_file = write_yaml(tmp_path / "tiny.yaml", {**TINY_RUN, **OPTIONS})
     argv = [
@@ -419,7 +422,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, capsys, distri
     initial, _ = load_model_and_tokenizer(config(tmp_path, "nan"))
     for name, value in initial.state_dict().items():
         torch.testing.assert_close(saved[f"lm.{name}"], value, rtol=0, atol=0)
-    assert not (tmp_path / "nan" / LOCK_FILE).exists()
+    assert not (tmp_path / "nan" / RUN_FILES.lock).exists()
 
 
 # --- loggers -------------------------------------------------------------------------------------------
@@ -511,7 +514,8 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
 
     from sage_train.build import build_engines
     from sage_train.context import RunContext
-    from sage_train.model import build_char_tokenizer
+    from sage_train.inputs import engine_config
+    from sage_train.models.loading import build_char_tokenizer
     from sage_train.policy import make_batch, score
     from sage_train.rollout import Completion
     from sage_train.step import policy_update
@@ -526,7 +530,9 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
     advantages = torch.linspace(-1, 1, 8)
     model = tiny_model(tokenizer, seed=0, max_positions=64)
     reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
-    engine, reference = build_engines(cfg, model, reference, world=1, device=torch.device("cpu"))
+    engine, reference = build_engines(
+        cfg, model, reference, engine_config(cfg, 1, torch.device("cpu")), torch.device("cpu")
+    )
     ctx = RunContext(cfg, engine, reference, None, tokenizer, None, [], None, 0, 1, torch.device("cpu"))
     old_logp, _ = score(engine, batch, 4, cfg.temperature)
     ref_logp, _ = score(reference, batch, 4, cfg.temperature)

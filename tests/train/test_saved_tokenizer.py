@@ -7,7 +7,7 @@ import string
 from tiny_models import tiny_model
 from transformers import AutoTokenizer
 
-from sage_train.model import build_char_tokenizer, load_pretrained
+from sage_train.models.loading import build_char_tokenizer, load_pretrained
 
 TEXTS = [
     string.printable,

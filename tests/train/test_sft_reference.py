@@ -6,11 +6,11 @@ DeepSpeed engine."""
 import pytest
 import torch
 
-from sage_train.build import build_engines, policy_and_reference
-from sage_train.model import load_model_and_tokenizer
+from sage_train.build import build_engines, initial_policy, policy_and_reference
+from sage_train.inputs import check_inputs
+from sage_train.models.loading import load_model_and_tokenizer
 from sage_train.policy import PolicyHead, make_batch, score
 from sage_train.rollout import SamplingParams, make_engine
-from sage_train.sft import initial_policy
 from sage_train.tasks import get_task
 
 
@@ -28,9 +28,10 @@ def reference_and_models(tiny_config, tmp_path, adapter):
     task = get_task(cfg.task, **cfg.task_options)
     problems = task.problems("train", None, cfg.seed)
     base, tokenizer = load_model_and_tokenizer(cfg)  # the same seeded weights the warm start begins from
-    model, _ = initial_policy(cfg, task, problems, tmp_path / adapter, rank=0, resumed=False)
+    plan = check_inputs(cfg, world=1)
+    model, _ = initial_policy(plan, rank=0, resumed=False)
     policy, reference_lm = policy_and_reference(cfg, model)
-    engine, reference = build_engines(cfg, policy, reference_lm, world=1, device=torch.device("cpu"))
+    engine, reference = build_engines(cfg, policy, reference_lm, plan.deepspeed, torch.device("cpu"))
     groups = make_engine("hf", base, tokenizer).generate(
         [task.prompt(p) for p in problems[:4]], SamplingParams(n=2, max_new_tokens=6, seed=0)
     )

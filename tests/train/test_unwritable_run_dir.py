@@ -9,7 +9,7 @@ import pytest
 from sage_train import checkpoint
 from sage_train.distributed import RunError
 from sage_train.run import train
-from sage_train.run_dir import LOCK_FILE
+from sage_train.run_files import RUN_FILES
 
 
 def _chattr(flag: str, folder) -> bool:
@@ -44,9 +44,9 @@ def test_a_run_dir_that_takes_no_new_file_stops_cleanly_and_resumes(tiny_config,
     message = str(error.value)
     assert str(cfg.run_dir / blocked) in message and "is not writable" in message and "\n" not in message
     assert "--resume" in message
-    assert (cfg.run_dir / LOCK_FILE).read_text() == ""  # no holder named: not a stale lock
+    assert (cfg.run_dir / RUN_FILES.lock).read_text() == ""  # no holder named: not a stale lock
     assert checkpoint.find(cfg.run_dir, 1)[0][0].name == checkpoint.tag_of(2)
     _chattr("-i", cfg.run_dir)
     summary = train(tiny_config(name="ro", resume=True, **options))
     assert summary["steps_done"] == 2 and not summary["interrupted"]
-    assert (cfg.run_dir / "final" / "config.json").is_file() and not (cfg.run_dir / LOCK_FILE).exists()
+    assert (cfg.run_dir / "final" / "config.json").is_file() and not (cfg.run_dir / RUN_FILES.lock).exists()

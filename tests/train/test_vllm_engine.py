@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.rollout import SamplingParams, make_engine
 
 
@@ -91,7 +91,7 @@ def test_real_engine_sync_sessions_seeds_and_logprobs(tmp_path, distributed):
 
 
 def test_pushed_weights_carry_checkpoint_names_and_come_in_buckets():
-    from sage_train.lora import apply_lora
+    from sage_train.models.lora import apply_lora
     from sage_train.rollout.vllm import policy_weights_for_vllm, weight_buckets
 
     model, _ = tiny()

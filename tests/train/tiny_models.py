@@ -1,6 +1,6 @@
 """The one builder of the small Qwen2-style models the trainer tests use (fast on one CPU thread)."""
 
-from sage_train.model import build_tiny_model
+from sage_train.models.loading import build_tiny_model
 
 
 def tiny_model(tokenizer, seed=0, max_positions=128, layers=2, hidden=32, heads=2, kv_heads=1):

@@ -11,12 +11,12 @@ from sage_train.build import derived_max_model_len
 from sage_train.config import ConfigError
 from sage_train.context import RunContext
 from sage_train.eval.evaluate import evaluate_engine
-from sage_train.model import build_char_tokenizer
+from sage_train.inputs import run_prompts
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import derive_seed
 from sage_train.rollout.hf import HFEngine
 from sage_train.run import evaluate_once
-from sage_train.run_dir import run_prompts
 from sage_train.step import collect_groups
 from sage_train.tasks import get_task
 

@@ -17,7 +17,7 @@ from tiny_models import tiny_model
 
 from sage_train.eval.command import main
 from sage_train.eval.evaluate import evaluate_engine, pass_at_k
-from sage_train.model import build_char_tokenizer, load_pretrained
+from sage_train.models.loading import build_char_tokenizer, load_pretrained
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.tasks import get_task
 

@@ -14,7 +14,7 @@ import pytest
 from tiny_models import tiny_model
 
 from sage_train.cli import eval_main
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_a_retrained_models_old_samples_are_refused(models, tmp_path, capsys):
 
 
 def test_the_fingerprint_is_the_bytes_not_the_place(models, tmp_path):
-    from sage_train.model_files import fingerprint
+    from sage_train.models.files import fingerprint
 
     shutil.copytree(models[0], tmp_path / "copy")
     (tmp_path / "copy" / "eval").mkdir()

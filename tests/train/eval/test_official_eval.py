@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 from sage_train.eval.command import main
 from sage_train.eval.models import resolve_models
 from sage_train.eval.settings import build_parser, prompt_format
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.tasks import get_task
 from sage_train.tasks.chat import OFFICIAL_CHAT_TEMPLATE
 

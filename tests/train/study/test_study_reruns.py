@@ -10,7 +10,7 @@ import yaml
 from tiny_models import tiny_model
 
 from sage_train.cli import study_main
-from sage_train.model import build_char_tokenizer
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.run_dir import RunLock
 from sage_train.study.design import parse_study
 from sage_train.study.grid import evaluate

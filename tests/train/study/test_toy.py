@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 
-from sage_train.reward_kl import sequence_kl
+from sage_train.rl_maths import sequence_kl
 from sage_train.study import enumerable as E
 from sage_train.study import toy as T
 from sage_train.study import toy_command

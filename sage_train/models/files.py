@@ -5,7 +5,7 @@ built from them, and fingerprinted, so that samples are never credited to anothe
 a config that needs the folder's own code, no weights, a truncated or garbled safetensors file, a
 pickled weight file that would build anything but tensors, a tokenizer.json the tokenizers library
 cannot read) or a hub name that does not resolve, before transformers meets it. A model folder is
-data: nothing here or in `sage_train.model` runs its code (``trust_remote_code=False``) or unpickles
+data: nothing here or in `sage_train.models.loading` runs its code (``trust_remote_code=False``) or unpickles
 more than tensors. `fingerprint` is a digest of every file of a model directory (weights,
 config, tokenizer, adapter): the same bytes give the same fingerprint wherever the folder lies.
 """
