@@ -58,7 +58,7 @@ def plot(rows: list, path: Path) -> None:
     ax.invert_yaxis()
     for stage in stages:
         ax.plot([], [], "o", color=f"C{stages.index(stage)}", label=stage)
-    ax.legend(fontsize=7, loc="lower right")
+    fig.legend(fontsize=7, loc="outside lower center", ncols=len(stages))  # below the axes: never over a row
     ax.set(xlabel="percentage points (95% interval)", title="issue 38's registered primaries")
     ax.grid(alpha=0.3)
     save_figure(fig, path, dpi=110)

@@ -35,7 +35,8 @@ def test_the_guide_is_read_where_it_acts():
 
 
 @pytest.mark.parametrize(
-    "study", ["study.json", "arithmetic/study.json", "decisive/study.json", "kl-in-reward/study.json"]
+    "study",
+    ["study.json", "arithmetic/study.json", "decisive/study.json", "kl-in-reward/study.json", "enrichment/study.json"],
 )
 def test_committed_studies_recompute_exactly(study):
     stored = json.loads((RESULTS / study).read_text())

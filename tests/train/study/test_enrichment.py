@@ -1,7 +1,8 @@
 """Stage 1's screening (which seeds are chosen) and its analysis (sage_train/study/screen.py,
-sage_train/study/enrichment.py) on counts built here."""
+sage_train/study/enrichment.py) on counts built here, and the committed stage 1 result."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,3 +48,12 @@ def test_analysis_splits_by_sft_length_and_adjusts_by_holm(tmp_path):
     assert json.loads(json.dumps(again)) == json.loads(json.dumps(N.analyse(json.loads(path.read_text()))))
     long = again["primary"]["P1 long seeds: grpo - start"]
     assert long["ci_low"] < 0 < long["ci_high"]  # no loss built in: the interval holds 0
+
+
+def test_the_committed_stage_1_analysis_recomputes_from_its_counts():
+    """docs/results/enrichment: enrichment.json is `recompute` of study.json's counts, to the last digit."""
+    results = Path(__file__).resolve().parents[3] / "docs" / "results" / "enrichment"
+    stored = json.loads((results / "enrichment.json").read_text())
+    assert json.loads(json.dumps(N.recompute(results / "study.json"))) == stored
+    primaries = list(stored["primary"].values())
+    assert [row["p_holm"] for row in primaries] == pytest.approx(holm([row["p"] for row in primaries]))

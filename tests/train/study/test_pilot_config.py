@@ -3,6 +3,7 @@ study-arithmetic's training with the task's pool of 1000 problems, and sage-trai
 
 import dataclasses
 import json
+from pathlib import Path
 
 from sage_train.config import parse_args, read_yaml
 from sage_train.presets import loss_config
@@ -102,3 +103,35 @@ def test_study_enrichment_is_the_decisive_setting_with_start_and_grpo(tmp_path):
     assert stage1["eval_problems"] == decisive["eval_problems"] == 512
     study = parse_study(["--config", "study-enrichment", "--seeds", "400", "--out", str(tmp_path)])
     assert [arm.name for arm in study.arms] == ["grpo"] and study.endpoints[0]["k"] == [1, 64, 256]
+
+
+def test_study_confirmatory_is_the_decisive_setting_with_stage_2s_registered_arms_and_primaries(tmp_path):
+    """Stage 2 of issue 38: the decisive study's training keys, key for key; the active guide and the
+    beta matched to its mean q as fixed in docs/results/confirmatory/design.json; three primaries."""
+    decisive, stage2 = read_yaml("study-decisive"), read_yaml("study-confirmatory")
+    assert stage2["train"] == decisive["train"] and stage2["eval_n"] == 256 and stage2["eval_problems"] == 512
+    design = json.loads(
+        (Path(__file__).resolve().parents[3] / "docs" / "results" / "confirmatory" / "design.json").read_text()
+    )
+    study = parse_study(["--config", "study-confirmatory", "--seeds", "600", "--out", str(tmp_path)])
+    resolved = {arm.name: study.train_config_of(arm, 600) for arm in study.arms}
+    assert set(resolved) == {
+        "grpo",
+        "grpo-beta1.4x",
+        "sage-branch-active",
+        "grpo-beta-matched",
+        "grpo-kl-in-reward",
+        "sage-branch-exact",
+    }
+    for name in ("sage-branch-active", "sage-branch-exact"):
+        run = resolved[name]
+        assert (run.guide, run.tau, run.gamma, run.beta) == ("branch", design["tau"], design["gamma"], 0.05)
+    assert resolved["sage-branch-exact"].kl_in_reward and resolved["grpo-kl-in-reward"].kl_in_reward
+    assert not resolved["sage-branch-active"].kl_in_reward and resolved["grpo-kl-in-reward"].guide == "none"
+    assert resolved["grpo-beta-matched"].beta == design["beta_matched"] == round(0.05 * design["mean_q"], 4)
+    assert resolved["grpo-beta-matched"].guide == "none" and resolved["grpo-beta1.4x"].beta == 0.07
+    assert [(e["arm"], e["versus"], e["k"]) for e in study.endpoints if e.get("primary")] == [
+        ("grpo", "start", [64]),
+        ("sage-branch-active", "grpo-beta-matched", [64]),
+        ("sage-branch-exact", "grpo-kl-in-reward", [64]),
+    ]

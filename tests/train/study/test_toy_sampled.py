@@ -2,6 +2,7 @@
 start's entropies, a tiny study written, resumed and recomputed from its stored P(correct)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,3 +48,18 @@ def test_a_tiny_study_is_written_resumed_and_recomputed(tmp_path):
     S.run_study(tmp_path, [7, 8], 1, S.base_options(steps=3), log=lines.append)  # resumed: nothing to run
     assert "0 runs to do" in lines[0]
     assert result["runs"]["grpo"]["7"]["p_correct"] == stored["runs"]["grpo"]["7"]["p_correct"]
+
+
+def test_the_committed_stage_0_result_recomputes_from_its_probabilities():
+    """docs/results/toy-sampled/sampled.json: every interval, p and Holm-adjusted p from the stored
+    per-(arm, seed, prompt) P(correct), to the last digit; 30 seeds of all 8 arms, 32 prompts each."""
+    path = Path(__file__).resolve().parents[3] / "docs" / "results" / "toy-sampled" / "sampled.json"
+    stored = json.loads(path.read_text())
+    assert json.loads(json.dumps(S.recompute(path))) == {
+        k: stored[k] for k in ("endpoints", "arms", "arms_second_half")
+    }
+    assert all(
+        len(runs) == 30 and all(len(r["p_correct"]) == 32 for r in runs.values()) for runs in stored["runs"].values()
+    )
+    primaries = stored["endpoints"]["primary"]
+    assert [row["p_holm"] for row in primaries] == pytest.approx(holm([row["p"] for row in primaries]))
