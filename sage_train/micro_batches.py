@@ -99,19 +99,16 @@ SEQUENCE_LOCAL_ATTENTION = ("flash_attention", "flex_attention")
 
 
 def padding_free(cfg, lm) -> tuple[bool, str]:
-    """(whether the run packs its micro-batches, why not when it does not): ``padding_free`` true
-    packs when the loss options and `lm`'s attention allow it (refused naming the key where they do
-    not); null packs where, in addition, the attention computes no pair of tokens from two sequences
+    """(whether the run packs its micro-batches, why not when the options or the model prevent it):
+    ``padding_free`` true packs when the loss options and `lm`'s attention allow it (refused naming
+    the key where they do not); null packs where, in addition, the attention computes no pair of tokens from two sequences
     (`SEQUENCE_LOCAL_ATTENTION`) or each micro-batch is one sequence (a plain causal row, no padding)."""
     if cfg.padding_free is False:
         return False, "padding_free: false"
     attention = str(getattr(getattr(lm, "config", None), "_attn_implementation", None) or "its attention")
     one_sequence = cfg.micro_batch_size == 1 and not cfg.max_tokens_per_micro_batch
     if cfg.padding_free is None and not one_sequence and not any(n in attention for n in SEQUENCE_LOCAL_ATTENTION):
-        return False, (
-            f"{attention} attention would compute a dense mask over each packed row, more than the padding "
-            "it saves; padding_free: true packs anyway"
-        )
+        return False, ""  # a choice of cost, not a limit of the model: nothing to report
     why_not = ""
     if cfg.luspo_include_padding:
         why_not = "luspo_include_padding sums the loss over padded positions, which packed sequences have none of"
