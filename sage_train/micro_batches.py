@@ -101,8 +101,9 @@ SEQUENCE_LOCAL_ATTENTION = ("flash_attention", "flex_attention")
 def padding_free(cfg, lm) -> tuple[bool, str]:
     """(whether the run packs its micro-batches, why not when the options or the model prevent it):
     ``padding_free`` true packs when the loss options and `lm`'s attention allow it (refused naming
-    the key where they do not); null packs where, in addition, the attention computes no pair of tokens from two sequences
-    (`SEQUENCE_LOCAL_ATTENTION`) or each micro-batch is one sequence (a plain causal row, no padding)."""
+    the key where they do not); null packs where, in addition, the attention computes no pair of
+    tokens from two sequences (`SEQUENCE_LOCAL_ATTENTION`) or each micro-batch is one sequence (a
+    plain causal row, no padding)."""
     if cfg.padding_free is False:
         return False, "padding_free: false"
     attention = str(getattr(getattr(lm, "config", None), "_attn_implementation", None) or "its attention")
