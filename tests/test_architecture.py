@@ -23,7 +23,7 @@ PACKAGES = ("sage_kernels", "sage_train")
 NAMED_PATH = re.compile(r"`((?:sage_kernels|sage_train|benchmarks|tests|csrc|docs|scripts)/[\w/.-]*)`")
 
 
-def kernel_modules(package: str = "sage_kernels") -> dict[str, Path]:
+def package_modules(package: str = "sage_kernels") -> dict[str, Path]:
     """Every module of `package` by dotted name (a package by its ``__init__``)."""
     modules = {}
     for path in sorted((ROOT / package).rglob("*.py")):
@@ -66,13 +66,13 @@ def test_every_kernels_module_is_on_the_map():
     text = MAP.read_text()
     absent = [
         str(path.relative_to(ROOT))
-        for path in kernel_modules().values()
+        for path in package_modules().values()
         if path.name != "__init__.py" and f"`{path.relative_to(ROOT)}`" not in text
     ]
     assert not absent, f"sage_kernels modules missing from docs/architecture.md: {absent}"
 
 
-ALL_MODULES = {name: path for package in PACKAGES for name, path in kernel_modules(package).items()}
+ALL_MODULES = {name: path for package in PACKAGES for name, path in package_modules(package).items()}
 
 
 @pytest.mark.parametrize("name, path", list(ALL_MODULES.items()), ids=list(ALL_MODULES))
@@ -82,7 +82,7 @@ def test_no_module_is_over_the_line_limit(name, path):
 
 
 def test_the_kernels_imports_form_no_circle():
-    modules = kernel_modules()
+    modules = package_modules()
     graph = {
         name: {target for target, *_ in imports_of(name, path, modules)} - {name} for name, path in modules.items()
     }
@@ -108,7 +108,7 @@ def test_the_kernels_imports_form_no_circle():
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_no_module_takes_a_private_name_from_another(package):
-    modules = kernel_modules(package)
+    modules = package_modules(package)
     found = []
     for name, path in modules.items():
         bound = set()  # the local names of the package's modules it imported
