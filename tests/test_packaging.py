@@ -32,6 +32,17 @@ def test_only_sage_packages_at_the_top_level(wheel_names):
     assert top == {"sage_kernels", "sage_train", "sage_bench"}
 
 
+def test_every_module_of_the_packages_ships(wheel_names):
+    """Each subpackage is listed in pyproject's packages (a folder left off ships without its modules)."""
+    folders = {"sage_kernels": "sage_kernels", "sage_train": "sage_train", "benchmarks": "sage_bench"}
+    modules = {
+        f"{package}/{path.relative_to(ROOT / folder)}"
+        for folder, package in folders.items()
+        for path in (ROOT / folder).rglob("*.py")
+    }
+    assert sorted(modules - set(wheel_names)) == []
+
+
 def test_the_wheel_version_is_the_package_version(wheel):
     import sage_kernels
 
