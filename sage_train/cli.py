@@ -1,7 +1,7 @@
-"""Console entry points: `sage-train`, `sage-eval`, `sage-study` and `sage-bench`.
+"""Console entry points: `sage-train`, `sage-eval` and `sage-study` (`sage-bench` is `sage_bench.cli`).
 
 Each parses its arguments, exits 2 with one line naming what is wrong on bad input, and hands
-the work to the module that owns it (`run.train`, `eval.command.main`, `study.grid.main`, `sage_bench.cli`).
+the work to the module that owns it (`run.train`, `eval.command.main`, `study.grid.main`).
 """
 
 from __future__ import annotations
@@ -81,10 +81,3 @@ def study_main(argv=None) -> int:
     except StudyError as error:
         print(f"sage-study: {error}", file=sys.stderr)
         return 2
-
-
-def bench_main(argv=None) -> int:
-    """`sage-bench loss|profile|train ...` (`sage_bench.cli`)."""
-    from sage_bench.cli import main
-
-    return main(sys.argv[1:] if argv is None else argv)

@@ -32,6 +32,17 @@ def test_only_sage_packages_at_the_top_level(wheel_names):
     assert top == {"sage_kernels", "sage_train", "sage_bench"}
 
 
+def test_every_module_of_the_packages_ships(wheel_names):
+    """Each subpackage is listed in pyproject's packages (a folder left off ships without its modules)."""
+    folders = {"sage_kernels": "sage_kernels", "sage_train": "sage_train", "benchmarks": "sage_bench"}
+    modules = {
+        f"{package}/{path.relative_to(ROOT / folder)}"
+        for folder, package in folders.items()
+        for path in (ROOT / folder).rglob("*.py")
+    }
+    assert sorted(modules - set(wheel_names)) == []
+
+
 def test_the_wheel_version_is_the_package_version(wheel):
     import sage_kernels
 
@@ -111,18 +122,49 @@ def test_the_trl_extra_is_the_range_the_trainer_checks():
 
 
 def test_the_console_scripts_go_through_the_extra_check():
+    """The trainer's commands are `sage_train.entry`'s; the benchmarks' own is in the benchmarks
+    (`sage_bench.cli.main`, which goes through `entry.run_command`)."""
     scripts = _pyproject()["project"]["scripts"]
-    assert scripts == {name: f"sage_train.entry:{name.split('-')[1]}_main" for name in scripts}
-    assert set(scripts) == {"sage-train", "sage-eval", "sage-study", "sage-bench"}
+    trainer = {
+        name: f"sage_train.entry:{name.split('-')[1]}_main" for name in ("sage-train", "sage-eval", "sage-study")
+    }
+    assert scripts == {**trainer, "sage-bench": "sage_bench.cli:main"}
 
 
-@pytest.mark.parametrize("command, missing, extra", [("train", "deepspeed", "train"), ("eval", "yaml", "train")])
+def test_every_console_script_names_a_function_the_wheel_ships(wheel, wheel_names):
+    """The wheel's entry points are pyproject's, each in a module the wheel holds (sage-bench's in sage_bench)."""
+    import configparser
+
+    entry_points = configparser.ConfigParser(delimiters=("=",))
+    entry_points.read_string(zipfile.ZipFile(wheel).read("sage_rl-0.1.0.dist-info/entry_points.txt").decode())
+    scripts = dict(entry_points["console_scripts"])
+    assert scripts == _pyproject()["project"]["scripts"]
+    for target in scripts.values():
+        module, function = target.split(":")
+        source = zipfile.ZipFile(wheel).read(module.replace(".", "/") + ".py").decode()
+        assert f"\ndef {function}(" in source, target
+
+
+#: the console script's module and function, and its arguments
+SCRIPTS = {
+    "train": ("sage_train.entry", "train_main", "--output_dir={out}"),
+    "eval": ("sage_train.entry", "eval_main", "--output_dir={out}"),
+    "bench": ("sage_bench.cli", "main", "train"),
+}
+
+
+@pytest.mark.parametrize(
+    "command, missing, extra",
+    [("train", "deepspeed", "train"), ("eval", "yaml", "train"), ("bench", "transformers", "train")],
+)
 def test_a_command_without_its_extra_says_how_to_install_it(tmp_path, command, missing, extra):
     """`pip install sage-rl` without the extra: the console script ends in one line naming the install
     command (it ended in a ModuleNotFoundError traceback)."""
+    module, function, argument = SCRIPTS[command]
     run = (
-        f"import sys; sys.modules[{missing!r}] = None; sys.argv = ['sage-{command}', '--output_dir={tmp_path}']\n"
-        f"from sage_train.entry import {command}_main; sys.exit({command}_main())"
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        f"sys.argv = ['sage-{command}', {argument.format(out=tmp_path)!r}]\n"
+        f"from {module} import {function}; sys.exit({function}())"
     )
     done = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr

@@ -1,3 +1,3 @@
 """Studies that compare algorithms: `sage-study`'s grid of runs over seeds (`grid`), its report with
 crossed seeds x problems intervals (`report`, `intervals`), and the closed-form toys on an enumerable
-task (`toy`, `toy_coverage`, `toy_report`, `enumerable`; run by `toy_command`)."""
+task (the `toy` package)."""

@@ -311,12 +311,12 @@ def run_study(study: Study, argv: list) -> int:
 
 
 def toy_main(argv: list) -> int:
-    """`sage-study --toy --out DIR ...`: the closed-form toy study, written by `sage_train.study.toy`."""
+    """`sage-study --toy --out DIR ...`: the closed-form toy study, written by `sage_train.study.toy.command`."""
     parser = argparse.ArgumentParser(prog="sage-study --toy", add_help=False)
     parser.add_argument("--out", default=None)
     args, rest = parser.parse_known_args([arg for arg in argv if arg != "--toy"])
     if args.out is None:
         raise StudyError("--toy needs --out DIR")
-    from .toy_command import main as run_toys  # imported here: only the toy study needs it
+    from .toy.command import main as run_toys  # imported here: only the toy study needs it
 
     return run_toys(["--out", args.out, *rest])

@@ -26,7 +26,7 @@ from ..safe_files import make_dir, open_append, write_file
 from .design import parse_study
 from .grid import finished, record_environment, worker_init
 from .report import START
-from .toy_sampled import seeds_of
+from .toy.sampled import seeds_of
 
 
 def screen_seed(study, seed: int) -> int:

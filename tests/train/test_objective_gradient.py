@@ -13,7 +13,7 @@ from conftest import TINY_RUN
 from sage_train.config import build, resolve
 from sage_train.guide import make_guide
 from sage_train.rl_maths import group_advantages, objective_advantages, sequence_kl
-from sage_train.study import enumerable as E
+from sage_train.study.toy import enumerable as E
 
 VOCAB, LENGTH, GROUP, GROUPS = 3, 2, 4, 20_000
 BETA = 0.2

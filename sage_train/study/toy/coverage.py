@@ -1,6 +1,6 @@
 """The coverage toy: one policy table shared by many prompts, where sharpening costs coverage.
 
-The tabular toy (`sage_train.study.toy`) gives every prompt its own table, so learning one prompt never
+The tabular toy (`sage_train.study.toy.tabular`) gives every prompt its own table, so learning one prompt never
 costs another and every trained policy keeps pi_ref's pass@k at large k. Here (`Options.shared`)
 the prompts' pi_ref are alike (one base table, each prompt's own N(0, spread^2) logits added) and
 the policy adds one table theta, the same for every prompt, to each prompt's pi_ref logits, as a
@@ -10,14 +10,14 @@ the last `hard` have only their two rare ones. Raising the common answer raises 
 and what it takes comes partly from the rare answers of the prompts it does not solve.
 
 Every arm trains exactly in expectation from pi_ref, with the package's loss (way (b) of
-`sage_train.study.toy`: the trainer's loss, every sequence weighted by its probability, advantages
+`sage_train.study.toy.tabular`: the trainer's loss, every sequence weighted by its probability, advantages
 normalised under pi) or, for ``kl_in_reward``, way (d) (the KL to q pi_ref in the reward, q
 recomputed from the current policy); beta is the trainer's 0.05. The arms are those of the
 decisive study: grpo, grpo-beta1.4x (beta times q_max, docs/convergence.md), grpo-no-kl,
 sage-branch at tau = the start's 80% entropy quantile and at the paper's 1.2, sage-branch-exact
 at both, and grpo-kl-in-reward (SAGE's objective without a guide, the exact arms' baseline).
 
-`python -m sage_train.study.toy_command --out DIR` runs it after the tabular toy with ``--coverage`` prompts (32;
+`python -m sage_train.study.toy.command --out DIR` runs it after the tabular toy with ``--coverage`` prompts (32;
 0 skips it) and the tabular toy's vocabulary, length and steps, and writes DIR/coverage.json and
 DIR/coverage_pass_at_k.png (docs/results/toy.md).
 """
@@ -32,7 +32,7 @@ from functools import partial
 import torch
 
 from . import enumerable as E
-from .toy import KS, Options, Toy, exact_step, expected_step, train
+from .tabular import KS, Options, Toy, exact_step, expected_step, train
 
 #: what the coverage toy changes in the tabular toy's options, beside its prompts (``--coverage``,
 #: 32) of which a quarter are hard; beta is the trainer's

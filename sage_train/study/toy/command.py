@@ -1,6 +1,6 @@
-"""The toy studies' command: `python -m sage_train.study.toy_command --out DIR [options]`, also
-``sage-study --toy``; the tabular toy (`sage_train.study.toy`), then the coverage toy
-(`sage_train.study.toy_coverage`), each with its files and plots in DIR."""
+"""The toy studies' command: `python -m sage_train.study.toy.command --out DIR [options]`, also
+``sage-study --toy``; the tabular toy (`sage_train.study.toy.tabular`), then the coverage toy
+(`sage_train.study.toy.coverage`), each with its files and plots in DIR."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 
 import torch
 
-from ..safe_files import make_dir, write_file
-from . import toy_coverage, toy_report
-from .toy import parse, run
-from .toy_report import plot
+from ...safe_files import make_dir, write_file
+from .coverage import run as run_coverage
+from .report import plot, plot_coverage
+from .tabular import parse, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m sage_train.study.toy_command --out DIR [--steps N] [--seeds N] ...`; returns the exit status."""
+    """`python -m sage_train.study.toy.command --out DIR [--steps N] [--seeds N] ...`; returns the exit status."""
     try:
         out, opts = parse(sys.argv[1:] if argv is None else argv)
     except ValueError as error:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     make_dir(out)
 
-    command = "python -m sage_train.study.toy_command " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m sage_train.study.toy.command " + " ".join(sys.argv[1:] if argv is None else argv)
     result = run(opts)
     result["command"] = command
     result["files"] = ["toy.json", "curves.json"] + plot(result, out)
@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         f"sage-branch vs grpo, max |pass@k difference| {cmp}\nwrote {out / 'toy.json'} in {result['wall_seconds']:.0f}s"
     )
     if opts.coverage:
-        coverage = toy_coverage.run(opts)
+        coverage = run_coverage(opts)
         coverage["command"] = command
-        coverage["files"] = ["coverage.json"] + toy_report.plot_coverage(coverage, out)
+        coverage["files"] = ["coverage.json"] + plot_coverage(coverage, out)
         write_file(out / "coverage.json", json.dumps(coverage, indent=1) + "\n")
         print(f"wrote {out / 'coverage.json'} in {coverage['wall_seconds']:.0f}s")
     return 0

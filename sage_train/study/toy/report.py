@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..safe_files import save_figure
+from ...safe_files import save_figure
 from . import enumerable as E
 
 COLOURS = {"grpo": "tab:blue", "sage-branch": "tab:red", "sage-token": "tab:green"}
@@ -27,7 +27,7 @@ def mean(values):
 def sampled_report(toy, algorithm: str, ends: list, expected_end) -> dict:
     """(c) or (e) per seed and averaged over seeds: the final table and the second-half average
     (`settled`), against pi* and `expected_end` ((b)'s end, or the self-consistent optimum).
-    `toy` is the `sage_train.toy.Toy`; `ends` [(final, settled)] sequence log-probs per seed."""
+    `toy` is the `tabular.Toy`; `ends` [(final, settled)] sequence log-probs per seed."""
     optimum, runs = toy.optimum[algorithm], []
     for seq, settled in ends:
         runs.append(toy.report(seq, algorithm))

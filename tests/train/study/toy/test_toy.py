@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from sage_train.rl_maths import sequence_kl
-from sage_train.study import enumerable as E
-from sage_train.study import toy as T
-from sage_train.study import toy_command
-from sage_train.study import toy_coverage as C
+from sage_train.study.toy import command
+from sage_train.study.toy import coverage as C
+from sage_train.study.toy import enumerable as E
+from sage_train.study.toy import tabular as T
 
 SMALL = T.Options(
     prompts=2, vocab=3, length=3, task_seed=3, token_gamma=1.0, steps=300, sampled_steps=20, seeds=1, eval_every=50
@@ -195,7 +195,7 @@ def test_main_writes_the_report(tmp_path):
         "--coverage",
         "4",
     ]
-    assert toy_command.main(argv) == 0
+    assert command.main(argv) == 0
     report = json.loads((tmp_path / "toy.json").read_text())
     assert report["tv_exact_objective"] <= 0.01
     assert report["tv_reward_expected"] <= 0.01
@@ -228,12 +228,12 @@ def test_main_writes_the_report(tmp_path):
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
-    assert toy_command.main(argv) == 2
+    assert command.main(argv) == 2
     assert len(capsys.readouterr().out.strip().splitlines()) == 1
 
 
 def test_help_exits_0_and_names_the_options(capsys):
-    assert toy_command.main(["--help"]) == 0
+    assert command.main(["--help"]) == 0
     assert "--sampled-steps" in capsys.readouterr().out
 
 

@@ -23,7 +23,7 @@ import torch
 
 from sage_kernels.guides import branch_guide
 
-from ..rl_maths import STD_EPS
+from ...rl_maths import STD_EPS
 
 DTYPE = torch.float64
 

@@ -1,4 +1,4 @@
-"""The coverage toy with sampled groups (sage_train/study/toy_sampled.py): its design from the
+"""The coverage toy with sampled groups (sage_train/study/toy/sampled.py): its design from the
 start's entropies, a tiny study written, resumed and recomputed from its stored P(correct)."""
 
 import json
@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sage_train.study import enumerable as E
-from sage_train.study import toy_sampled as S
 from sage_train.study.intervals import holm
+from sage_train.study.toy import enumerable as E
+from sage_train.study.toy import sampled as S
 
 
 def test_design_places_the_active_guide_and_matches_beta_to_its_mean_q():
@@ -53,7 +53,7 @@ def test_a_tiny_study_is_written_resumed_and_recomputed(tmp_path):
 def test_the_committed_stage_0_result_recomputes_from_its_probabilities():
     """docs/results/toy-sampled/sampled.json: every interval, p and Holm-adjusted p from the stored
     per-(arm, seed, prompt) P(correct), to the last digit; 30 seeds of all 8 arms, 32 prompts each."""
-    path = Path(__file__).resolve().parents[3] / "docs" / "results" / "toy-sampled" / "sampled.json"
+    path = Path(__file__).resolve().parents[4] / "docs" / "results" / "toy-sampled" / "sampled.json"
     stored = json.loads(path.read_text())
     assert json.loads(json.dumps(S.recompute(path))) == {
         k: stored[k] for k in ("endpoints", "arms", "arms_second_half")

@@ -13,9 +13,9 @@ sage-token: a deterministic token-dependent guide passed as log_q), five ways to
     (d) is J's gradient with that q (as the trainer's with an unscaled task part and large groups);
     (e) uses the trainer's `advantages_of_j` (task part scaled by its group std by default).
 
-`python -m sage_train.study.toy_command --out DIR` (= ``sage-study --toy``) writes DIR/toy.json,
+`python -m sage_train.study.toy.command --out DIR` (= ``sage-study --toy``) writes DIR/toy.json,
 DIR/curves.json (TV to the target along training) and plots, then runs the coverage toy
-(`sage_train.study.toy_coverage`, one policy table shared by 32 prompts) into DIR/coverage.json
+(`sage_train.study.toy.coverage`, one policy table shared by 32 prompts) into DIR/coverage.json
 (docs/results/toy.md).
 """
 
@@ -32,10 +32,10 @@ import torch.nn.functional as F
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 
-from ..lr_schedule import lr_schedule
-from ..rl_maths import advantages_of_j, group_advantages, sequence_kl
+from ...lr_schedule import lr_schedule
+from ...rl_maths import advantages_of_j, group_advantages, sequence_kl
 from . import enumerable as E
-from .toy_report import compare, sampled_report
+from .report import compare, sampled_report
 
 ALGORITHMS = ("grpo", "sage-branch", "sage-token")
 BACKEND = "reference"  # float64 and materialised logits: exact, and the tables are tiny
@@ -64,10 +64,10 @@ class Options:
     eval_every: int = 25
     hard: int = 1  # the last `hard` prompts have only rare correct answers
     # one logit table shared by the prompts, added to each prompt's pi_ref (the coverage toy,
-    # sage_train/study/toy_coverage.py); the prompts' pi_ref share a base table, each spread around it
+    # sage_train/study/toy/coverage.py); the prompts' pi_ref share a base table, each spread around it
     shared: bool = False
     spread: float = 0.5
-    coverage: int = 32  # the prompts of the coverage toy run after this one (toy_coverage.py); 0: none
+    coverage: int = 32  # the prompts of the coverage toy run after this one (coverage.py); 0: none
 
 
 class Toy:
@@ -388,7 +388,7 @@ def parse(argv: list[str]) -> tuple[Path, Options]:
     parser = _Parser(prog="sage-study --toy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for toy.json and the plots")
     for name, value in asdict(Options()).items():
-        if name != "shared":  # the coverage toy's (toy_coverage.py), not a flag
+        if name != "shared":  # the coverage toy's (coverage.py), not a flag
             parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     args = vars(parser.parse_args(argv))
     out, opts = Path(args.pop("out")), Options(**args)

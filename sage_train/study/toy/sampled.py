@@ -1,10 +1,10 @@
 """The coverage toy trained with sampled groups: where the KL is placed against how much of it.
 
-The coverage toy (`sage_train.study.toy_coverage`: 32 prompts sharing one policy table, 8 of them
+The coverage toy (`sage_train.study.toy.coverage`: 32 prompts sharing one policy table, 8 of them
 hard) trained as `sage-train` trains, not in expectation: each step draws G = 8 completions per
 prompt from the current policy, takes the trainer's group advantages (std-normalised; under
 ``kl_in_reward`` the trainer's `advantages_of_j`, J's gradient) and makes one on-policy Adam step at
-a constant rate (way (c) of `sage_train.study.toy`). Every arm of a seed draws from a generator
+a constant rate (way (c) of `sage_train.study.toy.tabular`). Every arm of a seed draws from a generator
 seeded with that seed. At the end every quantity is exact again: P(correct) of every prompt under
 the final policy, hence exact pass@k up to 1024.
 
@@ -21,7 +21,7 @@ draw: their averaging is exact). The registered primaries get Holm-adjusted p-va
 (`intervals.holm`); `recompute(sampled.json)` rebuilds every interval and p from the stored
 per-(arm, seed, prompt) P(correct).
 
-    python -m sage_train.study.toy_sampled --out DIR --seeds 5000-5029 --jobs 2   # resumable
+    python -m sage_train.study.toy.sampled --out DIR --seeds 5000-5029 --jobs 2   # resumable
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..safe_files import make_dir, save_figure, write_file
+from ...safe_files import make_dir, save_figure, write_file
+from ..endpoints import format_points
+from ..intervals import holm, t_test
 from . import enumerable as E
-from .endpoints import format_points
-from .intervals import holm, t_test
-from .toy import KS, Options, Toy, sampled_step, train
-from .toy_coverage import coverage_options
+from .coverage import coverage_options
+from .tabular import KS, Options, Toy, sampled_step, train
 
 REFERENCE = "pi_ref"  # the starting policy's row: the same exact P(correct) for every seed
 PAPER = {"gamma": 0.3, "tau": 1.2}  # the package's defaults (sage_kernels.LossConfig), the paper's
@@ -248,7 +248,7 @@ def run_study(out: Path, seeds: list, jobs: int, opts: Options, log=print) -> di
             log(f"  [{done}/{len(todo)}] {run}, eta {eta / 60:.0f} min")
     toy = _toy(opts)
     result = {
-        "command": "python -m sage_train.study.toy_sampled " + " ".join(sys.argv[1:]),
+        "command": "python -m sage_train.study.toy.sampled " + " ".join(sys.argv[1:]),
         "options": dataclasses.asdict(opts),
         "design": plan,
         "seeds": seeds,
@@ -389,7 +389,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sage_train.study.toy_sampled", description=__doc__.split("\n\n")[0]
+        prog="python -m sage_train.study.toy.sampled", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--out", required=True, help="the study directory (resumable)")
     parser.add_argument("--seeds", default="5000-5029", help="'A-B' or a comma list")
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = seeds_of(args.seeds)
     if len(seeds) < 2 or args.jobs < 1 or (args.steps is not None and args.steps < 1):
-        print("toy_sampled: --seeds needs at least 2 seeds, --jobs and --steps at least 1")
+        print("toy.sampled: --seeds needs at least 2 seeds, --jobs and --steps at least 1")
         return 2
     run_study(Path(args.out), seeds, args.jobs, base_options(args.steps))
     return 0
