@@ -172,8 +172,6 @@ def build_rollout(
     prompts: every prompt the run samples (RL and evaluation), read only to derive vLLM's
     context length when ``vllm_max_model_len`` is 0 (`derived_max_model_len`)."""
     if cfg.rollout_engine == "vllm":
-        from .rollout.vllm import logprobs_mode_for
-
         max_model_len = cfg.vllm_max_model_len or derived_max_model_len(cfg, tokenizer, prompts)
         return make_engine(
             "vllm",
@@ -186,7 +184,7 @@ def build_rollout(
             max_num_batched_tokens=cfg.vllm_max_num_batched_tokens or None,
             dtype=cfg.vllm_dtype,
             seed=cfg.seed + rank,
-            logprobs_mode=logprobs_mode_for(cfg.temperature),
+            temperature=cfg.temperature,  # the engine reports log-probs of the distribution sampled at it
         )
     if cfg.rollout_engine == "hf":
         return make_engine(
