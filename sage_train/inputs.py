@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, TrainConfig, read_yaml
+from .config import ConfigError, TrainConfig
+from .config_files import read_mapping
 from .models.files import ModelFilesError, check_model
 from .models.loading import load_skeleton, tokenizer_for
 from .models.packaged import model_directory
@@ -152,7 +153,7 @@ def deepspeed_config(cfg: TrainConfig, world: int, accumulation: int, device: to
         "wall_clock_breakdown": False,
     }
     if cfg.deepspeed_config:
-        for key, value in read_yaml(cfg.deepspeed_config).items():  # JSON is YAML too
+        for key, value in read_mapping(cfg.deepspeed_config).items():  # JSON is YAML too
             if isinstance(value, dict) and isinstance(config.get(key), dict):
                 config[key] = {**config[key], **value}
             else:
