@@ -1,7 +1,8 @@
 """The one builder: `build_context` turns a checked `RunPlan` (`sage_train.inputs`) into the run's
 `RunContext`, in this order: the policy the run starts from (the warm start, or its saved result on
-resume), the reference, the DeepSpeed engine and optimiser of the policy, the run's prompted task, the
-rollout engine and the guide computed outside the loss. It checks nothing `check_inputs` checked."""
+resume), the reference, the DeepSpeed engine and optimiser of the policy, the run's prompted tasks and
+what it evaluates, the rollout engine and the guide computed outside the loss. It checks nothing
+`check_inputs` checked."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .checkpoint import folder_written_atomically
 from .config import ConfigError, TrainConfig
 from .context import RunContext
 from .guide import make_guide
-from .inputs import RunPlan, run_prompts
+from .inputs import RunPlan, evaluation_sets, run_prompts
 from .lr_schedule import lr_schedule
 from .micro_batches import padding_free
 from .models.loading import load_pretrained, model_for
@@ -30,8 +31,8 @@ from .tasks.chat import chat_prompted
 
 
 def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
-    """The run's models (the warm start, or its saved result on resume), engines, prompted task,
-    rollout engine and guide, in that order (the rollout engine's context length is derived from
+    """The run's models (the warm start, or its saved result on resume), engines, prompted tasks and
+    evaluation sets, rollout engine and guide, in that order (the rollout engine's context length is derived from
     every prompt the run samples)."""
     cfg = plan.cfg
     model, tokenizer = initial_policy(plan, rank, resumed=cfg.resume)
@@ -42,7 +43,9 @@ def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
         print(f"sage-train: padded micro-batches: {why_padded}", flush=True)
     engine, reference = build_engines(cfg, model, reference_lm, plan.deepspeed, device)
     task = chat_prompted(cfg, plan.task, tokenizer)
-    prompts = run_prompts(cfg, task, tokenizer, plan.train_problems)  # read only to derive vLLM's context length
+    held_out_task = chat_prompted(cfg, plan.eval_task, tokenizer) if plan.eval_task else task
+    evaluations = evaluation_sets(cfg, task, held_out_task, plan.train_problems, plan.held_out)
+    prompts = run_prompts(task, plan.train_problems, evaluations)  # read only to derive vLLM's context length
     rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, plan.world, prompts)
     guide = make_guide(cfg, rank)
     return RunContext(
@@ -58,6 +61,7 @@ def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
         plan.world,
         device,
         padding_free=packed,
+        evaluations=evaluations,
     )
 
 
