@@ -21,7 +21,7 @@ from .guide import make_guide
 from .inputs import RunPlan, evaluation_sets, run_prompts
 from .lr_schedule import lr_schedule
 from .micro_batches import padding_free
-from .models.loading import load_pretrained, model_for
+from .models.loading import load_folder, model_for
 from .models.lora import AdapterDisabled, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
 from .policy import PolicyHead
 from .rollout import make_engine
@@ -83,7 +83,7 @@ def initial_policy(plan: RunPlan, rank: int, *, resumed: bool):
     if cfg.warm_start and resumed and continue_adapter:
         return with_lora(model_for(cfg, plan.model, tokenizer), cfg), tokenizer
     if cfg.warm_start and resumed and (sft_dir / "config.json").is_file():
-        return load_pretrained(str(sft_dir))
+        return load_folder(str(sft_dir))  # the HF folder this run saved
     model = model_for(cfg, plan.model, tokenizer)
     if cfg.warm_start:
         if torch.cuda.is_available():  # warm-start where RL will run, not on the host
