@@ -2,11 +2,12 @@
 
 Every guide is a `Guide`: ``log_q(logp, entropy, mask)`` of a batch's sampled tokens (their
 log-probs and entropies under the policy, no gradient), ``step()`` once per optimizer step, and its
-state for checkpoints. `GUIDES` maps the trainer's ``guide`` names to them, and each guide's
-``loss_option`` is the loss's own ``guide`` option it runs with: the branch guide is computed inside
-the fused loss from the same forward's entropy (``guide="branch"``; its `log_q` is the same formula,
-for callers outside the loss, such as a KL in the reward); the token (surprisal) and random guides
-are computed outside it and passed as ``log_q`` (``guide="none"``). All three are the official SAGE
+state for checkpoints. `GUIDES` maps the trainer's ``guide`` names to them (a `GuideKind`: the class
+and the settings its constructor takes by name), and each guide's ``loss_option`` is the loss's own
+``guide`` option it runs with: the branch guide is computed inside the fused loss from the same
+forward's entropy (``guide="branch"``; its `log_q` is the same formula, for callers outside the loss,
+such as a KL in the reward); the token (surprisal) and random guides are computed outside it and
+passed as ``log_q`` (``guide="none"``). All three are the official SAGE
 code's (github.com/tally0818/SAGE, commit c9b3b69), with its defaults:
 
 - branch: q = clamp(1 + 0.3 * relu(H - 1.2), 0.6, 1.4), H the policy's entropy in nats.
@@ -29,7 +30,9 @@ position and the generator, so a resumed run continues the same stream.
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
@@ -309,5 +312,17 @@ class RandomGuide(ScheduledGuide):
         return torch.where(mask.bool(), q.log(), 0.0)
 
 
+@dataclass(frozen=True)
+class GuideKind:
+    """One row of `GUIDES`: a guide's class, and the settings its constructor takes by name (read
+    from the constructor itself, so a new guide is one row and its settings are never listed twice)."""
+
+    cls: type
+
+    @property
+    def settings(self) -> tuple[str, ...]:
+        return tuple(inspect.signature(self.cls).parameters)
+
+
 #: the guides by the trainer's ``guide`` name ("none": no guide, q = 1)
-GUIDES = {"branch": BranchGuide, "token": TokenGuide, "random": RandomGuide}
+GUIDES = {"branch": GuideKind(BranchGuide), "token": GuideKind(TokenGuide), "random": GuideKind(RandomGuide)}

@@ -1,7 +1,8 @@
 """The one builder: `build_context` turns a checked `RunPlan` (`sage_train.inputs`) into the run's
 `RunContext`, in this order: the policy the run starts from (the warm start, or its saved result on
-resume), the reference, the DeepSpeed engine and optimiser of the policy, the run's prompted task, the
-rollout engine and the guide computed outside the loss. It checks nothing `check_inputs` checked."""
+resume), the reference, the DeepSpeed engine and optimiser of the policy, the run's prompted tasks and
+what it evaluates, the rollout engine and the guide computed outside the loss. It checks nothing
+`check_inputs` checked."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from .checkpoint import folder_written_atomically
 from .config import ConfigError, TrainConfig
 from .context import RunContext
 from .guide import make_guide
-from .inputs import RunPlan, run_prompts
+from .inputs import RunPlan, evaluation_sets, run_prompts
 from .lr_schedule import lr_schedule
 from .micro_batches import padding_free
-from .models.loading import load_pretrained, model_for
+from .models.loading import load_folder, model_for
 from .models.lora import AdapterDisabled, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
 from .policy import PolicyHead
 from .rollout import make_engine
@@ -30,8 +31,8 @@ from .tasks.chat import chat_prompted
 
 
 def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
-    """The run's models (the warm start, or its saved result on resume), engines, prompted task,
-    rollout engine and guide, in that order (the rollout engine's context length is derived from
+    """The run's models (the warm start, or its saved result on resume), engines, prompted tasks and
+    evaluation sets, rollout engine and guide, in that order (the rollout engine's context length is derived from
     every prompt the run samples)."""
     cfg = plan.cfg
     model, tokenizer = initial_policy(plan, rank, resumed=cfg.resume)
@@ -42,7 +43,9 @@ def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
         print(f"sage-train: padded micro-batches: {why_padded}", flush=True)
     engine, reference = build_engines(cfg, model, reference_lm, plan.deepspeed, device)
     task = chat_prompted(cfg, plan.task, tokenizer)
-    prompts = run_prompts(cfg, task, tokenizer, plan.train_problems)  # read only to derive vLLM's context length
+    held_out_task = chat_prompted(cfg, plan.eval_task, tokenizer) if plan.eval_task else task
+    evaluations = evaluation_sets(cfg, task, held_out_task, plan.train_problems, plan.held_out)
+    prompts = run_prompts(task, plan.train_problems, evaluations)  # read only to derive vLLM's context length
     rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, plan.world, prompts)
     guide = make_guide(cfg, rank)
     return RunContext(
@@ -58,6 +61,7 @@ def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
         plan.world,
         device,
         padding_free=packed,
+        evaluations=evaluations,
     )
 
 
@@ -79,7 +83,7 @@ def initial_policy(plan: RunPlan, rank: int, *, resumed: bool):
     if cfg.warm_start and resumed and continue_adapter:
         return with_lora(model_for(cfg, plan.model, tokenizer), cfg), tokenizer
     if cfg.warm_start and resumed and (sft_dir / "config.json").is_file():
-        return load_pretrained(str(sft_dir))
+        return load_folder(str(sft_dir))  # the HF folder this run saved
     model = model_for(cfg, plan.model, tokenizer)
     if cfg.warm_start:
         if torch.cuda.is_available():  # warm-start where RL will run, not on the host
@@ -172,8 +176,6 @@ def build_rollout(
     prompts: every prompt the run samples (RL and evaluation), read only to derive vLLM's
     context length when ``vllm_max_model_len`` is 0 (`derived_max_model_len`)."""
     if cfg.rollout_engine == "vllm":
-        from .rollout.vllm import logprobs_mode_for
-
         max_model_len = cfg.vllm_max_model_len or derived_max_model_len(cfg, tokenizer, prompts)
         return make_engine(
             "vllm",
@@ -186,7 +188,7 @@ def build_rollout(
             max_num_batched_tokens=cfg.vllm_max_num_batched_tokens or None,
             dtype=cfg.vllm_dtype,
             seed=cfg.seed + rank,
-            logprobs_mode=logprobs_mode_for(cfg.temperature),
+            temperature=cfg.temperature,  # the engine reports log-probs of the distribution sampled at it
         )
     if cfg.rollout_engine == "hf":
         return make_engine(

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from .config import ConfigError, save_yaml
+from .config import ConfigError
+from .config_files import save_yaml
 from .distributed import RunError
 from .run_files import RUN_FILES
 from .safe_files import fresh_dir, remove, write_file

@@ -20,8 +20,6 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from sage_kernels import LossConfig
 
 from . import config_files
@@ -284,19 +282,6 @@ def _check_keys(values: dict, source: str) -> None:
         raise ConfigError(f"unknown config key(s) {unknown} in {source}; known keys: {sorted(FIELDS)}")
 
 
-def read_yaml(name_or_path: str) -> dict:
-    """The mapping in a YAML file or packaged config (`config_files.read_mapping`)."""
-    return plain_yaml(config_files.read_mapping, name_or_path)
-
-
-def plain_yaml(read, *args):
-    """`read(*args)` (a `config_files` reader), its refusals raised as `ConfigError`."""
-    try:
-        return read(*args)
-    except config_files.YamlDataError as error:
-        raise ConfigError(str(error)) from None
-
-
 def parse_args(argv: list[str]) -> TrainConfig:
     """``[--config FILE] [--key=value | --key value | --flag ...]`` -> a checked, resolved TrainConfig.
 
@@ -337,7 +322,7 @@ def load(config_file: str | None, overrides: dict | None = None) -> TrainConfig:
     _check_keys(overrides, "the overrides")
     if config_file is None:
         config_file = DEFAULT_CONFIG if overrides.get("model", "tiny") == "tiny" else REAL_MODEL_CONFIG
-    values = read_yaml(config_file)
+    values = config_files.read_mapping(config_file)
     _check_keys(values, f"config file {config_file!r}")
     values.update(overrides)
     return resolve(build(values))
@@ -347,7 +332,7 @@ def _override(key: str, text: str):
     """The value of ``--key=text``: YAML, except that a string key keeps any text that does not read
     as a YAML string (a name like "123", "on" or "[draft" stays as given)."""
     if _HINTS[key] is not str:
-        return plain_yaml(config_files.load, text, f"--{key}") if text != "" else ""
+        return config_files.load(text, f"--{key}") if text != "" else ""
     try:
         value = config_files.load(text, f"--{key}")
     except config_files.YamlDataError:
@@ -371,13 +356,6 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(str(error)) from error
 
 
-def save_yaml(cfg: TrainConfig, path) -> None:
-    """The config as YAML at `path`, written whole and never through a link (`safe_files.write_file`)."""
-    from .safe_files import write_file
-
-    write_file(Path(path), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
 def load_yaml(path) -> TrainConfig:
     """A saved, resolved config (e.g. from a checkpoint)."""
-    return build(plain_yaml(config_files.read, path))
+    return build(config_files.read(path))

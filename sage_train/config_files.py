@@ -1,6 +1,7 @@
 """Config files and values, read as plain YAML data: the config files (a path, or the name of a
 packaged config), ``--key=value`` overrides and DeepSpeed files a user hands sage-train, and the
-run configs sage-eval reads back.
+run configs sage-eval and a resumed run read back; and the run config written into a run directory
+and its checkpoints (`save_yaml`). The config itself is `sage_train.config.TrainConfig`.
 
 On top of ``yaml.safe_load`` (no Python objects), refused with one line naming the source:
 text that is not UTF-8; a syntax error (its line and column); a tag beyond YAML's plain types
@@ -18,12 +19,16 @@ from pathlib import Path
 
 import yaml
 
+from .config_rules import ConfigError
+from .safe_files import write_file
+
 #: the deepest nesting of lists and mappings accepted (a config nests a few levels)
 MAX_DEPTH = 100
 
 
-class YamlDataError(ValueError):
-    """A YAML text that is not plain data; the message is one line naming its source."""
+class YamlDataError(ConfigError):
+    """A YAML text that is not plain data; the message is one line naming its source. A config
+    error: a run refuses it as it refuses a bad key."""
 
 
 class _PlainDataLoader(yaml.SafeLoader):
@@ -139,3 +144,9 @@ def read_mapping(name_or_path: str) -> dict:
     if not isinstance(values, dict):
         raise YamlDataError(f"config file {name_or_path!r} must hold a mapping of keys to values")
     return values
+
+
+def save_yaml(cfg, path) -> None:
+    """The config `cfg` (a TrainConfig) as YAML at `path`, written whole and never through a link
+    (`safe_files.write_file`)."""
+    write_file(Path(path), yaml.safe_dump(cfg.to_dict(), sort_keys=False))

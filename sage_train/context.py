@@ -6,7 +6,7 @@ next (the current generation, the stop reason)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,3 +62,5 @@ class RunContext:
     nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
     stop: str = ""  # why the run must stop (set by `step.check_finite_steps`)
     padding_free: bool = False  # micro-batches packed into one row each (`sage_train.micro_batches`)
+    #: split -> (prompted task, problems) that `run.evaluate_once` samples (`inputs.evaluation_sets`)
+    evaluations: dict[str, tuple[Task, list[Problem]]] = field(default_factory=dict)

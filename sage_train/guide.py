@@ -4,7 +4,8 @@ The branch guide's settings (gamma, tau, q_min, q_max) are loss options (`preset
 token and random guides' schedule is one frozen record, `GuideSettings`, whose defaults are the
 official values of `sage_kernels.guides`; the trainer's keys ``guide_<field>`` derive from its fields
 (`GUIDE_KEYS`: `TrainConfig` adds one key per field, as it adds one per loss option), and
-`make_guide` reads them back through it (`guide_settings`)."""
+`make_guide` reads them back through it (`guide_settings`) and gives each guide the settings its
+row of `GUIDES` names."""
 
 from __future__ import annotations
 
@@ -18,11 +19,8 @@ from sage_kernels.guides import (
     NUM_CYCLES,
     RANDOM_SCHEDULE,
     TOKEN_SCHEDULE,
-    BranchGuide,
     Guide,
-    RandomGuide,
     ScheduledGuide,
-    TokenGuide,
 )
 
 
@@ -55,32 +53,24 @@ def guide_settings(cfg) -> GuideSettings:
 
 def is_scheduled(guide: str) -> bool:
     """Whether the guide called `guide` anneals over the run's steps (its schedule follows ``steps``)."""
-    return guide in GUIDES and issubclass(GUIDES[guide], ScheduledGuide)
+    return guide in GUIDES and issubclass(GUIDES[guide].cls, ScheduledGuide)
 
 
 def make_guide(cfg, rank: int) -> Guide | None:
-    """The run's guide (`sage_kernels.guides.GUIDES[cfg.guide]`), or None for ``guide: none``.
-    A scheduled guide's schedule runs over the run's optimizer steps; its noise is seeded per rank."""
-    bounds = {"q_min": cfg.q_min, "q_max": cfg.q_max}
-    if cfg.guide == "branch":
-        return BranchGuide(gamma=cfg.gamma, tau=cfg.tau, **bounds)
-    settings = guide_settings(cfg)
-    schedule = {
+    """The run's guide (`sage_kernels.guides.GUIDES[cfg.guide]`), or None for ``guide: none``, given
+    the settings its row names, drawn from: the loss options (gamma, tau, q_min, q_max), the
+    `GuideSettings`, the run's optimizer steps (``max_steps``: a scheduled guide's schedule runs over
+    them) and a per-rank ``seed`` for its noise."""
+    if cfg.guide not in GUIDES:
+        return None
+    available = {
+        "gamma": cfg.gamma,
+        "tau": cfg.tau,
+        "q_min": cfg.q_min,
+        "q_max": cfg.q_max,
         "max_steps": cfg.steps,
-        "sigma_max": settings.sigma_max,
-        "sigma_min": settings.sigma_min,
-        "num_cycles": settings.num_cycles,
-        "decay_rate": settings.decay_rate,
         "seed": cfg.seed * 1009 + rank,
-        **bounds,
+        **dataclasses.asdict(guide_settings(cfg)),
     }
-    if cfg.guide == "token":
-        return TokenGuide(
-            alpha_max=settings.alpha_max,
-            alpha_min=settings.alpha_min,
-            normalization=settings.normalization,
-            **schedule,
-        )
-    if cfg.guide == "random":
-        return RandomGuide(eps_max=settings.eps_max, eps_min=settings.eps_min, **schedule)
-    return None
+    kind = GUIDES[cfg.guide]
+    return kind.cls(**{name: available[name] for name in kind.settings})

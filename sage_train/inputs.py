@@ -1,8 +1,8 @@
 """What a run is built from, checked before anything is built or any file changes: `check_inputs`
-returns one frozen `RunPlan` (the tasks and their problem sets, the rows and accumulation of a step,
-the DeepSpeed config, the model source and its tokenizer, the warm start's prompted task) that the
-builder (`sage_train.build`) consumes as it is, so nothing is built once to be checked and again to
-be used. A bad key raises `ConfigError` naming it, in the order the checks below run."""
+returns one frozen `RunPlan` (the tasks and their problem sets, the held-out problems drawn once, the
+rows and accumulation of a step, the DeepSpeed config, the model source and its tokenizer, the warm
+start's prompted task) that the builder (`sage_train.build`) consumes as it is, so nothing is built
+once to be checked and again to be used. A bad key raises `ConfigError` naming it, in the order the checks below run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, TrainConfig, read_yaml
+from .config import ConfigError, TrainConfig
+from .config_files import read_mapping
 from .models.files import ModelFilesError, check_model
 from .models.loading import load_skeleton, tokenizer_for
 from .models.packaged import model_directory
@@ -33,6 +34,8 @@ class RunPlan:
     train_problems: list[Problem]  # the RL pool
     sft_task: Task  # the warm start's task, in the run's prompt format (`chat_prompted`)
     sft_problems: list[Problem]
+    eval_task: Task | None  # ``eval_task``'s task when it is set and "test" is evaluated (None: the RL task)
+    held_out: list[Problem]  # the "test" split's problems (`held_out_problems`), drawn once; [] when not evaluated
     local_rows: int  # each rank's rows per step: its prompts x group_size (`check_batch_shape`)
     accumulation: int  # DeepSpeed's nominal micro-batches per update
     deepspeed: dict  # the DeepSpeed config (`deepspeed_config`), the file merged in
@@ -65,8 +68,10 @@ def check_inputs(cfg: TrainConfig, world: int, device: torch.device | None = Non
     if cfg.sft_task and cfg.warm_start:  # warm-start on another dataset's solutions
         sft_task = _task("sft_task", cfg.sft_task, {})
         sft_problems = list(sft_task.problems("train", None, cfg.seed))
+    eval_task, held_out = None, []
     if "test" in cfg.eval_splits and cfg.eval_problems:
-        held_out_problems(cfg, _task("eval_task", cfg.eval_task, {}) if cfg.eval_task else task, train_problems)
+        eval_task = _task("eval_task", cfg.eval_task, {}) if cfg.eval_task else None
+        held_out = held_out_problems(cfg, eval_task or task, train_problems)
     for logger in cfg.report_to:  # each logger is its own package, not a dependency of sage-train
         if importlib.util.find_spec(logger) is None:
             raise ConfigError(f"config key 'report_to': {logger!r} needs its package (pip install {logger})")
@@ -83,7 +88,19 @@ def check_inputs(cfg: TrainConfig, world: int, device: torch.device | None = Non
             raise ConfigError(str(error)) from None
     tokenizer, sft_task = _check_what_the_model_meets(cfg, model, sft_task, sft_problems)
     return RunPlan(
-        cfg, world, task, train_problems, sft_task, sft_problems, local_rows, accumulation, deepspeed, model, tokenizer
+        cfg,
+        world,
+        task,
+        train_problems,
+        sft_task,
+        sft_problems,
+        eval_task,
+        held_out,
+        local_rows,
+        accumulation,
+        deepspeed,
+        model,
+        tokenizer,
     )
 
 
@@ -152,7 +169,7 @@ def deepspeed_config(cfg: TrainConfig, world: int, accumulation: int, device: to
         "wall_clock_breakdown": False,
     }
     if cfg.deepspeed_config:
-        for key, value in read_yaml(cfg.deepspeed_config).items():  # JSON is YAML too
+        for key, value in read_mapping(cfg.deepspeed_config).items():  # JSON is YAML too
             if isinstance(value, dict) and isinstance(config.get(key), dict):
                 config[key] = {**config[key], **value}
             else:
@@ -190,19 +207,16 @@ def held_out_problems(cfg: TrainConfig, task, train_problems: list) -> list:
     return problems
 
 
-def eval_set(cfg: TrainConfig, task, tokenizer, train_problems: list, split: str) -> tuple:
-    """(task, problems) of a split: "train" and "test" evaluate (`run.evaluate_once`), "rl" is the RL pool."""
-    if split == "rl":
-        return task, train_problems
-    if split == "train":
-        return task, train_problems[: cfg.eval_problems]
-    if cfg.eval_task:
-        task = chat_prompted(cfg, get_task(cfg.eval_task), tokenizer)
-    return task, held_out_problems(cfg, task, train_problems)
+def evaluation_sets(cfg: TrainConfig, task, held_out_task, train_problems: list, held_out: list) -> dict:
+    """(task, problems) of each split of ``eval_splits``, in their order, which `run.evaluate_once`
+    samples ({} when ``eval_problems`` is 0): "train" the first ``eval_problems`` RL prompts in
+    `task`'s prompts, "test" the `held_out` problems in `held_out_task`'s."""
+    sets = {"train": (task, train_problems[: cfg.eval_problems]), "test": (held_out_task, held_out)}
+    return {split: sets[split] for split in cfg.eval_splits} if cfg.eval_problems else {}
 
 
-def run_prompts(cfg: TrainConfig, task, tokenizer, train_problems: list):
-    """Every prompt the run samples, lazily: the RL pool's, then each evaluation split's."""
-    for split in ["rl", *(cfg.eval_splits if cfg.eval_problems else [])]:
-        split_task, problems = eval_set(cfg, task, tokenizer, train_problems, split)
+def run_prompts(task, train_problems: list, evaluations: dict):
+    """Every prompt the run samples, lazily: the RL pool's, then each evaluation set's."""
+    yield from (task.prompt(p) for p in train_problems)
+    for split_task, problems in evaluations.values():
         yield from (split_task.prompt(p) for p in problems)

@@ -177,7 +177,7 @@ def loss_config(cfg) -> LossConfig:
     """The `LossConfig` of a resolved TrainConfig (the normaliser is set per step by the trainer).
     With ``kl_in_reward`` the KL and the guide are in the reward: the loss gets beta 0, no guide."""
     options = {name: getattr(cfg, name) for name in LOSS_KEYS}
-    options["guide"] = GUIDES[cfg.guide].loss_option if cfg.guide in GUIDES else "none"
+    options["guide"] = GUIDES[cfg.guide].cls.loss_option if cfg.guide in GUIDES else "none"
     if cfg.kl_in_reward:
         options["beta"], options["guide"] = 0.0, "none"
     return LossConfig(**options, temperature=cfg.temperature, max_completion_length=cfg.max_new_tokens)

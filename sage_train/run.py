@@ -60,7 +60,7 @@ from .config import TrainConfig
 from .context import RunContext
 from .distributed import InterruptFlag, RunError, init_distributed, on_rank0, reduce_rows, seed_everything
 from .eval.evaluate import evaluate_engine, mean_pass_at_k
-from .inputs import check_inputs, eval_set
+from .inputs import check_inputs
 from .models.lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
 from .run_dir import RunLock, prepare_run_dir
@@ -166,8 +166,7 @@ def evaluate_once(ctx: RunContext, path: Path) -> dict | None:
         return json.loads(path.read_text())
     results = {}
     with ctx.rollout.awake():
-        for split in cfg.eval_splits:
-            split_task, problems = eval_set(cfg, ctx.task, ctx.tokenizer, ctx.train_problems, split)
+        for split, (split_task, problems) in ctx.evaluations.items():
             results[split] = pass_at_k_over_ranks(ctx, split_task, problems)
     on_rank0(ctx.rank, lambda: checkpoint.write_atomically(path, json.dumps(results, indent=1) + "\n"))
     return results

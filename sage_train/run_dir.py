@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from . import checkpoint, config_files
-from .config import ConfigError, TrainConfig, plain_yaml, save_yaml
+from .config import ConfigError, TrainConfig
 from .distributed import on_rank0
 from .guide import is_scheduled
 from .run_files import FRESH_RUN_CLEARS, RUN_FILES
@@ -188,7 +188,7 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
         for path in ended:
             remove(path)
         make_dir(run_dir)
-        save_yaml(cfg, run_dir / RUN_FILES.config)
+        config_files.save_yaml(cfg, run_dir / RUN_FILES.config)
     dist.barrier()
     return (usable, skipped) if cfg.resume else ([], [])
 
@@ -201,7 +201,7 @@ def _check_unchanged(cfg: TrainConfig, saved_path: Path, done: int) -> int:
     """The resumed config must equal the checkpoint's but for `RESUME_MAY_CHANGE` (keys the saved
     file has and this version no longer knows are ignored) and `RESUME_MAY_EXTEND` (``steps``, not
     below `done`, the checkpoint's step). Returns the saved ``steps``."""
-    saved = plain_yaml(config_files.read, saved_path) or {}
+    saved = config_files.read(saved_path) or {}
     if not isinstance(saved, dict):
         raise ConfigError(f"resume: {saved_path} is not a run config (a mapping of config keys)")
     exempt = RESUME_MAY_CHANGE + RESUME_MAY_EXTEND

@@ -145,7 +145,12 @@ def load_pretrained(path: str, gguf_file: str = ""):
     """A causal LM and its tokenizer from a hub name, an HF-format directory, or a named model or
     GGUF file (`sage_train.models.packaged`: converted once to a cached HF directory, loaded from
     there)."""
-    path = model_directory(path, gguf_file)
+    return load_folder(model_directory(path, gguf_file))
+
+
+def load_folder(path: str):
+    """A causal LM and its tokenizer from a hub name or an HF-format directory as it is (a folder a
+    run saved, or `model_directory`'s answer)."""
     tokenizer = pretrained_tokenizer(path)
     return load_weights(path, tokenizer), tokenizer
 

@@ -33,6 +33,8 @@ class OpenAIServerEngine:
     one prompt. The log-probs are those the server reports: start it with ``--logprobs-mode
     raw_logprobs`` at temperature 1 (`sage_train.rl_maths`).
 
+    served_model: the name under which the server serves the base model (the model given to
+    ``vllm serve``, or its ``--served-model-name``).
     base_model: the weights the policy's adapter is trained on; when given, the server's model
     (``GET /v1/models``: its ``root``) must be it, or the engine refuses to start: an adapter
     loaded onto other weights samples from another policy without any error.
@@ -47,9 +49,9 @@ class OpenAIServerEngine:
     def __init__(
         self,
         base_url: str,
-        model: str,
         tokenizer,
         *,
+        served_model: str,
         base_model: str | None = None,
         shared_dir: str | None = None,
         timeout_s: float = 600.0,
@@ -57,7 +59,7 @@ class OpenAIServerEngine:
     ):
         self.base_url = base_url.rstrip("/")
         self.adapter_name = adapter_name  # one per training process when several share a server
-        self.served_model = model
+        self.served_model = served_model
         self.tokenizer = tokenizer
         self.shared_dir = shared_dir
         self.timeout_s = timeout_s

@@ -17,7 +17,7 @@ per training process, as in the official SAGE code
 - each prompt is a request of its own with its own seed (`base.prompt_seeds`), so prompts
   never share sampling noise;
 - log-probs come back for each sampled token from the temperature-scaled distribution before
-  min-p / top-k / top-p truncation (`logprobs_mode`, chosen by `logprobs_mode_for`), the
+  min-p / top-k / top-p truncation (`logprobs_mode_for` the sampling temperature the engine is given), the
   quantity the trainer computes, so truncated importance sampling (`sage_train.rl_maths`)
   compares like with like.
 
@@ -123,6 +123,9 @@ class VLLMEngine:
     a level-2 sleep re-pushes the last synced policy first, so repeated generations within one
     step (DAPO's dynamic sampling) stay correct. Without sleep mode (``sage-eval``) it keeps the
     checkpoint it loaded.
+
+    temperature: the sampling temperature the trainer asks for; it picks which of vLLM's log-probs
+    are returned (`logprobs_mode_for`).
     """
 
     def __init__(
@@ -138,7 +141,7 @@ class VLLMEngine:
         enable_sleep_mode: bool = True,
         sync_bucket_mb: int = 512,
         tensor_parallel_size: int = 1,
-        logprobs_mode: str = "raw_logprobs",
+        temperature: float = 1.0,
     ):
         vllm = _import_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the model in this process
@@ -163,7 +166,7 @@ class VLLMEngine:
             enable_sleep_mode=enable_sleep_mode,
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=executor_backend(),
-            logprobs_mode=logprobs_mode,
+            logprobs_mode=logprobs_mode_for(temperature),
             trust_remote_code=False,  # a model folder is data: its own code never runs
         )
         self._weights_loaded, self._kv_asleep = True, False

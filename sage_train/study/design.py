@@ -12,7 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from ..config import ConfigError, TrainConfig, load, read_yaml
+from ..config import ConfigError, TrainConfig, load
+from ..config_files import read_mapping
 from ..run_files import RUN_FILES
 from .report import START
 
@@ -137,7 +138,7 @@ def parse_study(argv: list) -> Study:
 
 def read_study_file(name: str) -> dict:
     try:
-        values = read_yaml(name)
+        values = read_mapping(name)
     except ConfigError as error:
         raise StudyError(str(error).replace("config file", "--config")) from None
     unknown = sorted(set(values) - set(STUDY_KEYS))

@@ -29,10 +29,19 @@ def test_branch_guide_object_is_the_formula_and_asks_the_loss_for_it():
 
 def test_the_guides_table_names_each_guide_and_its_loss_option():
     assert set(GUIDES) == {"branch", "token", "random"}
-    assert {name: cls.loss_option for name, cls in GUIDES.items()} == {
+    assert {name: kind.cls.loss_option for name, kind in GUIDES.items()} == {
         "branch": "branch",  # computed by the loss's kernels
         "token": "none",  # given to the loss as log_q
         "random": "none",
     }
     # the random guide reads nothing of the policy, so the loss skips the extra sweep for it
-    assert {name: cls.reads_policy for name, cls in GUIDES.items()} == {"branch": True, "token": True, "random": False}
+    assert {name: kind.cls.reads_policy for name, kind in GUIDES.items()} == {
+        "branch": True,
+        "token": True,
+        "random": False,
+    }
+    # each row's settings are its constructor's keywords: what the trainer's make_guide hands it
+    assert GUIDES["branch"].settings == ("gamma", "tau", "q_min", "q_max")
+    schedule = {"max_steps", "num_cycles", "decay_rate", "q_min", "q_max", "seed", "sigma_max", "sigma_min"}
+    assert set(GUIDES["random"].settings) == schedule | {"eps_max", "eps_min"}
+    assert set(GUIDES["token"].settings) == schedule | {"alpha_max", "alpha_min", "normalization"}

@@ -18,7 +18,8 @@ import yaml
 from conftest import TINY_RUN
 
 from sage_train.cli import train_main
-from sage_train.config import ConfigError, RunOptions, build, parse_args, resolve, save_yaml
+from sage_train.config import ConfigError, RunOptions, build, parse_args, resolve
+from sage_train.config_files import save_yaml
 
 
 def snapshot(folder: Path) -> dict:

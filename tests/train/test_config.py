@@ -136,7 +136,8 @@ def test_forward_kl_preset_uses_the_forward_estimator():
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
-    from sage_train.config import load_yaml, save_yaml
+    from sage_train.config import load_yaml
+    from sage_train.config_files import save_yaml
 
     cfg = parse_args(["--algorithm=sage-random", "--task_options={digits: 3}"])
     save_yaml(cfg, tmp_path / "c.yaml")

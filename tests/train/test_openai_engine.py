@@ -170,7 +170,7 @@ def scored(model, completions, tokenizer, temperature=1.0):
 
 def test_all_prompts_go_as_token_ids_in_one_request(server):
     tokenizer = server.tokenizer
-    engine = OpenAIServerEngine(server.url, "base", tokenizer, base_model=server.root)
+    engine = OpenAIServerEngine(server.url, tokenizer, served_model="base", base_model=server.root)
     prompts = ["12+34=", "7+8=", "Compute 5*6."]
     groups = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=6, min_p=0.05, seed=3))
     (request,) = server.calls("/v1/completions")
@@ -193,14 +193,18 @@ def test_all_prompts_go_as_token_ids_in_one_request(server):
 def test_a_mismatched_base_is_refused(server, tmp_path):
     other = save_tiny(tmp_path / "other", seed=1)
     with pytest.raises(ValueError, match=r"serves '.*base.*' as 'base', but the policy's adapter is trained on"):
-        OpenAIServerEngine(server.url, "base", server.tokenizer, base_model=other)
+        OpenAIServerEngine(server.url, server.tokenizer, served_model="base", base_model=other)
     with pytest.raises(ValueError, match=r"serves \['base'\], not 'other' \(config key 'openai_model'"):
-        OpenAIServerEngine(server.url, "other", server.tokenizer, base_model=other)
-    OpenAIServerEngine(server.url, "base", server.tokenizer, base_model=server.root)  # the right one passes
+        OpenAIServerEngine(server.url, server.tokenizer, served_model="other", base_model=other)
+    OpenAIServerEngine(
+        server.url, server.tokenizer, served_model="base", base_model=server.root
+    )  # the right one passes
     with pytest.raises(RuntimeError, match=r"refused /v1/completions \(HTTP 404\)"):
-        OpenAIServerEngine(server.url, "gone", server.tokenizer).generate(["1="], SamplingParams())
+        OpenAIServerEngine(server.url, server.tokenizer, served_model="gone").generate(["1="], SamplingParams())
     with pytest.raises(RuntimeError, match="cannot reach the server at http://127.0.0.1"):
-        OpenAIServerEngine(f"http://127.0.0.1:{closed_port()}", "base", server.tokenizer, base_model=server.root)
+        OpenAIServerEngine(
+            f"http://127.0.0.1:{closed_port()}", server.tokenizer, served_model="base", base_model=server.root
+        )
 
 
 def test_sync_loads_the_adapter_and_samples_from_it(server, tmp_path):
@@ -213,7 +217,9 @@ def test_sync_loads_the_adapter_and_samples_from_it(server, tmp_path):
         for name, param in policy.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator))
-    engine = OpenAIServerEngine(server.url, "base", tokenizer, base_model=server.root, shared_dir=str(tmp_path))
+    engine = OpenAIServerEngine(
+        server.url, tokenizer, served_model="base", base_model=server.root, shared_dir=str(tmp_path)
+    )
     engine.sync_weights(policy)
     engine.sync_weights(policy)
     assert engine.pushes == 2 and engine.served_model == "policy-2"

@@ -18,7 +18,8 @@ from tiny_gguf import write_tiny_gguf
 from tiny_models import tiny_model
 
 from sage_train.cli import eval_main, train_main
-from sage_train.config import build, parse_args, resolve, save_yaml
+from sage_train.config import build, parse_args, resolve
+from sage_train.config_files import save_yaml
 from sage_train.inputs import check_inputs
 from sage_train.models import packaged
 from sage_train.models.loading import build_char_tokenizer

@@ -16,7 +16,8 @@ from conftest import TINY_RUN
 from tiny_models import tiny_model
 
 from sage_train.cli import eval_main, study_main, train_main
-from sage_train.config import build, parse_args, resolve, save_yaml
+from sage_train.config import build, parse_args, resolve
+from sage_train.config_files import save_yaml
 from sage_train.models.loading import build_char_tokenizer
 from sage_train.run_dir import RunLock, prepare_run_dir
 from sage_train.run_files import RUN_FILES

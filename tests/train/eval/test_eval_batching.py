@@ -11,7 +11,7 @@ from sage_train.build import derived_max_model_len
 from sage_train.config import ConfigError
 from sage_train.context import RunContext
 from sage_train.eval.evaluate import evaluate_engine
-from sage_train.inputs import run_prompts
+from sage_train.inputs import evaluation_sets, held_out_problems, run_prompts
 from sage_train.models.loading import build_char_tokenizer
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import derive_seed
@@ -111,7 +111,9 @@ def test_evaluate_once_one_call_per_split_inside_one_session(tiny_config, tmp_pa
     engine, tokenizer, task = engine_and_task()
     cfg = tiny_config(eval_problems=5, eval_samples=2, eval_splits=["train", "test"], task_options={"digits": 2})
     train_problems = list(task.problems("train", None, cfg.seed))
+    evaluations = evaluation_sets(cfg, task, task, train_problems, held_out_problems(cfg, task, train_problems))
     ctx = RunContext(cfg, None, None, engine, tokenizer, task, train_problems, None, 0, 1, torch.device("cpu"))
+    ctx.evaluations = evaluations
     results = evaluate_once(ctx, tmp_path / "eval.json")
     assert engine.calls == [5, 5] and engine.sessions == 1 and engine.awake_calls == [True, True]
     assert engine.syncs == 0
@@ -140,7 +142,8 @@ def test_vllm_context_length_is_the_longest_prompt_plus_the_longest_completion(t
     tokenizer = build_char_tokenizer()
     task = get_task("arithmetic", digits=3)
     train_problems = list(task.problems("train", None, cfg.seed))[:10]
-    prompts = list(run_prompts(cfg, task, tokenizer, train_problems))
+    held_out = held_out_problems(cfg, task, train_problems)
+    prompts = list(run_prompts(task, train_problems, evaluation_sets(cfg, task, task, train_problems, held_out)))
     assert len(prompts) == 10 + 3 + 3  # the RL pool, then each evaluation split
     assert prompts[-3:] == [task.prompt(p) for p in task.problems("test", 3, cfg.seed)]
     longest = max(map(len, prompts))  # one token per character

@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from sage_train.config import build, save_yaml
+from sage_train.config import build
+from sage_train.config_files import save_yaml
 from sage_train.study.before_after import before_after, main
 from sage_train.study.intervals import crossed_interval
 

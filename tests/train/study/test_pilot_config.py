@@ -5,7 +5,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from sage_train.config import parse_args, read_yaml
+from sage_train.config import parse_args
+from sage_train.config_files import read_mapping
 from sage_train.presets import loss_config
 from sage_train.study.design import parse_study
 
@@ -16,7 +17,7 @@ def test_pilot_premise_is_study_arithmetic_with_the_default_pool_and_grpo():
     assert pilot.task == "arithmetic" and pilot.task_options == {"digits": 2, "ops": "+", "grading": "strict"}
     assert pilot.train_problems == 1000 and pilot.steps == 600 and pilot.eval_samples == 256
 
-    study = read_yaml("study-arithmetic")
+    study = read_mapping("study-arithmetic")
     argv = ["--config", study["train_config"], "--algorithm=grpo"]
     argv += [f"--{key}={json.dumps(value)}" for key, value in study["train"].items()]
     reference = parse_args(argv)
@@ -78,8 +79,8 @@ def test_each_runs_logged_command_line_reproduces_its_config(tmp_path):
 def test_study_kl_in_reward_is_the_decisive_setting_with_its_registered_arms(tmp_path):
     """The follow-up's training keys are the decisive study's, key for key; its seeds are new and
     its first endpoint is the guide's share inside the KL-in-reward form."""
-    decisive = read_yaml("study-decisive")
-    followup = read_yaml("study-kl-in-reward")
+    decisive = read_mapping("study-decisive")
+    followup = read_mapping("study-kl-in-reward")
     assert followup["train"] == decisive["train"] and followup["eval_n"] == decisive["eval_n"]
     assert followup["eval_problems"] == decisive["eval_problems"]
     assert not set(followup["seeds"]) & (set(decisive["seeds"]) | {100, 101}) and len(followup["seeds"]) >= 8
@@ -98,7 +99,7 @@ def test_study_kl_in_reward_is_the_decisive_setting_with_its_registered_arms(tmp
 
 def test_study_enrichment_is_the_decisive_setting_with_start_and_grpo(tmp_path):
     """Stage 1 of issue 38: the decisive study's training keys, key for key; grpo and its start."""
-    decisive, stage1 = read_yaml("study-decisive"), read_yaml("study-enrichment")
+    decisive, stage1 = read_mapping("study-decisive"), read_mapping("study-enrichment")
     assert stage1["train"] == decisive["train"] and stage1["eval_n"] == decisive["eval_n"] == 256
     assert stage1["eval_problems"] == decisive["eval_problems"] == 512
     study = parse_study(["--config", "study-enrichment", "--seeds", "400", "--out", str(tmp_path)])
@@ -108,7 +109,7 @@ def test_study_enrichment_is_the_decisive_setting_with_start_and_grpo(tmp_path):
 def test_study_confirmatory_is_the_decisive_setting_with_stage_2s_registered_arms_and_primaries(tmp_path):
     """Stage 2 of issue 38: the decisive study's training keys, key for key; the active guide and the
     beta matched to its mean q as fixed in docs/results/confirmatory/design.json; three primaries."""
-    decisive, stage2 = read_yaml("study-decisive"), read_yaml("study-confirmatory")
+    decisive, stage2 = read_mapping("study-decisive"), read_mapping("study-confirmatory")
     assert stage2["train"] == decisive["train"] and stage2["eval_n"] == 256 and stage2["eval_problems"] == 512
     design = json.loads(
         (Path(__file__).resolve().parents[3] / "docs" / "results" / "confirmatory" / "design.json").read_text()
