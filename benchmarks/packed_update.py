@@ -30,6 +30,8 @@ import statistics
 import sys
 import tempfile
 
+from sage_train.step_metrics import STEP_METRICS
+
 from .rl_step import run_worker
 
 SETTINGS = {"demo": "tiny-cpu", "smollm2": "smollm2-arithmetic"}
@@ -97,7 +99,7 @@ def worker(setting: str, layout: str, model: str, steps: int) -> list[dict]:
             peak = meter.stop()
             real = int(batch.attention_mask.sum())
             micro_batches = len(split(batch, rows=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch))
-            update_s = metrics["timing_s/update"]
+            update_s = metrics[STEP_METRICS.update_s]
             if step > 1 or steps == 1:  # the first step warms up, unless it is the only one
                 rows.append(
                     {

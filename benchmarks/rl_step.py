@@ -33,9 +33,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from sage_train.step_metrics import STEP_METRICS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "smollm2-arithmetic"
-PARTS = ("generate", "score", "update", "step")
+#: the step's parts this reports, and sage-train's metric of each
+SAGE_PARTS = {
+    "generate": STEP_METRICS.generate_s,
+    "score": STEP_METRICS.score_s,
+    "update": STEP_METRICS.update_s,
+    "step": STEP_METRICS.step_time,
+}
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -87,10 +95,9 @@ def sage_worker(model: str, steps: int, threads: int, checkpointing: bool) -> di
         train(cfg, on_step=on_step)
     rows = cfg.prompts_per_step * cfg.group_size
     return {
-        **{part: seen[f"timing_s/{part}"] for part in PARTS[:3]},
-        "step": seen["step_time"],
-        "completion_tokens": seen["completions/mean_length"] * rows,
-        "reward": seen["reward"],
+        **{part: seen[name] for part, name in SAGE_PARTS.items()},
+        "completion_tokens": seen[STEP_METRICS.mean_length] * rows,
+        "reward": seen[STEP_METRICS.reward],
         "peak_rss_mib": seen["peak_rss_mib"],
     }
 
@@ -186,8 +193,9 @@ def trl_worker(model: str, steps: int, threads: int, checkpointing: bool) -> dic
                     seen.update(spent, step=time.perf_counter() - spent["start"], peak_rss_mib=peak_rss_mib())
 
             def on_log(self, args, state, control, logs=None, **kwargs):
-                if state.global_step == steps and logs and "completions/mean_length" in logs:
-                    seen.update(mean_length=logs["completions/mean_length"], reward=logs.get("reward"))
+                # TRL logs these under sage-train's names
+                if state.global_step == steps and logs and STEP_METRICS.mean_length in logs:
+                    seen.update(mean_length=logs[STEP_METRICS.mean_length], reward=logs.get(STEP_METRICS.reward))
 
         trainer.add_callback(LastStep())
         trainer.train()

@@ -6,8 +6,9 @@ writes one row of partial results per sequence, [B, len(ROW_STATS)] (the row's s
 then per metric the row's sum, min or max), whose columns it addresses through `COLUMNS`, and
 `metrics_vector` reduces those rows to the metrics in `METRIC_NAMES` order. A caller that averages
 metrics over micro-batches weights the token means (`MEAN_METRICS`) by their token counts and takes
-the min and max of the others. A new metric is a row here and its per-token value in the reference
-and the kernel.
+the min and max of the others (`EXTREME_METRICS`), over ranks as over micro-batches; a caller names
+one metric through `METRIC_NAME` (``METRIC_NAME.q_max``), never by spelling it. A new metric is a row
+here and its per-token value in the reference and the kernel.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ METRICS = (
 METRIC_NAMES = tuple(metric.name for metric in METRICS)
 #: the metrics that are means over tokens (the others are a min and a max).
 MEAN_METRICS = tuple(metric.name for metric in METRICS if metric.reduction == "mean")
+#: the others, a min or a max over tokens, micro-batches and ranks alike: {name: "min" or "max"}.
+EXTREME_METRICS = {metric.name: metric.reduction for metric in METRICS if metric.reduction != "mean"}
+#: each metric's name by its column (``METRIC_NAME.q_min == "sage/q_min"``): how a caller names one.
+METRIC_NAME = NamedTuple("MetricNames", [(metric.column, str) for metric in METRICS])(*METRIC_NAMES)
 #: the columns of the fused token stage's per-row partial results: the row's share of the loss, then
 #: one per metric.
 ROW_STATS = ("loss",) + tuple(metric.column for metric in METRICS)

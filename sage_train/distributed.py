@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sage_kernels.metrics import EXTREME_METRICS
+
 
 class RunError(RuntimeError):
     """The run cannot go on (a full disk, steps that stay non-finite); the message says why and what is
@@ -76,8 +78,8 @@ def all_ranks(flag: bool, device: torch.device) -> bool:
 
 
 def reduce_rows(pending: list[tuple[int, dict]], device: torch.device) -> list[dict]:
-    """Host rows of the pending steps' metrics, averaged over ranks (q_min / q_max: min / max); a
-    rank's NaN (no value: no completion token) is left out, and a value no rank has stays NaN.
+    """Host rows of the pending steps' metrics, averaged over ranks (the loss's `EXTREME_METRICS`: their
+    min / max); a rank's NaN (no value: no completion token) is left out, and a value no rank has stays NaN.
 
     The one host sync of the log interval: every value goes to one tensor, then `.tolist()`."""
     names = sorted(pending[0][1])
@@ -89,7 +91,8 @@ def reduce_rows(pending: list[tuple[int, dict]], device: torch.device) -> list[d
     )
     if dist.get_world_size() > 1:
         # NaN is a rank's "no value" (a step without completion tokens): the mean is over the ranks with one
-        low, high = names.index("sage/q_min"), names.index("sage/q_max")
+        low = [i for i, name in enumerate(names) if EXTREME_METRICS.get(name) == "min"]
+        high = [i for i, name in enumerate(names) if EXTREME_METRICS.get(name) == "max"]
         minimum = values[:, low].nan_to_num(nan=math.inf)
         maximum = values[:, high].nan_to_num(nan=-math.inf)
         counts = (~values.isnan()).float()

@@ -19,29 +19,32 @@ import os
 import secrets
 from pathlib import Path
 
+from sage_kernels.metrics import METRIC_NAME
+
 from .distributed import RunError
 from .run_files import RUN_FILES
 from .safe_files import make_dir, open_append, remove, save_figure, write_file
+from .step_metrics import STEP_METRICS, WALL_CLOCK
 
 #: the progress bar's fields: (metric name, label, format)
 PROGRESS_FIELDS = (
-    ("reward", "reward", ".3f"),
-    ("kl", "kl", ".4f"),
-    ("entropy", "H", ".3f"),
-    ("sage/q_mean", "q", ".3f"),
-    ("sage/q_max", "q_max", ".2f"),
-    ("step_time", "s/step", ".2f"),
+    (STEP_METRICS.reward, "reward", ".3f"),
+    (METRIC_NAME.kl, "kl", ".4f"),
+    (METRIC_NAME.entropy, "H", ".3f"),
+    (METRIC_NAME.q, "q", ".3f"),
+    (METRIC_NAME.q_max, "q_max", ".2f"),
+    (STEP_METRICS.step_time, "s/step", ".2f"),
 )
 
 #: the plots: (panel title, metric names drawn in it)
 PLOT_PANELS = (
-    ("reward", ("reward",)),
-    ("KL to the anchor", ("kl",)),
-    ("entropy (nats)", ("entropy",)),
-    ("guide q", ("sage/q_mean", "sage/q_min", "sage/q_max")),
-    ("share of tokens with q > 1", ("sage/frac_q_gt_1",)),
-    ("clip fractions", ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")),
-    ("completion length", ("completions/mean_length",)),
+    ("reward", (STEP_METRICS.reward,)),
+    ("KL to the anchor", (METRIC_NAME.kl,)),
+    ("entropy (nats)", (METRIC_NAME.entropy,)),
+    ("guide q", (METRIC_NAME.q, METRIC_NAME.q_min, METRIC_NAME.q_max)),
+    ("share of tokens with q > 1", (STEP_METRICS.q_above_one,)),
+    ("clip fractions", (METRIC_NAME.low, METRIC_NAME.high, METRIC_NAME.region)),
+    ("completion length", (STEP_METRICS.mean_length,)),
 )
 
 
@@ -228,9 +231,9 @@ class TrackioLogger:
 
 
 def without_timing(row: dict) -> dict:
-    """A metrics row without its wall-clock keys (``step_time``, ``timing_s/*``): what two runs of
-    the same config must log alike."""
-    return {key: value for key, value in row.items() if key != "step_time" and not key.startswith("timing_s/")}
+    """A metrics row without its wall-clock keys (`step_metrics.WALL_CLOCK`): what two runs of the same
+    config must log alike."""
+    return {key: value for key, value in row.items() if key not in WALL_CLOCK}
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -250,7 +253,7 @@ def progress_postfix(row: dict) -> str:
 
 def reward_trend(rows: list[dict], fraction: float = 0.1) -> dict:
     """Mean training reward of the first and of the last `fraction` of steps (at least one each)."""
-    rewards = [row["reward"] for row in rows if "reward" in row]
+    rewards = [row[STEP_METRICS.reward] for row in rows if STEP_METRICS.reward in row]
     if not rewards:
         return {"reward_first": math.nan, "reward_last": math.nan}
     count = max(1, int(len(rewards) * fraction))

@@ -94,6 +94,8 @@ import torch
 from sage_kernels.guides import Guide
 from sage_kernels.ordered import ordered_sum
 
+from .step_metrics import STEP_METRICS
+
 STD_EPS = 1e-4
 
 
@@ -275,12 +277,12 @@ def objective_advantages(cfg, guide, rewards, old_logp, entropy, ref_logp, mask)
     tokens = mask.sum().clamp(min=1)
     q = torch.ones_like(old_logp) if log_q is None else log_q.exp()
     metrics = {
-        "kl_in_reward/kl": kl.mean(),  # per completion (per token with length normalisation)
-        "kl_in_reward/penalty": cfg.beta * kl.mean(),  # beta * KL, what J subtracts on average
-        "kl_in_reward/q_mean": torch.where(mask, q, 0.0).sum() / tokens,
-        "kl_in_reward/frac_q_gt_1": ((q > 1.0) & mask).sum() / tokens,
+        STEP_METRICS.reward_kl: kl.mean(),  # per completion (per token with length normalisation)
+        STEP_METRICS.reward_kl_penalty: cfg.beta * kl.mean(),  # beta * KL, what J subtracts on average
+        STEP_METRICS.reward_q_mean: torch.where(mask, q, 0.0).sum() / tokens,
+        STEP_METRICS.reward_q_above_one: ((q > 1.0) & mask).sum() / tokens,
         # the KL part's share of the advantages' magnitude
-        "kl_in_reward/kl_share": kl_part.abs().sum() / advantages.abs().sum().clamp(min=1e-12),
+        STEP_METRICS.reward_kl_share: kl_part.abs().sum() / advantages.abs().sum().clamp(min=1e-12),
     }
     return advantages.to(torch.float32), metrics
 

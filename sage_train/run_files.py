@@ -40,6 +40,8 @@ class RunFiles:
     rollout_init: str = _entry("rollout_init")  # the model a vLLM engine starts from (`build.rollout_model_path`)
     #: inside sft/: the number of SFT steps the warm start took (a study records it per seed)
     warm_start: str = field(default="warm_start.json", metadata={"output": None})
+    #: sage-study's record of the environment the run was trained and evaluated in (`study.grid`)
+    study_env: str = field(default="study_env.json", metadata={"output": None})
     #: the openai engine's adapters when ``openai_shared_dir`` is unset (shared with its server)
     adapters: str = field(default="adapters", metadata={"output": None})
 

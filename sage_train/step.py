@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from sage_kernels.loss_types import LOSS_TYPES
-from sage_kernels.metrics import MEAN_METRICS
+from sage_kernels.metrics import EXTREME_METRICS, MEAN_METRICS
 
 from . import rl_maths
 from .config import TrainConfig
@@ -42,12 +42,13 @@ from .report import write_completions
 from .rl_maths import group_advantages, objective_advantages
 from .rollout import SamplingParams
 from .run_files import RUN_FILES
+from .step_metrics import STEP_METRICS
 from .tasks.grading import grade
 
 #: host wall-clock seconds of a step's parts (on CUDA, without a synchronise: kernels still queued
 #: count toward the next part): sampling with grading, scoring (behaviour + reference log-probs),
 #: the loss + backward + optimizer step. A step fed by an earlier generation logs 0 for its parts.
-TIMING_OF_GENERATION = ("timing_s/generate", "timing_s/score")
+TIMING_OF_GENERATION = (STEP_METRICS.generate_s, STEP_METRICS.score_s)
 
 
 def rl_step(ctx: RunContext, step: int) -> dict:
@@ -95,12 +96,12 @@ def rl_step(ctx: RunContext, step: int) -> dict:
     # 7. metrics, still tensors; converted at log intervals
     metrics = {
         **gen.metrics,
-        "num_tokens": batch.attention_mask.sum().float(),
+        STEP_METRICS.num_tokens: batch.attention_mask.sum().float(),
         **totals.metrics(cfg.num_iterations),
-        "learning_rate": ctx.engine.get_lr()[0],
-        "step_time": time.perf_counter() - start,
+        STEP_METRICS.learning_rate: ctx.engine.get_lr()[0],
+        STEP_METRICS.step_time: time.perf_counter() - start,
         **timing,
-        "timing_s/update": update_s,
+        STEP_METRICS.update_s: update_s,
     }
     if ctx.guide is not None:
         metrics.update(ctx.guide.schedule_values())
@@ -142,21 +143,21 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
 
     lengths = batch.completion_mask.new_tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
     metrics = {
-        "reward": rewards.mean(),
-        "reward_std": rewards.std(dim=1).mean(),
-        "frac_reward_zero_std": (rewards.std(dim=1) == 0).float().mean(),
-        "completions/mean_length": lengths.mean(),
-        "completions/min_length": lengths.min(),
-        "completions/max_length": lengths.max(),
-        "completions/clipped_ratio": truncated.float().mean(),
+        STEP_METRICS.reward: rewards.mean(),
+        STEP_METRICS.reward_std: rewards.std(dim=1).mean(),
+        STEP_METRICS.frac_reward_zero_std: (rewards.std(dim=1) == 0).float().mean(),
+        STEP_METRICS.mean_length: lengths.mean(),
+        STEP_METRICS.min_length: lengths.min(),
+        STEP_METRICS.max_length: lengths.max(),
+        STEP_METRICS.clipped_ratio: truncated.float().mean(),
         **tis_metrics,
         **kl_metrics,
         **entropy_quantiles(entropy, batch.completion_mask),
     }
     if getattr(ctx.rollout, "last_sync_s", None) is not None:  # engines holding their own weights
-        metrics["rollout/sync_time"] = ctx.rollout.last_sync_s
+        metrics[STEP_METRICS.sync_time] = ctx.rollout.last_sync_s
     if cfg.dynamic_sampling:
-        metrics["dynamic_sampling/rounds"] = float(rounds)
+        metrics[STEP_METRICS.sampling_rounds] = float(rounds)
     shuffle = torch.Generator().manual_seed(rollout_seed(cfg.seed, first_step, 0, ctx.rank))
     order = torch.randperm(batch.rows, generator=shuffle) if cfg.steps_per_generation > 1 else torch.arange(batch.rows)
     return Generation(
@@ -221,9 +222,9 @@ def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: B
     )
     if cfg.tis_level != "off":
         tokens = mask.sum().clamp(min=1)
-        metrics["tis/weight_mean"] = (weights * mask).sum() / tokens
-        metrics["tis/clipped_frac"] = outside.sum() / tokens
-        metrics["tis/abs_log_ratio"] = log_ratio.abs().sum() / tokens
+        metrics[STEP_METRICS.tis_weight_mean] = (weights * mask).sum() / tokens
+        metrics[STEP_METRICS.tis_clipped_frac] = outside.sum() / tokens
+        metrics[STEP_METRICS.tis_abs_log_ratio] = log_ratio.abs().sum() / tokens
     if kept is not None:
         batch.completion_mask = kept
     return weights, metrics
@@ -393,11 +394,12 @@ def step_loss_config(ctx: RunContext, batch: Batch):
 
 
 class LossTotals:
-    """Sums of the loss and of the loss's metrics over micro-batches, token-weighted."""
+    """Sums of the loss and of the loss's metrics over micro-batches, token-weighted; of the loss's min
+    and max metrics (`EXTREME_METRICS`), the min and the max."""
 
     def __init__(self) -> None:
         self.loss, self.tokens, self.sums = 0.0, 0.0, {}
-        self.q_min, self.q_max = None, None
+        self.extremes = dict.fromkeys(EXTREME_METRICS)  # None until a micro-batch
         self.skipped: list[str] = []  # why each skipped optimizer step was skipped
         self.q_above_one = 0.0
 
@@ -407,11 +409,12 @@ class LossTotals:
         self.tokens = self.tokens + tokens
         for name in MEAN_METRICS:  # a micro-batch without tokens has NaN metrics: it adds nothing
             self.sums[name] = self.sums.get(name, 0.0) + torch.nan_to_num(out.metrics[name].float() * tokens)
-        q_min, q_max = out.metrics["sage/q_min"].float(), out.metrics["sage/q_max"].float()
         # the share of tokens whose anchor the guide raises (q > 1): how much of the text it touches
         self.q_above_one = self.q_above_one + ((out.q > 1.0) & mask).sum().float()
-        self.q_min = q_min if self.q_min is None else torch.fmin(self.q_min, q_min)  # fmin/fmax skip NaN
-        self.q_max = q_max if self.q_max is None else torch.fmax(self.q_max, q_max)
+        for name, reduction in EXTREME_METRICS.items():
+            value, seen = out.metrics[name].float(), self.extremes.get(name)
+            keep = torch.fmin if reduction == "min" else torch.fmax  # fmin/fmax skip NaN
+            self.extremes[name] = value if seen is None else keep(seen, value)
 
     def metrics(self, iterations: int) -> dict:
         """The step's metrics; the token means are NaN (no value, which the report leaves out) when
@@ -421,10 +424,9 @@ class LossTotals:
             name: torch.where(tokens > 0, total / tokens.clamp(min=1.0), torch.nan) for name, total in self.sums.items()
         }
         return {
-            "loss": self.loss / iterations,
+            STEP_METRICS.loss: self.loss / iterations,
             **means,
-            "sage/q_min": self.q_min,
-            "sage/q_max": self.q_max,
-            "nonfinite/skipped_steps": float(len(self.skipped)),
-            "sage/frac_q_gt_1": torch.where(tokens > 0, self.q_above_one / tokens.clamp(min=1.0), torch.nan),
+            **self.extremes,
+            STEP_METRICS.skipped_steps: float(len(self.skipped)),
+            STEP_METRICS.q_above_one: torch.where(tokens > 0, self.q_above_one / tokens.clamp(min=1.0), torch.nan),
         }

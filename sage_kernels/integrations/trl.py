@@ -69,6 +69,7 @@ from trl.trainer.utils import nanmax, nanmin  # noqa: E402
 
 from ..function import fused_linear_sage_loss  # noqa: E402
 from ..loss_types import LOSS_TYPES  # noqa: E402
+from ..metrics import EXTREME_METRICS, METRIC_NAME  # noqa: E402
 from ..reference import vespo_weight  # noqa: E402
 from ..spec import LossConfig  # noqa: E402
 from .hf_logits import logit_options  # noqa: E402
@@ -372,10 +373,11 @@ class SAGEGRPOTrainer(GRPOTrainer):
             return (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
 
         if self.beta != 0.0:
-            metrics["kl"].append(global_mean((out.kl * m).sum(), m.sum()))
-        metrics["entropy"].append(global_mean((out.entropy * m).sum(), m.sum()))
-        metrics["sage/q_mean"].append(global_mean((out.q * m).sum(), m.sum()))
-        for name, reduce in (("sage/q_min", nanmin), ("sage/q_max", nanmax)):
+            metrics[METRIC_NAME.kl].append(global_mean((out.kl * m).sum(), m.sum()))
+        metrics[METRIC_NAME.entropy].append(global_mean((out.entropy * m).sum(), m.sum()))
+        metrics[METRIC_NAME.q].append(global_mean((out.q * m).sum(), m.sum()))
+        for name, reduction in EXTREME_METRICS.items():
+            reduce = nanmin if reduction == "min" else nanmax
             metrics[name].append(reduce(self.accelerator.gather(out.metrics[name].reshape(1))).item())
 
         A = advantages[:, None] if advantages.dim() == 1 else advantages
@@ -394,8 +396,12 @@ class SAGEGRPOTrainer(GRPOTrainer):
             weights = m
         low = ((ratio < 1 - self.epsilon_low) & (A < 0)).float()
         high = ((ratio > 1 + self.epsilon_high) & (A > 0)).float()
-        for name, clipped in (("low", low), ("high", high), ("region", torch.maximum(low, high))):
-            metrics[f"clip_ratio/{name}_mean"].append(global_mean((clipped * weights).sum(), weights.sum()))
+        for name, clipped in (
+            (METRIC_NAME.low, low),
+            (METRIC_NAME.high, high),
+            (METRIC_NAME.region, torch.maximum(low, high)),
+        ):
+            metrics[name].append(global_mean((clipped * weights).sum(), weights.sum()))
         per_sequence = (low * weights).sum(-1) / weights.sum(-1), (high * weights).sum(-1) / weights.sum(-1)
         metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(per_sequence[0])).item())
         metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(per_sequence[1])).item())

@@ -41,7 +41,8 @@ def resolve_models(paths: Sequence[str]) -> list[ModelSpec]:
             resolved.append((path.resolve().name, str(path / RUN_FILES.final), config))
         elif (path / RUN_FILES.config).is_file() and not (path / "config.json").is_file():
             raise ValueError(
-                f"--model {given!r} is a run directory without a final model ({path / 'final'}); did the run finish?"
+                f"--model {given!r} is a run directory without a final model ({path / RUN_FILES.final}); "
+                "did the run finish?"
             )
         elif gguf_source(given) is not None:  # a named model or a GGUF file: its cached HF conversion
             resolved.append((Path(given).stem if given.endswith(".gguf") else given, model_directory(given), None))

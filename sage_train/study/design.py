@@ -15,8 +15,8 @@ import yaml
 from ..config import ConfigError, TrainConfig, load
 from ..config_files import read_mapping
 from ..run_files import RUN_FILES
-from .report import START
 
+START = "start"  # the arm name of the starting point (the warm-started model, no RL)
 STUDY_KEYS = ("algorithms", "seeds", "baseline", "eval_n", "eval_problems", "train_config", "train", "endpoints")
 
 

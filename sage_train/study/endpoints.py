@@ -1,40 +1,50 @@
 """A study's registered endpoints: each paired difference with its crossed interval and p, the
-primaries' Holm-adjusted p, and where each arm's guide is read from.
+primaries' Holm-adjusted p, the pass@k matrices they are taken from, and where each arm's guide is
+read from.
 
 An endpoint entry of a study file is {arm, versus, k: [...]} and may say ``primary: true``: the
 primaries form one family, over which Holm's step-down adjusts the p-values (`intervals.holm`), so
 that the chance of any false "the difference is not zero" among them is at most 0.05 when each is
 read at adjusted p < 0.05. The other endpoints (e.g. the premise) keep their unadjusted p.
-
-`refresh(study_dir)` rewrites a committed study's study.json endpoints and study.md from its stored
-counts alone (nothing is rerun): how the studies run before p-values were reported got theirs.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import numpy as np
 
-from ..safe_files import write_file
+from sage_kernels.metrics import METRIC_NAME
+
+from ..eval.evaluate import pass_at_k_table
+from ..step_metrics import STEP_METRICS
 from .intervals import crossed_interval, crossed_p_value, holm
 
 #: the training curves that show the guide, by where it acts: the loss's q (``sage/*``) or, with
 #: ``kl_in_reward``, the q the advantage's KL used (``kl_in_reward/*``)
 GUIDE_COLUMNS = {
-    "loss": ("sage/q_mean", "sage/frac_q_gt_1"),
-    "reward": ("kl_in_reward/q_mean", "kl_in_reward/frac_q_gt_1"),
+    "loss": (METRIC_NAME.q, STEP_METRICS.q_above_one),
+    "reward": (STEP_METRICS.reward_q_mean, STEP_METRICS.reward_q_above_one),
 }
+#: the training curves every arm shows, before its guide's two
+TRAINING_CURVES = (STEP_METRICS.reward, METRIC_NAME.entropy, METRIC_NAME.kl)
 
 #: a study's training table and plot: these columns, the guide's two from where each arm's guide acts
 SHOWN_CURVES = ("reward", "entropy", "kl", "guide: mean q", "guide: tokens with q > 1")
+
+
+def pass_at_k_matrices(entry: dict, seeds: list, ks: list) -> dict:
+    """{k: seeds x problems matrix of pass@k} of one arm's counts (`counts[arm]`)."""
+    n = {entry[str(seed)]["n"] for seed in seeds}
+    if len(n) != 1:
+        raise ValueError(f"seeds {seeds} were sampled with different n {sorted(n)}")
+    table = pass_at_k_table(n.pop(), ks)
+    correct = np.array([entry[str(seed)]["correct"] for seed in seeds])
+    return {k: table[i][correct] for i, k in enumerate(ks)}
 
 
 def endpoint_rows(counts: dict, endpoints: list) -> list:
     """Per entry and k, the paired difference arm - versus over the seeds both have, with its
     crossed interval and two-sided p; rows of ``primary`` entries also get ``p_holm``, Holm's
     adjustment over every primary row."""
-    from .report import pass_at_k_matrices
-
     rows = []
     for entry in endpoints:
         arm, versus = counts.get(entry["arm"], {}), counts.get(entry["versus"], {})
@@ -79,29 +89,6 @@ def shown_curves(report: dict) -> dict:
     (`endpoints.GUIDE_COLUMNS`); a column the runs did not log is absent."""
     shown = {}
     for arm, metrics in report["curves"].items():
-        sources = ("reward", "entropy", "kl", *GUIDE_COLUMNS[guide_acts_in(report["study"]["arms"][arm])])
+        sources = (*TRAINING_CURVES, *GUIDE_COLUMNS[guide_acts_in(report["study"]["arms"][arm])])
         shown[arm] = {name: metrics[m] for name, m in zip(SHOWN_CURVES, sources) if m in metrics}
     return shown
-
-
-def refresh(study_dir) -> dict:
-    """Recompute a committed study's endpoints (intervals, p, Holm) from the counts in its study.json,
-    store them there, and rewrite study.md (the plots are left as they are). Returns the report."""
-    from ..environment import package_commit
-    from .design import Arm, Study
-    from .report import markdown
-
-    study_dir = Path(study_dir)
-    report = json.loads((study_dir / "study.json").read_text())
-    spec = report["study"]
-    report["endpoints"] = endpoint_rows(report["counts"], spec["endpoints"])
-    report["refreshed_at_commit"] = package_commit()
-    write_file(study_dir / "study.json", json.dumps(report, indent=1) + "\n")
-    report = json.loads((study_dir / "study.json").read_text())
-    arms = [
-        Arm(name, s["algorithm"], {k: v for k, v in s.items() if k != "algorithm"}) for name, s in spec["arms"].items()
-    ]
-    keys = ("seeds", "baseline", "eval_n", "eval_problems", "train_config", "train", "endpoints")
-    study = Study(arms=arms, out=study_dir, **{key: spec[key] for key in keys})
-    write_file(study_dir / "study.md", markdown(report, study) + "\n")
-    return report

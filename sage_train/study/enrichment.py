@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from ..safe_files import write_file
-from .endpoints import format_p, format_points
+from .design import START
+from .endpoints import format_p, format_points, pass_at_k_matrices
 from .intervals import crossed_interval, crossed_p_value, holm, welch
-from .report import START, pass_at_k_matrices
 
 LONG = 1300  # SFT steps at or above which a seed is "long" (the rule's threshold)
 K = 64  # the registered endpoint's k

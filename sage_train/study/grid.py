@@ -50,8 +50,8 @@ import yaml
 from ..config import ConfigError
 from ..run_files import RUN_FILES
 from ..safe_files import make_dir, open_append, refuse_links
-from .design import Arm, Study, StudyError, parse_study
-from .report import ENV_FILE, START, write_report
+from .design import START, Arm, Study, StudyError, parse_study
+from .report import write_report
 
 NOT_STARTED = "not started: the study was stopped"
 
@@ -88,7 +88,7 @@ def record_environment(run_dir: Path, stage: str) -> None:
     from ..checkpoint import write_atomically
     from ..environment import environment
 
-    path = run_dir / ENV_FILE
+    path = run_dir / RUN_FILES.study_env
     recorded = json.loads(path.read_text()) if path.is_file() else {}
     recorded[stage] = environment()
     write_atomically(path, json.dumps(recorded, indent=1) + "\n")

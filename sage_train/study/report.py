@@ -22,21 +22,24 @@ import json
 import statistics
 from pathlib import Path
 
-import numpy as np
-
 from ..environment import LIBRARIES, package_commit
-from ..eval.evaluate import pass_at_k_table
 from ..report import read_metrics
 from ..run_files import RUN_FILES
 from ..safe_files import save_figure, write_file
-from .endpoints import GUIDE_COLUMNS, SHOWN_CURVES, endpoint_rows, format_p, shown_curves
+from .design import START
+from .endpoints import (
+    GUIDE_COLUMNS,
+    SHOWN_CURVES,
+    TRAINING_CURVES,
+    endpoint_rows,
+    format_p,
+    pass_at_k_matrices,
+    shown_curves,
+)
 from .intervals import crossed_interval, t_interval
 
-START = "start"  # the arm name of the starting point (the warm-started model, no RL)
-
-CURVE_METRICS = ("reward", "entropy", "kl", *GUIDE_COLUMNS["loss"], *GUIDE_COLUMNS["reward"])
+CURVE_METRICS = (*TRAINING_CURVES, *GUIDE_COLUMNS["loss"], *GUIDE_COLUMNS["reward"])
 SMOOTH_STEPS = 5  # the curves' plots average this many steps (the JSON keeps every step)
-ENV_FILE = "study_env.json"  # in each run directory (written by `sage_train.study`)
 
 
 # ----------------------------------------------------------------------------- counts and intervals
@@ -65,16 +68,6 @@ def collect_counts(study, arm_names: list) -> tuple:
                 raise ValueError(f"{arm} seed {seed}: problems were sampled with different n {sorted(n)}")
             counts[arm][str(seed)] = {"n": n.pop(), "correct": [r["c"] for r in records]}
     return problems or [], counts
-
-
-def pass_at_k_matrices(entry: dict, seeds: list, ks: list) -> dict:
-    """{k: seeds x problems matrix of pass@k} of one arm's counts (`counts[arm]`)."""
-    n = {entry[str(seed)]["n"] for seed in seeds}
-    if len(n) != 1:
-        raise ValueError(f"seeds {seeds} were sampled with different n {sorted(n)}")
-    table = pass_at_k_table(n.pop(), ks)
-    correct = np.array([entry[str(seed)]["correct"] for seed in seeds])
-    return {k: table[i][correct] for i, k in enumerate(ks)}
 
 
 def aggregate(counts: dict, baseline: str, ks: list) -> dict:
@@ -135,7 +128,7 @@ def environments(study, arm_names: list) -> list:
     found = []
     for arm in arm_names:
         for seed in study.seeds:
-            path = study.run_dir(arm, seed) / ENV_FILE
+            path = study.run_dir(arm, seed) / RUN_FILES.study_env
             for stage, env in (json.loads(path.read_text()) if path.is_file() else {}).items():
                 match = next((e for e in found if e["environment"] == env), None)
                 if match is None:

@@ -23,9 +23,8 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 from ..run_files import RUN_FILES
 from ..safe_files import make_dir, open_append, write_file
-from .design import parse_study
+from .design import START, parse_study
 from .grid import finished, record_environment, worker_init
-from .report import START
 from .toy.sampled import seeds_of
 
 

@@ -54,3 +54,25 @@ def test_the_smollm2_before_after_result_recomputes_from_its_counts():
     assert [{k: v for k, v in row.items() if k != "p"} for row in json.loads(json.dumps(rows))] == stored["endpoints"]
     assert [round(100 * x, 1) for x in rows[0]["per_seed"]] == [43.0, 40.2, 13.3]  # seeds 1, 2, 3
     assert rows[0]["p"] == pytest.approx(0.070, abs=5e-4)
+
+
+def test_refresh_rewrites_a_committed_study_as_committed(tmp_path):
+    """`study.refresh` on a copy of the KL-in-reward study (refreshed when p-values were added): its
+    study.json and study.md come back as committed, but for the commit the refresh names."""
+    import re
+    import shutil
+
+    from sage_train.study.refresh import refresh
+
+    committed = RESULTS / "kl-in-reward"
+    shutil.copytree(committed, tmp_path / "study")
+    refresh(tmp_path / "study")
+
+    def without_commit(text):
+        return re.sub(r"recomputed from the counts at \S+", "", text)
+
+    stored, again = (json.loads((d / "study.json").read_text()) for d in (committed, tmp_path / "study"))
+    assert again.pop("refreshed_at_commit") and stored.pop("refreshed_at_commit")
+    assert again == stored
+    md = [without_commit((d / "study.md").read_text()) for d in (committed, tmp_path / "study")]
+    assert md[0] == md[1]
