@@ -57,23 +57,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        if torch.is_grad_enabled():  # create_graph=True: a gradient that is itself differentiable
-            return (*_differentiable_grads(ctx, grad_logp.float(), grad_entropy.float()), None, None, None, None)
-        leaves, logp, entropy = ctx.sweep
+        sweep, ctx.sweep = ctx.sweep, None  # its graph runs once: a second backward (retain_graph) recomputes
+        create_graph = torch.is_grad_enabled()  # create_graph=True: a gradient that is itself differentiable
+        if create_graph or sweep is None:
+            with torch.enable_grad():
+                grads = _reference_grads(ctx, grad_logp.float(), grad_entropy.float(), create_graph)
+            return (*grads, None, None, None, None)
+        leaves, logp, entropy = sweep
         needed = [leaf for leaf in leaves if leaf.requires_grad]
         grads = iter(torch.autograd.grad((logp, entropy), needed, (grad_logp, grad_entropy)))
         return (*(next(grads) if leaf.requires_grad else None for leaf in leaves), None, None, None, None)
 
 
-def _differentiable_grads(ctx, grad_logp, grad_entropy):
-    """`_LinearCrossEntropy`'s backward under ``create_graph=True``: autograd through the reference
-    maths with its graph kept (all [N, V] logits at once, as a second derivative through them needs)."""
+def _reference_grads(ctx, grad_logp, grad_entropy, create_graph: bool):
+    """`_LinearCrossEntropy`'s backward by autograd through the reference maths (all [N, V] logits at
+    once): under ``create_graph=True`` with its graph kept, as a second derivative needs, and for a
+    second backward through a retained graph, whose sweep has run its backward already."""
     hidden2d, weight, labels = ctx.saved_tensors
     logp, entropy = reference_logprobs_and_entropy(
         hidden2d.float(), weight.float(), labels, temperature=ctx.temperature
     )
     needed = [t for t, need in zip((hidden2d, weight), ctx.needs_input_grad) if need]
-    grads = iter(torch.autograd.grad((logp, entropy), needed, (grad_logp, grad_entropy), create_graph=True))
+    grads = iter(torch.autograd.grad((logp, entropy), needed, (grad_logp, grad_entropy), create_graph=create_graph))
     return tuple(next(grads).to(t.dtype) if need else None for t, need in zip((hidden2d, weight), ctx.needs_input_grad))
 
 

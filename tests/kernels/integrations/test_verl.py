@@ -73,6 +73,20 @@ def test_linear_cross_entropy_logp_only_gradient():
     torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_linear_cross_entropy_backward_twice_through_a_retained_graph():
+    """The fused sweep's backward runs once; a second backward (retain_graph) adds the same gradients."""
+    hidden, weight, labels, g = make_head(seed=4)
+    upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logp, entropy = sage_verl.linear_cross_entropy(h, w, labels, 0.8, backend=BACKEND)
+    objective = (logp * upstream[0]).sum() + (entropy * upstream[1]).sum()
+    objective.backward(retain_graph=True)
+    once = h.grad.clone(), w.grad.clone()
+    objective.backward()
+    for name, twice, first in zip(("hidden", "weight"), (h.grad, w.grad), once):
+        torch.testing.assert_close(twice, 2 * first, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=5)
 @given(
