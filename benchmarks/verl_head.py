@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from sage_kernels.integrations.verl import linear_cross_entropy
+from sage_kernels.integrations.verl_kernel import linear_cross_entropy  # integrations.verl would import verl
 
 from .shapes import Inputs
 from .trl_head import grpo_loss
