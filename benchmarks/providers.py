@@ -18,7 +18,7 @@ import torch
 
 from sage_kernels import fused_linear_sage_loss
 
-from . import trl_head
+from . import trl_head, verl_head
 from .chunked_loss import chunked_grpo_loss
 from .shapes import Inputs
 
@@ -156,6 +156,8 @@ PROVIDERS = {
         Provider("liger-eager", _liger(False), "none", _liger_missing),
         Provider("trl-full-logits", trl_head.full_logits(SETTINGS), "none", trl_head.missing),
         Provider("trl-chunked", trl_head.chunked(SETTINGS), "none", trl_head.missing),
+        Provider("verl-fused-linear", verl_head.verl_fused_linear(SETTINGS), "none", verl_head.missing),
+        Provider("sage-verl-kernel", verl_head.sage_kernel(SETTINGS), "none", _always),
         Provider("gemm-floor", _gemm_floor, None, _always),
         Provider("sage-cpu", _sage("cpu", "none"), "none", functools.partial(_backend_missing, "cpu"), ours=True),
         Provider(

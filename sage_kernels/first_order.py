@@ -10,10 +10,10 @@ gradient requires grad, which the constant seed of ``autograd.grad(loss, ..., cr
 does not: a penalty on a layer below the head went through unchecked. Refusing at once needs no
 extra saved tensor to keep the raising node on autograd's path (the hidden states would be held to
 the backward). The reference backend is plain autograd through the logits and supports second
-derivatives, and so does verl's ``linear_cross_entropy`` (`integrations.verl`, which recomputes the
-reference maths in its backward). The vocabulary-parallel head is first order on every backend:
-each rank differentiates through its own shard with the others' statistics as constants, exact for
-the gradient but not for the gradient's derivative.
+derivatives, and so does verl's ``linear_cross_entropy`` (`integrations.verl`, whose backward
+under ``create_graph=True`` is autograd through the reference maths). The vocabulary-parallel head
+is first order on every backend: each rank differentiates through its own shard with the others'
+statistics as constants, exact for the gradient but not for the gradient's derivative.
 """
 
 from __future__ import annotations

@@ -28,65 +28,57 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..function import logprobs_and_entropy
+from ..backends import backend_named, device_of, resolve_backend
+from ..function import check_logits_finite
+from ..inputs import validate_scoring_inputs
 from ..reference import reference_logprobs_and_entropy
+from ..spec import LossConfig
 from ..vocab_parallel import sharded_logprobs_and_entropy
-
-#: rows per recomputed block in the backward of `linear_cross_entropy` (a [rows, V] float32 workspace).
-BACKWARD_BLOCK_ROWS = 1024
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Forward: the fused sweep (no logits kept). Backward: recompute the logits block by block
-    and differentiate the reference maths, so memory stays O(block * V)."""
+    """The backend's shard sweep over the whole vocabulary (one shard: `backends.Backend.shard_stats`),
+    whose gradient is itself differentiable. First order: the sweep's fused backward, its graph kept
+    inside this Function (no logits kept). Under ``create_graph=True``: autograd through the
+    reference maths instead, since the fused backward's gradients carry no graph (`first_order.py`)."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, labels, temperature, backend):
-        logp, entropy = logprobs_and_entropy(
-            hidden2d.detach(), weight.detach(), labels, temperature=temperature, backend=backend
-        )
+    def forward(ctx, hidden2d, weight, labels, temperature, backend, keep_graph):
+        # needs_input_grad is set under no_grad too: `keep_graph` (the caller's grad mode) decides
+        leaves = [
+            t.detach().requires_grad_(keep_graph and need) for t, need in zip((hidden2d, weight), ctx.needs_input_grad)
+        ]
+        with torch.set_grad_enabled(keep_graph):
+            _, logp, entropy = backend.shard_stats(*leaves, None, labels, temperature)
+        ctx.sweep = leaves, logp, entropy
         ctx.save_for_backward(hidden2d, weight, labels)
         ctx.temperature = temperature
-        return logp, entropy
+        return logp.detach(), entropy.detach()
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden2d, weight, labels = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grad_logp = torch.zeros_like(labels, dtype=torch.float32) if grad_logp is None else grad_logp.float()
-        grad_entropy = torch.zeros_like(grad_logp) if grad_entropy is None else grad_entropy.float()
-        if torch.is_grad_enabled():  # create_graph=True: a gradient that is itself differentiable
-            return (*_differentiable_grads(ctx, grad_logp, grad_entropy), None, None, None)
-        grad_hidden = torch.zeros_like(hidden2d, dtype=torch.float32) if need_hidden else None
-        weight32 = weight.detach().float().requires_grad_(need_weight)
-        for start in range(0, labels.shape[0], BACKWARD_BLOCK_ROWS):
-            rows = slice(start, start + BACKWARD_BLOCK_ROWS)
+        sweep, ctx.sweep = ctx.sweep, None  # its graph runs once: a second backward (retain_graph) recomputes
+        create_graph = torch.is_grad_enabled()  # create_graph=True: a gradient that is itself differentiable
+        if create_graph or sweep is None:
             with torch.enable_grad():
-                block = hidden2d[rows].detach().float().requires_grad_(need_hidden)
-                logp, entropy = reference_logprobs_and_entropy(
-                    block, weight32, labels[rows], temperature=ctx.temperature
-                )
-                torch.autograd.backward((logp, entropy), (grad_logp[rows], grad_entropy[rows]))
-            if need_hidden:
-                grad_hidden[rows] = block.grad
-        return (
-            None if grad_hidden is None else grad_hidden.to(hidden2d.dtype),
-            weight32.grad.to(weight.dtype) if need_weight else None,
-            None,
-            None,
-            None,
-        )
+                grads = _reference_grads(ctx, grad_logp.float(), grad_entropy.float(), create_graph)
+            return (*grads, None, None, None, None)
+        leaves, logp, entropy = sweep
+        needed = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = iter(torch.autograd.grad((logp, entropy), needed, (grad_logp, grad_entropy)))
+        return (*(next(grads) if leaf.requires_grad else None for leaf in leaves), None, None, None, None)
 
 
-def _differentiable_grads(ctx, grad_logp, grad_entropy):
-    """`_LinearCrossEntropy`'s backward under ``create_graph=True``: autograd through the reference
-    maths with its graph kept (all [N, V] logits at once, as a second derivative through them needs)."""
+def _reference_grads(ctx, grad_logp, grad_entropy, create_graph: bool):
+    """`_LinearCrossEntropy`'s backward by autograd through the reference maths (all [N, V] logits at
+    once): under ``create_graph=True`` with its graph kept, as a second derivative needs, and for a
+    second backward through a retained graph, whose sweep has run its backward already."""
     hidden2d, weight, labels = ctx.saved_tensors
     logp, entropy = reference_logprobs_and_entropy(
         hidden2d.float(), weight.float(), labels, temperature=ctx.temperature
     )
     needed = [t for t, need in zip((hidden2d, weight), ctx.needs_input_grad) if need]
-    grads = iter(torch.autograd.grad((logp, entropy), needed, (grad_logp, grad_entropy), create_graph=True))
+    grads = iter(torch.autograd.grad((logp, entropy), needed, (grad_logp, grad_entropy), create_graph=create_graph))
     return tuple(next(grads).to(t.dtype) if need else None for t, need in zip((hidden2d, weight), ctx.needs_input_grad))
 
 
@@ -116,9 +108,18 @@ def linear_cross_entropy(
         return sharded_logprobs_and_entropy(
             hidden, weight, labels, group=dist_process_group, temperature=float(temperature), backend=backend
         )
+    chosen = backend_named(resolve_backend(backend, device_of(hidden)))
     lead = labels.shape
-    hidden2d = hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = _LinearCrossEntropy.apply(hidden2d, weight, labels.reshape(-1).long(), float(temperature), backend)
+    hidden2d, ids, _ = validate_scoring_inputs(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1).long(),
+        temperature=temperature,
+        allowed_dtypes=chosen.DTYPES,
+    )
+    temperature = float(temperature)
+    logp, entropy = _LinearCrossEntropy.apply(hidden2d, weight, ids, temperature, chosen, torch.is_grad_enabled())
+    check_logits_finite(logp, entropy, None, LossConfig(beta=0.0, temperature=temperature))
     return logp.view(lead), entropy.view(lead)
 
 

@@ -11,7 +11,17 @@ from sage_bench.shapes import Point, make_inputs
 
 from sage_kernels import fused_linear_sage_loss
 
-PROVIDERS = ["naive", "liger-eager", "trl-full-logits", "trl-chunked", "gemm-floor", "sage-cpu", "sage-triton"]
+PROVIDERS = [
+    "naive",
+    "liger-eager",
+    "trl-full-logits",
+    "trl-chunked",
+    "sage-verl-kernel",
+    "verl-fused-linear",
+    "gemm-floor",
+    "sage-cpu",
+    "sage-triton",
+]
 
 
 @pytest.fixture(scope="module")

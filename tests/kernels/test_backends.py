@@ -3,10 +3,14 @@ over a whole vocabulary (one shard) gives the float64 reference's lse, logp, ent
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from tolerances import assert_close, assert_grad_close
 
+import sage_kernels
 from sage_kernels.backends import BACKENDS, Backend, backend_named, resolve_backend
 from sage_kernels.reference import logits_of, reference_logprobs_and_entropy
 
@@ -54,3 +58,34 @@ def test_shard_stats_over_a_whole_vocabulary_is_the_reference(name):
         assert_close(actual.detach(), value.detach(), dtype, "token", what)
     for what, actual, value in zip(("hidden", "weight", "bias"), grads, expected_grads):
         assert_grad_close(actual, value, dtype, what)
+
+
+PACKAGE = Path(sage_kernels.__file__).parent
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The absolute names of the sage_kernels modules `path` imports (relative imports resolved)."""
+    package = ["sage_kernels", *path.relative_to(PACKAGE).parent.parts]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+            names.add(module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_only_the_table_names_a_fast_backend():
+    """function.py, the vocabulary-parallel head and the adapters reach the cpu and triton backends
+    through `backends.py` alone: no other module outside a backend imports them or imports by name."""
+    fast = ("sage_kernels.cpu", "sage_kernels.triton")
+    for path in sorted(PACKAGE.rglob("*.py")):
+        inside = path.relative_to(PACKAGE).as_posix()
+        if inside in ("backends.py", "cpu.py") or inside.startswith("triton/"):
+            continue
+        imported = _imported_modules(path)
+        assert not [name for name in imported if name.startswith(fast)], f"{inside} imports a backend"
+        assert "importlib" not in imported, f"{inside} imports by name (importlib)"

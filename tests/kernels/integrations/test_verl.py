@@ -10,10 +10,14 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tolerances import assert_close, assert_grad_close
 
 from sage_kernels import fused_linear_sage_loss
+from sage_kernels.backends import BACKENDS
 from sage_kernels.integrations import verl as sage_verl
-from sage_kernels.integrations import verl_kernel
+from sage_kernels.reference import reference_logprobs_and_entropy
 
 HAS_VERL = importlib.util.find_spec("verl") is not None
 real_verl = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed here")
@@ -49,9 +53,7 @@ def forward_backward(fn, hidden, weight, labels, upstream):
     return logp.detach(), entropy.detach(), hidden.grad, weight.grad
 
 
-@pytest.mark.parametrize("block_rows", [1024, 4], ids=["one-block", "blocks-of-4"])
-def test_linear_cross_entropy_matches_formula(monkeypatch, block_rows):
-    monkeypatch.setattr(verl_kernel, "BACKWARD_BLOCK_ROWS", block_rows)  # read by its backward
+def test_linear_cross_entropy_matches_formula():
     hidden, weight, labels, g = make_head()
     upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
     ours = forward_backward(
@@ -69,6 +71,66 @@ def test_linear_cross_entropy_logp_only_gradient():
     h2 = hidden.clone().requires_grad_(True)
     logprobs_entropy_formula(h2, weight, labels, 1.0)[0].sum().backward()
     torch.testing.assert_close(h.grad, h2.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_cross_entropy_backward_twice_through_a_retained_graph():
+    """The fused sweep's backward runs once; a second backward (retain_graph) adds the same gradients."""
+    hidden, weight, labels, g = make_head(seed=4)
+    upstream = (torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g))
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logp, entropy = sage_verl.linear_cross_entropy(h, w, labels, 0.8, backend=BACKEND)
+    objective = (logp * upstream[0]).sum() + (entropy * upstream[1]).sum()
+    objective.backward(retain_graph=True)
+    once = h.grad.clone(), w.grad.clone()
+    objective.backward()
+    for name, twice, first in zip(("hidden", "weight"), (h.grad, w.grad), once):
+        torch.testing.assert_close(twice, 2 * first, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=5)
+@given(
+    lead=st.sampled_from([(1, 9), (3, 5), (2, 24)]),
+    D=st.sampled_from([4, 33]),
+    V=st.sampled_from([7, 300]),
+    temperature=st.sampled_from([1.0, 0.7]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_cross_entropy_matches_the_float64_reference(backend, lead, D, V, temperature, dtype, seed):
+    """Each backend's shard sweep behind the adapter: values and both gradients within the dtype's
+    tolerance of the float64 reference (verl's [B, T] layout, a loss on logp and entropy)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*lead, D, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(V, D, generator=g, dtype=torch.float64) * 0.7).to(dtype)
+    labels = torch.randint(0, V, lead, generator=g)
+    upstream = torch.randn(2, *lead, generator=g, dtype=torch.float64)
+
+    def run(h, w, logprobs_and_entropy):
+        h, w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        logp, entropy = logprobs_and_entropy(h, w)
+        ((logp.double() * upstream[0]).sum() + (entropy.double() * upstream[1]).sum()).backward()
+        return (logp.detach(), entropy.detach()), (h.grad, w.grad)
+
+    (logp, entropy), grads = run(
+        hidden, weight, lambda h, w: sage_verl.linear_cross_entropy(h, w, labels, temperature, backend=backend)
+    )
+    (want_logp, want_entropy), want_grads = run(
+        hidden.double(),
+        weight.double(),
+        lambda h, w: tuple(
+            t.view(lead)
+            for t in reference_logprobs_and_entropy(
+                h.reshape(-1, D), w, labels.reshape(-1), temperature=temperature, dtype=torch.float64
+            )
+        ),
+    )
+    assert logp.shape == entropy.shape == lead and logp.dtype == entropy.dtype == torch.float32
+    assert_close(logp, want_logp, dtype, "token", f"{backend} logp")
+    assert_close(entropy, want_entropy, dtype, "token", f"{backend} entropy")
+    for name, got, want, like in zip(("hidden", "weight"), grads, want_grads, (hidden, weight)):
+        assert got.dtype == like.dtype, name
+        assert_grad_close(got, want, dtype, f"{backend} grad {name}")
 
 
 @pytest.mark.parametrize(
