@@ -24,8 +24,7 @@ from sage_kernels import LossConfig
 
 from . import config_files
 from .config_rules import ConfigError, validate
-from .guide import GuideSettings
-from .presets import LOSS_KEYS, PresetError, apply_preset
+from .presets import LOSS_KEYS, GuideSettings, PresetError, apply_preset
 
 DEFAULT_CONFIG = "tiny-cpu"
 #: the packaged config a run without ``--config`` starts from when ``--model`` is not "tiny": a real
@@ -47,7 +46,7 @@ class RunOptions:
     overwrite: bool = False  # a fresh run may delete the checkpoints and final model of a run of the same name
 
     # model: "tiny" builds a Qwen2-style model from the tiny_* keys; a named model shipped by a package
-    # (models.packaged.NAMED_MODELS: smollm2-135m-instruct), a local .gguf file, a hub name or a local path
+    # (models.loading.NAMED_MODELS: smollm2-135m-instruct), a local .gguf file, a hub name or a local path
     model: str = "tiny"
     gguf_file: str = ""  # a GGUF file inside the `model` directory (or an absolute path), converted once
     tiny_hidden_size: int = 64

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sage_kernels import LossConfig
 from sage_kernels.guides import Guide
 
 from .config import TrainConfig
@@ -58,6 +59,8 @@ class RunContext:
     rank: int
     world: int
     device: torch.device
+    #: the run's loss options (`presets.loss_config`), built once; each step sets its normaliser
+    loss: LossConfig = field(kw_only=True)
     generation: Generation | None = None  # the rollouts the current optimizer steps learn from
     nonfinite_in_a_row: int = 0  # RL steps in a row with a skipped optimizer step
     stop: str = ""  # why the run must stop (set by `step.check_finite_steps`)

@@ -7,6 +7,7 @@ once to be checked and again to be used. A bad key raises `ConfigError` naming i
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,14 +15,12 @@ import torch
 from .config import ConfigError, TrainConfig
 from .config_files import read_mapping
 from .models.files import ModelFilesError, check_model
-from .models.loading import load_skeleton, tokenizer_for
-from .models.packaged import model_directory
+from .models.loading import load_skeleton, model_directory, tokenizer_for
 from .run_files import FRESH_RUN_CLEARS, RUN_ENTRIES
 from .safe_files import refuse_links
-from .sft import sft_examples
 from .tasks import TASK_NAMES, get_task
 from .tasks.base import Problem, Task
-from .tasks.chat import chat_prompted
+from .tasks.chat import chat_prompted, official_sft_completion
 
 
 @dataclass(frozen=True)
@@ -32,8 +31,7 @@ class RunPlan:
     world: int
     task: Task  # the RL task, in its own prompt format (the builder puts it in the policy tokenizer's)
     train_problems: list[Problem]  # the RL pool
-    sft_task: Task  # the warm start's task, in the run's prompt format (`chat_prompted`)
-    sft_problems: list[Problem]
+    sft_examples: list[tuple[list[int], list[int]]]  # the warm start's (`sft_examples`); [] without one
     eval_task: Task | None  # ``eval_task``'s task when it is set and "test" is evaluated (None: the RL task)
     held_out: list[Problem]  # the "test" split's problems (`held_out_problems`), drawn once; [] when not evaluated
     local_rows: int  # each rank's rows per step: its prompts x group_size (`check_batch_shape`)
@@ -86,14 +84,13 @@ def check_inputs(cfg: TrainConfig, world: int, device: torch.device | None = Non
             check_model(model, "config key 'model' (expected 'tiny', a hub id or a model directory)")
         except ModelFilesError as error:
             raise ConfigError(str(error)) from None
-    tokenizer, sft_task = _check_what_the_model_meets(cfg, model, sft_task, sft_problems)
+    tokenizer, examples = _check_what_the_model_meets(cfg, model, sft_task, sft_problems)
     return RunPlan(
         cfg,
         world,
         task,
         train_problems,
-        sft_task,
-        sft_problems,
+        examples,
         eval_task,
         held_out,
         local_rows,
@@ -107,8 +104,8 @@ def check_inputs(cfg: TrainConfig, world: int, device: torch.device | None = Non
 def _check_what_the_model_meets(cfg: TrainConfig, model: str, sft_task, sft_problems: list) -> tuple:
     """The keys that fail only once a model exists, checked on its tokenizer and on a skeleton of it
     (no weights: `model.load_skeleton`): the chat template, the LoRA target modules, and the warm
-    start's examples (`sft.sft_examples` refuses a set that leaves none). Returns (the tokenizer, the
-    warm start's task in the run's prompt format)."""
+    start's examples (`sft_examples` refuses a set that leaves none). Returns (the tokenizer, the
+    warm start's examples: [] without a warm start)."""
     tokenizer = tokenizer_for(model)
     try:
         prompted = chat_prompted(cfg, sft_task, tokenizer)
@@ -122,9 +119,7 @@ def _check_what_the_model_meets(cfg: TrainConfig, model: str, sft_task, sft_prob
                 f"config key 'lora_target_modules': {missing} name no module of {cfg.model!r} (its modules "
                 f"include {sorted(n for n in names if n.endswith('proj')) or sorted(names)[:12]})"
             )
-    if cfg.warm_start:
-        sft_examples(prompted, sft_problems, tokenizer, cfg)
-    return tokenizer, prompted
+    return tokenizer, sft_examples(prompted, sft_problems, tokenizer, cfg) if cfg.warm_start else []
 
 
 def _task(key: str, name: str, options: dict):
@@ -220,3 +215,42 @@ def run_prompts(task, train_problems: list, evaluations: dict):
     yield from (task.prompt(p) for p in train_problems)
     for split_task, problems in evaluations.values():
         yield from (split_task.prompt(p) for p in problems)
+
+
+def sft_examples(task, problems: list, tokenizer, cfg: TrainConfig) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids + EOS) of each problem with a worked solution
+    (``meta["sft_completion"]``), formatted per ``sft_format`` and filtered by
+    ``sft_max_example_tokens``; completions cut at ``sft_max_tokens``."""
+    pairs = []
+    for p in problems:
+        if "sft_completion" not in p.meta:
+            continue
+        completion = p.meta["sft_completion"]
+        if cfg.sft_format == "official":
+            if not is_number(p.answer):  # the official warm start keeps numeric answers only
+                continue
+            completion = official_sft_completion(completion, p.answer)
+        pairs.append((task.prompt(p), completion))
+    if not pairs:
+        raise ConfigError(
+            f"sft_steps: task {cfg.sft_task or cfg.task!r} gives no meta['sft_completion'] to warm-start on "
+            "(with sft_format 'official': none with a numeric answer); set sft_steps=0"
+        )
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    completions = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+    examples = [(p, c + [tokenizer.eos_token_id]) for p, c in zip(prompts, completions)]
+    if cfg.sft_max_example_tokens:
+        examples = [(p, c) for p, c in examples if len(p) + len(c) <= cfg.sft_max_example_tokens]
+        if not examples:
+            raise ConfigError(f"sft_max_example_tokens: no example is {cfg.sft_max_example_tokens} tokens or shorter")
+    if cfg.sft_max_tokens:
+        examples = [(p, c[: cfg.sft_max_tokens]) for p, c in examples]
+    return examples
+
+
+def is_number(text: str) -> bool:
+    """Whether `text` reads as a number (the official filter: pandas.to_numeric is not NaN)."""
+    try:
+        return not math.isnan(float(text))
+    except ValueError:
+        return False

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import checkpoint, config_files
 from .config import ConfigError, TrainConfig
 from .distributed import on_rank0
-from .guide import is_scheduled
+from .presets import is_scheduled
 from .run_files import FRESH_RUN_CLEARS, RUN_FILES
 from .safe_files import make_dir, open_lock, remove
 

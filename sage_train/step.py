@@ -37,13 +37,12 @@ from .context import Generation, RunContext
 from .distributed import all_ranks
 from .micro_batches import split
 from .policy import Batch, entropy_quantiles, make_batch, score
-from .presets import loss_config
 from .report import write_completions
 from .rl_maths import group_advantages, objective_advantages
 from .rollout import SamplingParams
 from .run_files import RUN_FILES
 from .step_metrics import STEP_METRICS
-from .tasks.grading import grade
+from .tasks import grade
 
 #: host wall-clock seconds of a step's parts (on CUDA, without a synchronise: kernels still queued
 #: count toward the next part): sampling with grading, scoring (behaviour + reference log-probs),
@@ -379,7 +378,7 @@ def step_loss_config(ctx: RunContext, batch: Batch):
     which would divide by each call's own count, becomes dapo given this rank's count, each rank
     weighted 1 / world (TRL: each process's local-batch mean, averaged over processes).
     """
-    base = loss_config(ctx.cfg)
+    base = ctx.loss
     normaliser = LOSS_TYPES[base.loss_type].normaliser
     if normaliser == "given_tokens" or normaliser == "call_tokens":
         tokens = batch.completion_mask.sum().float()

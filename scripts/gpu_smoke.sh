@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU smoke test of the vllm rollout engine. First the engine's own GPU test
-# (tests/train/test_vllm_engine.py: level-2 sleep from start-up, pushes counted, an awake
+# (tests/train/rollout/test_vllm_engine.py: level-2 sleep from start-up, pushes counted, an awake
 # session pushing nothing, seeded and per-prompt-seeded sampling, log-probs against the
 # trainer's with min_p on). Then a few RL steps of `sage-train` with the colocated vLLM engine
 # (sleep mode, weight sync after every optimizer step, token-level truncated importance sampling
@@ -34,7 +34,7 @@ echo "gpu_smoke: logging to $LOG"
 
 status=0
 echo "== test_vllm_engine" | tee -a "$LOG"
-if ! timeout 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/train/test_vllm_engine.py >>"$LOG" 2>&1; then
+if ! timeout 600 "$PYTHON" -m pytest -q -p no:cacheprovider tests/train/rollout/test_vllm_engine.py >>"$LOG" 2>&1; then
     echo "gpu_smoke: test_vllm_engine FAILED (see $LOG)" | tee -a "$LOG"
     status=1
 fi

@@ -31,8 +31,8 @@ from pathlib import Path
 from ..checkpoint import write_atomically
 from ..rollout.base import RolloutEngine, SamplingParams, derive_seed
 from ..safe_files import save_figure, write_file
+from ..tasks import grade
 from ..tasks.base import Problem, Task
-from ..tasks.grading import grade
 
 # ----------------------------------------------------------------------------- the estimator
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import config_files
 from ..models.files import check_model, fingerprint
-from ..models.packaged import gguf_source, model_directory
+from ..models.loading import gguf_source, model_directory
 from ..rollout.base import RolloutEngine
 from ..run_files import RUN_FILES
 
@@ -76,7 +76,7 @@ def build_engine(kind: str, model_path: str, device: str) -> RolloutEngine:
     """A rollout engine sampling from the model at `model_path`: "hf" loads it with transformers
     on `device`; "vllm" hands the path to a vLLM engine that owns the GPU (no sleep mode: there is
     no training to share memory with)."""
-    from ..rollout import make_engine
+    from ..rollout.base import make_engine
 
     if kind == "hf":
         from ..models.loading import load_pretrained

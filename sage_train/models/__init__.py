@@ -1,2 +1,3 @@
-"""Models: building and loading them (`loading`: the tiny model and tokenizer, pretrained models),
-named models and GGUF files (`packaged`), received model folders checked (`files`), LoRA (`lora`)."""
+"""Models: where they come from and how they load (`loading`: the tiny model and tokenizer, named
+models and GGUF files converted once to a cached folder, pretrained models), received model folders
+checked (`files`), LoRA (`lora`)."""

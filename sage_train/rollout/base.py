@@ -1,8 +1,9 @@
 """The rollout engine interface: prompts in, sampled completions (with their log-probs) out.
 
 Engines: `hf.py` (transformers `generate`, the embedded default), `vllm.py` (a colocated vLLM
-engine on GPUs) and `openai.py` (an external OpenAI-compatible server). Training and evaluation
-both sample through this interface.
+engine on GPUs) and `openai.py` (an external OpenAI-compatible server), one row each of
+`ENGINES`, beside the interface they implement; `make_engine` picks one by name, so adding an
+engine is one row there. Training and evaluation both sample through this interface.
 
 Seeds. A seeded call draws each prompt's samples from that prompt's own seed (`prompt_seeds`),
 so prompts never share sampling noise and a prompt's samples do not depend on what else is in
@@ -17,6 +18,7 @@ compares like with like and gives weights of 1 where the engine and the trainer 
 from __future__ import annotations
 
 import hashlib
+import importlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -133,3 +135,31 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model) -> None: ...
 
     def awake(self) -> AbstractContextManager: ...
+
+
+# name -> (module of this package, class). Each class is constructed as ``cls(model, tokenizer,
+# **options)``; a module is imported only when its engine is asked for (vLLM is an optional extra).
+ENGINES = {
+    "hf": ("hf", "HFEngine"),
+    "vllm": ("vllm", "VLLMEngine"),
+    "openai": ("openai", "OpenAIServerEngine"),
+}
+
+
+def make_engine(name: str, model, tokenizer, **options) -> RolloutEngine:
+    """The engine `name`.
+
+    "hf": transformers generate on `model`, the live training module (options: device, synced_gpus,
+    max_rows, dtype).
+    "vllm": a colocated `vllm.LLM` loading `model`, a hub name or HF-format directory (options:
+    gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb, max_model_len,
+    max_num_batched_tokens, dtype, seed, temperature).
+    "openai": an external OpenAI-compatible server at the URL `model` (options: served_model, the
+    served model's name; base_model, the weights the adapter is trained on, checked against the
+    server's; shared_dir, where synced adapters are saved for the server to load).
+    """
+    if name not in ENGINES:
+        raise ValueError(f"rollout engine must be one of {list(ENGINES)}, got {name!r}")
+    module, cls = ENGINES[name]
+    engine_class = getattr(importlib.import_module(f".{module}", __package__), cls)
+    return engine_class(model, tokenizer, **options)

@@ -1,14 +1,18 @@
-"""The task registry: a task by name, with its options.
+"""The task registry: a task by name, with its options, and its grading.
 
 `get_task("arithmetic" | "countdown" | "knights", **options)` builds a synthetic task (see
 each module's docstring for its options); any other name is a math source (a benchmark name,
 a jsonl path or a hub dataset id) handed to `sage_train.tasks.math.MathTask`, imported only
 then so the synthetic tasks need none of its dependencies.
+
+`grade(task, completions, problem)` is what the trainer and the evaluation call: the task's own
+verifier, batched when the task can (math answers go through `sage_train.tasks.grading`'s pool).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 from .arithmetic import ArithmeticTask
 from .base import Problem, Task
@@ -18,7 +22,7 @@ from .knights import KnightsTask
 SYNTHETIC_TASKS = {task.name: task for task in (ArithmeticTask, CountdownTask, KnightsTask)}
 TASK_NAMES = tuple(SYNTHETIC_TASKS)
 
-__all__ = ["TASK_NAMES", "Problem", "Task", "get_task", "ArithmeticTask", "CountdownTask", "KnightsTask"]
+__all__ = ["TASK_NAMES", "Problem", "Task", "get_task", "grade", "ArithmeticTask", "CountdownTask", "KnightsTask"]
 
 
 def get_task(name: str, **options) -> Task:
@@ -48,3 +52,11 @@ def _check_options(name: str, factory, options: dict, positional: int) -> None:
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise TypeError(f"unknown option(s) {unknown} for task {name!r}; accepted: {accepted}")
+
+
+def grade(task: Task, completions: Sequence[str], problem: Problem) -> list[float]:
+    """The task's own scores of the completions of one problem (batched when the task can)."""
+    score_batch = getattr(task, "score_batch", None)
+    if score_batch is not None:
+        return list(score_batch(list(completions), [problem] * len(completions)))
+    return [task.score(text, problem) for text in completions]

@@ -1,9 +1,6 @@
 """Grading: a task's own scores of completions, and math answers graded by math-verify under a
 hard time limit per call.
 
-`grade(task, completions, problem)` is what the trainer and the evaluation call: the task's
-verifier, batched when the task can.
-
 `math_reward(completion, gold)` parses the gold answer and the completion with math-verify
 (the completion's last `\\boxed{}` or, failing that, its final answer as math-verify extracts
 it) and returns 1.0 when they are equivalent, else 0.0. `math_rewards(pairs)` grades many at
@@ -37,19 +34,6 @@ import time
 from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .base import Problem, Task
-
-
-def grade(task: Task, completions: Sequence[str], problem: Problem) -> list[float]:
-    """The task's own scores of the completions of one problem (batched when the task can)."""
-    score_batch = getattr(task, "score_batch", None)
-    if score_batch is not None:
-        return list(score_batch(list(completions), [problem] * len(completions)))
-    return [task.score(text, problem) for text in completions]
-
 
 DEFAULT_TIMEOUT_S = 5.0
 # Time a fresh worker may take to start (import sympy) before it counts as broken.

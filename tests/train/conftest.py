@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sage_train.config import build, resolve
-from sage_train.models import packaged
+from sage_train.models import loading
 from sage_train.tasks.math import BENCHMARKS, MathTask, data_root
 
 #: a run that takes seconds: a 2-layer, 32-wide model on 1-digit addition
@@ -91,7 +91,7 @@ def gold_answers(math_data) -> list[tuple[str, str]]:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A model cache of the test's own (`sage_train.models.packaged`)."""
-    monkeypatch.setenv(packaged.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(loading.CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

@@ -181,14 +181,15 @@ def test_train_problems_beyond_the_default_pool_draws_a_larger_pool_with_the_def
     assert len(default.train_problems) == 1000 and len(larger.train_problems) == 2500
     assert len({p.id for p in larger.train_problems}) == 2500
     assert [p.id for p in larger.train_problems[:1000]] == [p.id for p in default.train_problems]
-    # the warm start sees the pool the prompts come from, and never less than the default one
-    assert larger.sft_problems == larger.train_problems and smaller.sft_problems == default.sft_problems
+    # the warm start sees the pool the prompts come from (an example per problem), never less than the default one
+    assert len(larger.sft_examples) == 2500 and larger.sft_examples[:1000] == default.sft_examples
+    assert smaller.sft_examples == default.sft_examples
     assert [p.id for p in smaller.train_problems] == [p.id for p in default.train_problems[:100]]
 
 
 def test_the_guide_keys_are_the_guide_settings_fields_and_read_back_through_them():
     from sage_train.config import FIELDS
-    from sage_train.guide import GUIDE_KEYS, GuideSettings, guide_settings, is_scheduled
+    from sage_train.presets import GUIDE_KEYS, GuideSettings, guide_settings, is_scheduled
 
     assert set(GUIDE_KEYS) <= set(FIELDS) and len(GUIDE_KEYS) == len(dataclasses.fields(GuideSettings))
     cfg = resolve(build({"algorithm": "sage-random", "guide_eps_max": 0.2, "guide_num_cycles": 3}))

@@ -16,6 +16,7 @@ from sage_train.inputs import engine_config
 from sage_train.models.loading import build_char_tokenizer, decoder_of
 from sage_train.models.lora import with_lora
 from sage_train.policy import make_batch, score
+from sage_train.presets import loss_config
 from sage_train.step import policy_update
 
 CPU = torch.device("cpu")
@@ -40,7 +41,18 @@ def step_gradients(cfg, tokenizer, batch, advantages):
     layers = decoder_of(engine.module.lm.get_base_model() if cfg.lora_rank else engine.module.lm).layers
     layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
     ctx = RunContext(
-        cfg, engine, reference, None, tokenizer, None, [], None, rank=0, world=1, device=torch.device("cpu")
+        cfg,
+        engine,
+        reference,
+        None,
+        tokenizer,
+        None,
+        [],
+        None,
+        rank=0,
+        world=1,
+        device=torch.device("cpu"),
+        loss=loss_config(cfg),
     )
     old_logp, _ = score(engine, batch, cfg.micro_batch_size, cfg.temperature)
     ref_logp, _ = score(reference, batch, cfg.micro_batch_size, cfg.temperature)

@@ -142,13 +142,19 @@ def test_resume_refuses_a_changed_config(tiny_config, distributed):
 
 
 def test_warm_start_stops_at_the_target_loss(tiny_config):
+    from sage_train.build import SFT_WINDOW, sft_warm_start
+    from sage_train.inputs import sft_examples
     from sage_train.models.loading import load_model_and_tokenizer
-    from sage_train.sft import SFT_WINDOW, sft_warm_start
     from sage_train.tasks import get_task
 
     task = get_task("arithmetic", digits=1)
     problems = task.problems("train", None, 0)
-    never = tiny_config(sft_steps=SFT_WINDOW + 5, sft_target_loss=0.0)
-    assert sft_warm_start(*load_model_and_tokenizer(never), task, problems, never) == SFT_WINDOW + 5
-    easy = tiny_config(sft_steps=10 * SFT_WINDOW, sft_target_loss=100.0)  # any loss is below it
-    assert sft_warm_start(*load_model_and_tokenizer(easy), task, problems, easy) == SFT_WINDOW
+
+    def steps_taken(cfg) -> int:
+        model, tokenizer = load_model_and_tokenizer(cfg)
+        return sft_warm_start(model, tokenizer, sft_examples(task, problems, tokenizer, cfg), cfg)
+
+    assert steps_taken(tiny_config(sft_steps=SFT_WINDOW + 5, sft_target_loss=0.0)) == SFT_WINDOW + 5
+    assert (
+        steps_taken(tiny_config(sft_steps=10 * SFT_WINDOW, sft_target_loss=100.0)) == SFT_WINDOW
+    )  # any loss is below it

@@ -7,8 +7,8 @@ import json
 from transformers import AutoTokenizer
 
 from sage_train.config import build, resolve
+from sage_train.inputs import sft_examples
 from sage_train.models.loading import build_char_tokenizer
-from sage_train.sft import sft_examples
 from sage_train.tasks import get_task
 from sage_train.tasks.chat import OFFICIAL_CHAT_TEMPLATE, SYSTEM_PROMPTS, ChatPromptTask
 

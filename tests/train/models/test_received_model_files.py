@@ -21,7 +21,7 @@ from sage_train.cli import eval_main, train_main
 from sage_train.config import build, parse_args, resolve
 from sage_train.config_files import save_yaml
 from sage_train.inputs import check_inputs
-from sage_train.models import packaged
+from sage_train.models import loading
 from sage_train.models.loading import build_char_tokenizer
 
 CUSTOM_CODE = """from pathlib import Path
@@ -142,7 +142,7 @@ def test_a_received_model_is_refused_in_one_line_and_runs_nothing(tmp_path, caps
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(packaged.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(loading.CACHE_ENV, str(tmp_path / "cache"))
     return tmp_path / "cache"
 
 
@@ -170,9 +170,9 @@ def test_overwrite_with_an_unreadable_gguf_keeps_the_previous_run(tmp_path, caps
         lines = overwrite_with_model(capsys, previous_run, str(path))
         assert len(lines) == 1 and "not a GGUF model transformers can read" in lines[0], (name, lines)
         assert snapshot(previous_run) == before, name
-    real_find_spec = packaged.importlib.util.find_spec
+    real_find_spec = loading.importlib.util.find_spec
     monkeypatch.setattr(
-        packaged.importlib.util,
+        loading.importlib.util,
         "find_spec",
         lambda name, *a: None if name == "gguf" else real_find_spec(name, *a),
     )

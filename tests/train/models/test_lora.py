@@ -17,6 +17,7 @@ from sage_train.inputs import engine_config
 from sage_train.models.loading import load_model_and_tokenizer
 from sage_train.models.lora import AdapterDisabled, is_lora, with_lora
 from sage_train.policy import PolicyHead, make_batch, score
+from sage_train.presets import loss_config
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.run import train
 from sage_train.step import policy_update, rollout_correction
@@ -35,7 +36,9 @@ def lora_setup(tiny_config, distributed, **overrides):
     rollout = make_engine("hf", engine.module.lm, tokenizer, device=device)
     task = get_task("arithmetic", digits=1)
     problems = list(task.problems("train", 16, 0))
-    ctx = RunContext(cfg, engine, reference, rollout, tokenizer, task, problems, None, rank, world, device)
+    ctx = RunContext(
+        cfg, engine, reference, rollout, tokenizer, task, problems, None, rank, world, device, loss=loss_config(cfg)
+    )
     return ctx, base
 
 
@@ -82,8 +85,6 @@ def test_lora_head_gets_no_gradient(tiny_config, distributed):
     policy = ctx.engine.module
     completions, batch = rollout_batch(ctx)
     old_logp, _ = score(ctx.engine, batch, 8, 1.0)
-    from sage_train.presets import loss_config
-
     loss, _ = policy(
         **batch.model_inputs(slice(0, batch.rows), 1.0),
         loss_inputs={
@@ -91,7 +92,7 @@ def test_lora_head_gets_no_gradient(tiny_config, distributed):
             "advantages": torch.randn(batch.rows),
             "old_logp": old_logp,
             "ref_logp": old_logp,
-            "config": loss_config(ctx.cfg),
+            "config": ctx.loss,
         },
     )
     loss.backward()
