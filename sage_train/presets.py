@@ -1,4 +1,5 @@
-"""Algorithms as named presets over the loss options and the trainer's batch shaping.
+"""Algorithms as named presets over the loss options and the trainer's batch shaping, and what a
+resolved config trains: its `LossConfig` (`loss_config`) and its guide (`make_guide`).
 
 A preset fills every config key left as None (`TrainConfig` loss options, the guide and
 its schedule, DAPO's batch shaping, reward scaling); keys set in the YAML or on the

@@ -8,15 +8,13 @@ import copy
 import pytest
 import torch
 from test_microbatch import completions
-from tiny_models import tiny_model
+from tiny_models import step_context, tiny_model
 
 from sage_train.build import build_engines
-from sage_train.context import RunContext
 from sage_train.inputs import engine_config
 from sage_train.models.loading import build_char_tokenizer, decoder_of
 from sage_train.models.lora import with_lora
 from sage_train.policy import make_batch, score
-from sage_train.presets import loss_config
 from sage_train.step import policy_update
 
 CPU = torch.device("cpu")
@@ -40,20 +38,7 @@ def step_gradients(cfg, tokenizer, batch, advantages):
     )
     layers = decoder_of(engine.module.lm.get_base_model() if cfg.lora_rank else engine.module.lm).layers
     layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
-    ctx = RunContext(
-        cfg,
-        engine,
-        reference,
-        None,
-        tokenizer,
-        None,
-        [],
-        None,
-        rank=0,
-        world=1,
-        device=torch.device("cpu"),
-        loss=loss_config(cfg),
-    )
+    ctx = step_context(cfg, engine, reference, tokenizer=tokenizer)
     old_logp, _ = score(engine, batch, cfg.micro_batch_size, cfg.temperature)
     ref_logp, _ = score(reference, batch, cfg.micro_batch_size, cfg.temperature)
     scoring_calls = len(calls)

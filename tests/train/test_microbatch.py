@@ -9,14 +9,12 @@ import random
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import step_context, tiny_model
 
 from sage_train.build import build_engines
-from sage_train.context import RunContext
 from sage_train.inputs import engine_config
 from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import make_batch, score
-from sage_train.presets import loss_config
 from sage_train.rollout import Completion
 from sage_train.step import policy_update
 
@@ -46,9 +44,7 @@ def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
 
     engine.optimizer.register_step_pre_hook(capture)
     cpu, packed = torch.device("cpu"), cfg.padding_free
-    ctx = RunContext(
-        cfg, engine, reference, None, tokenizer, None, [], None, 0, 1, cpu, padding_free=packed, loss=loss_config(cfg)
-    )
+    ctx = step_context(cfg, engine, reference, tokenizer=tokenizer, device=cpu, padding_free=packed)
     old_logp, _ = score(engine, batch, 3, cfg.temperature)
     ref_logp, _ = score(reference, batch, 3, cfg.temperature)
     policy_update(ctx, batch, advantages, old_logp, ref_logp, None)
@@ -99,20 +95,7 @@ def test_an_update_moves_log_probs_with_the_advantage(tiny_config, distributed, 
     model = tiny_model(tokenizer, seed=0, max_positions=64)
     reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
     engine, reference = build_engines(cfg, model, reference, engine_config(cfg, 1, CPU), CPU)
-    ctx = RunContext(
-        cfg,
-        engine,
-        reference,
-        None,
-        tokenizer,
-        None,
-        [],
-        None,
-        rank=0,
-        world=1,
-        device=torch.device("cpu"),
-        loss=loss_config(cfg),
-    )
+    ctx = step_context(cfg, engine, reference, tokenizer=tokenizer)
     batch = make_batch(completions(tokenizer, 8, seed=1), torch.device("cpu"), tokenizer.pad_token_id)
     advantages = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
     before, _ = score(engine, batch, 4, cfg.temperature)

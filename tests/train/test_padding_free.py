@@ -16,17 +16,16 @@ import transformers
 from hypothesis import given
 from hypothesis import strategies as st
 from test_microbatch import completions
-from tiny_models import tiny_model
+from tiny_models import step_context, tiny_model
 
 from sage_train.build import build_engines
 from sage_train.config import ConfigError
-from sage_train.context import RunContext
 from sage_train.inputs import engine_config
 from sage_train.micro_batches import padding_free, split, token_budget_groups
 from sage_train.models.loading import build_char_tokenizer, load_pretrained
 from sage_train.models.lora import with_lora
 from sage_train.policy import PolicyHead, make_batch, score
-from sage_train.presets import loss_config, make_guide
+from sage_train.presets import make_guide
 from sage_train.rollout import Completion
 from sage_train.step import policy_update, step_micro_batches
 
@@ -73,9 +72,7 @@ def one_step(cfg, kind, gguf_path, batch, packed: bool):
 
     engine.optimizer.register_step_pre_hook(capture)
     guide = make_guide(cfg, rank=0)
-    ctx = RunContext(
-        cfg, engine, reference, None, None, None, [], guide, 0, 1, CPU, padding_free=packed, loss=loss_config(cfg)
-    )
+    ctx = step_context(cfg, engine, reference, guide=guide, device=CPU, padding_free=packed)
     micro_batches = step_micro_batches(ctx, batch)
     old_logp, _ = score(engine, batch, micro_batches, cfg.temperature)
     ref_logp = None if reference is None else score(reference, batch, micro_batches, cfg.temperature)[0]

@@ -510,14 +510,12 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
     """ref_logp - logp = +100 on one token of the batch: the loss is inf and the gradient non-finite.
     The optimizer step is skipped (weights, optimizer state and LR schedule untouched), said so in
     the metrics; the next batch, finite, is applied."""
-    from tiny_models import tiny_model
+    from tiny_models import step_context, tiny_model
 
     from sage_train.build import build_engines
-    from sage_train.context import RunContext
     from sage_train.inputs import engine_config
     from sage_train.models.loading import build_char_tokenizer
     from sage_train.policy import make_batch, score
-    from sage_train.presets import loss_config
     from sage_train.rollout import Completion
     from sage_train.step import policy_update
 
@@ -534,9 +532,7 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
     engine, reference = build_engines(
         cfg, model, reference, engine_config(cfg, 1, torch.device("cpu")), torch.device("cpu")
     )
-    ctx = RunContext(
-        cfg, engine, reference, None, tokenizer, None, [], None, 0, 1, torch.device("cpu"), loss=loss_config(cfg)
-    )
+    ctx = step_context(cfg, engine, reference, tokenizer=tokenizer)
     old_logp, _ = score(engine, batch, 4, cfg.temperature)
     ref_logp, _ = score(reference, batch, 4, cfg.temperature)
     extreme = ref_logp.clone()

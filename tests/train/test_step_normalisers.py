@@ -7,11 +7,10 @@ ranks' losses add up (the backward's world-size factor undoes DeepSpeed's averag
 
 import pytest
 import torch
+from tiny_models import step_context
 
 from sage_kernels.reference import aggregate
-from sage_train.context import RunContext
 from sage_train.policy import Batch
-from sage_train.presets import loss_config
 from sage_train.step import step_loss_config
 
 
@@ -26,20 +25,7 @@ def trainer_loss(cfg, world: int, masks: list, losses: list, micro: int) -> torc
     total = torch.zeros((), dtype=torch.float64)
     for mask, loss in zip(masks, losses):
         batch = rank_batch(mask)
-        ctx = RunContext(
-            cfg,
-            None,
-            None,
-            None,
-            None,
-            None,
-            [],
-            None,
-            rank=0,
-            world=world,
-            device=torch.device("cpu"),
-            loss=loss_config(cfg),
-        )
+        ctx = step_context(cfg, world=world)
         config, row_share = step_loss_config(ctx, batch)
         for start in range(0, batch.rows, micro):
             rows = slice(start, start + micro)

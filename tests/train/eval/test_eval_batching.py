@@ -5,15 +5,13 @@ import contextlib
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import step_context, tiny_model
 
 from sage_train.build import derived_max_model_len
 from sage_train.config import ConfigError
-from sage_train.context import RunContext
 from sage_train.eval.evaluate import evaluate_engine
 from sage_train.inputs import evaluation_sets, held_out_problems, run_prompts
 from sage_train.models.loading import build_char_tokenizer
-from sage_train.presets import loss_config
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import derive_seed
 from sage_train.rollout.hf import HFEngine
@@ -113,9 +111,7 @@ def test_evaluate_once_one_call_per_split_inside_one_session(tiny_config, tmp_pa
     cfg = tiny_config(eval_problems=5, eval_samples=2, eval_splits=["train", "test"], task_options={"digits": 2})
     train_problems = list(task.problems("train", None, cfg.seed))
     evaluations = evaluation_sets(cfg, task, task, train_problems, held_out_problems(cfg, task, train_problems))
-    ctx = RunContext(
-        cfg, None, None, engine, tokenizer, task, train_problems, None, 0, 1, torch.device("cpu"), loss=loss_config(cfg)
-    )
+    ctx = step_context(cfg, rollout=engine, tokenizer=tokenizer, task=task, problems=train_problems)
     ctx.evaluations = evaluations
     results = evaluate_once(ctx, tmp_path / "eval.json")
     assert engine.calls == [5, 5] and engine.sessions == 1 and engine.awake_calls == [True, True]
@@ -132,9 +128,7 @@ def test_dynamic_sampling_rounds_of_a_step_share_one_awake_session(tiny_config, 
     engine, tokenizer, task = engine_and_task()
     cfg = tiny_config(dynamic_sampling=True, dynamic_sampling_max_rounds=3, prompts_per_step=4, group_size=2)
     train_problems = list(task.problems("train", None, cfg.seed))
-    ctx = RunContext(
-        cfg, None, None, engine, tokenizer, task, train_problems, None, 0, 1, torch.device("cpu"), loss=loss_config(cfg)
-    )
+    ctx = step_context(cfg, rollout=engine, tokenizer=tokenizer, task=task, problems=train_problems)
     groups, rewards, rounds = collect_groups(ctx, step=1)
     informative = sum(len(set(r)) > 1 for r in rewards.tolist())
     assert rounds == len(engine.calls) and (rounds == 3 or informative == 4)

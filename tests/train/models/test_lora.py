@@ -8,16 +8,15 @@ import json
 import pytest
 import safetensors.torch
 import torch
+from tiny_models import step_context
 from transformers import AutoModelForCausalLM
 
 from sage_train import checkpoint, report
 from sage_train.build import build_engines
-from sage_train.context import RunContext
 from sage_train.inputs import engine_config
 from sage_train.models.loading import load_model_and_tokenizer
 from sage_train.models.lora import AdapterDisabled, is_lora, with_lora
 from sage_train.policy import PolicyHead, make_batch, score
-from sage_train.presets import loss_config
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.run import train
 from sage_train.step import policy_update, rollout_correction
@@ -36,8 +35,17 @@ def lora_setup(tiny_config, distributed, **overrides):
     rollout = make_engine("hf", engine.module.lm, tokenizer, device=device)
     task = get_task("arithmetic", digits=1)
     problems = list(task.problems("train", 16, 0))
-    ctx = RunContext(
-        cfg, engine, reference, rollout, tokenizer, task, problems, None, rank, world, device, loss=loss_config(cfg)
+    ctx = step_context(
+        cfg,
+        engine,
+        reference,
+        rollout=rollout,
+        tokenizer=tokenizer,
+        task=task,
+        problems=problems,
+        rank=rank,
+        world=world,
+        device=device,
     )
     return ctx, base
 
