@@ -54,14 +54,14 @@ N="${SAGE_N:-16384}"
 DTYPE="${SAGE_DTYPE:-bf16}"
 REPEATS="${SAGE_REPEATS:-3}"
 # pytest arguments of the two calls, one a line
-SOFTCAP_TESTS="tests/kernels/test_triton_loss.py::test_scaled_and_softcapped_logits
-tests/kernels/test_triton_scoring.py::test_scaled_and_softcapped_logits"
-TESTS="${SAGE_TESTS:-tests/kernels/test_triton_fast_path.py
-tests/kernels/test_triton_loss.py
-tests/kernels/test_triton_memory.py
-tests/kernels/test_triton_ops.py
-tests/kernels/test_triton_scoring.py
-tests/kernels/test_triton_compile.py
+SOFTCAP_TESTS="tests/kernels/triton_backend/test_triton_loss.py::test_scaled_and_softcapped_logits
+tests/kernels/triton_backend/test_triton_scoring.py::test_scaled_and_softcapped_logits"
+TESTS="${SAGE_TESTS:-tests/kernels/triton_backend/test_triton_fast_path.py
+tests/kernels/triton_backend/test_triton_loss.py
+tests/kernels/triton_backend/test_triton_memory.py
+tests/kernels/triton_backend/test_triton_ops.py
+tests/kernels/triton_backend/test_triton_scoring.py
+tests/kernels/triton_backend/test_triton_compile.py
 $(printf -- '--deselect\n%s\n' $SOFTCAP_TESTS)}"
 VARIANT_TESTS="${SAGE_VARIANT_TESTS:-$SOFTCAP_TESTS
 tests/kernels/test_loss_variants.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sm_90 compile test (tests/kernels/test_triton_compile.py --all: every kernel compiled down to a
+# The sm_90 compile test (tests/kernels/triton_backend/test_triton_compile.py --all: every kernel compiled down to a
 # cubin for the H200 at the GPU tile shapes, every sweep variant (dtype x bias x softcap x entropy
 # gradient) within its spill bound, a table of spill bytes) under several Triton versions, on a machine
 # without a GPU. A version other than "installed" runs in a side
@@ -37,7 +37,7 @@ for version in "${versions[@]}"; do
     echo "== $version: $("$python" -c 'import triton; print("triton", triton.__version__)')"
     cache=$(mktemp -d)  # a fresh cache: ptxas runs and reports its spills
     if ! env -u TRITON_INTERPRET TRITON_CACHE_DIR="$cache" TRITON_DEFAULT_FP_FUSION=1 PYTHONPATH="$PWD" \
-        "$python" tests/kernels/test_triton_compile.py --all; then
+        "$python" tests/kernels/triton_backend/test_triton_compile.py --all; then
         echo "== $version: FAILED"
         status=1
     fi

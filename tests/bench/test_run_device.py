@@ -20,7 +20,7 @@ from benchmarks import device_summary, parity, profile_stages
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "run_device.sh"
-TEST = "tests/kernels/test_triton_ops.py::test_boundary_records_round_trip_their_flat_form"
+TEST = "tests/kernels/triton_backend/test_triton_ops.py::test_boundary_records_round_trip_their_flat_form"
 VARIANT_TEST = "tests/kernels/test_off_policy_mask.py::test_a_bad_threshold_raises"
 #: the device tool's limit on one call, in seconds
 CALL_LIMIT_S = 600
@@ -128,7 +128,7 @@ def test_run_device_with_a_small_plan(tmp_path):
             r"d\(weight\) error \S+ \(tolerance 0.0001\), worst W\[\d+, \d+\]",
             verdicts,
         ), verdicts
-    assert "kernel-tests: tests/kernels/test_triton_ops.py: 1 passed" in verdicts
+    assert "kernel-tests: tests/kernels/triton_backend/test_triton_ops.py: 1 passed" in verdicts
     assert re.search(r"variant-tests: tests/kernels/test_off_policy_mask.py: \d+ passed", verdicts)
 
 
@@ -137,7 +137,7 @@ def test_run_device_cut_short_packs_what_was_written(tmp_path):
     # SIGTERM (an outer timeout) while the kernel tests run, after their first test passed: the trap
     # stops the part, packs, and states the verdicts of what ran
     out = tmp_path / "out"
-    slow = "tests/kernels/test_triton_loss.py::test_every_option_matches_the_reference_fp32"
+    slow = "tests/kernels/triton_backend/test_triton_loss.py::test_every_option_matches_the_reference_fp32"
     env = small_plan(tmp_path, SAGE_TESTS=f"{TEST}\n{slow}")
     proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 600
@@ -154,7 +154,7 @@ def test_run_device_cut_short_packs_what_was_written(tmp_path):
         r"^cut short by SIGTERM at \d+ s, during kernel tests$", summary, re.M
     )
     assert "stage profile" not in summary  # never started
-    assert "kernel-tests: tests/kernels/test_triton_ops.py: 1 passed" in summary
+    assert "kernel-tests: tests/kernels/triton_backend/test_triton_ops.py: 1 passed" in summary
     files = packed(out)
     assert "gpu.txt" in files and f"{TEST} PASSED" in files["kernel-tests.log"]
     assert f"{slow} PASSED" not in files["kernel-tests.log"]  # stopped while it ran

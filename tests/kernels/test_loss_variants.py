@@ -16,8 +16,8 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from parity import make_problem
 from test_reference import stage
-from test_triton_loss import make_problem
 
 from sage_kernels import LossConfig
 from sage_kernels.loss_types import per_token_grad_is_local

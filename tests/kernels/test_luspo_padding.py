@@ -13,9 +13,9 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from parity import make_problem
 from test_loss_variants import FAR, far_batch, liger_loss, max_rel_err
 from test_reference import stage
-from test_triton_loss import make_problem
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_kernels.triton.three_matmul import PATHS_TAKEN

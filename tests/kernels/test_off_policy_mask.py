@@ -10,8 +10,8 @@ from __future__ import annotations
 import parity
 import pytest
 import torch
+from parity import make_problem
 from test_reference import stage
-from test_triton_loss import make_problem
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_kernels.reference import off_policy_keep

@@ -426,8 +426,8 @@ def test_cpu_makes_no_padded_copy(path, options, monkeypatch):
 @pytest.mark.parametrize("options", CONFIGS.values(), ids=CONFIGS.keys())
 def test_triton_makes_no_padded_copy(options, monkeypatch):
     # inside the operators (a dispatch mode sees an operator as one call): their bodies, as
-    # test_triton_memory.py calls them
-    from test_triton_memory import KernelMemoryRecorder
+    # triton/test_triton_memory.py calls them
+    from triton_harness import KernelMemoryRecorder
 
     from sage_kernels.triton import boundary, ops, ops_three_matmul, tiles
 

@@ -20,28 +20,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alloc import AllocationRecorder
-from test_triton_loss import DEVICE, make_problem
+from parity import DEVICE, make_problem
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from triton_harness import KernelMemoryRecorder
 
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
 from sage_kernels.inputs import validate_inputs
 from sage_kernels.triton import boundary, ops, tiles
-from sage_kernels.triton.tiles import interpreting
 
 B, L, V, D = 4, 128, 1024, 24
 LIMIT = B * L * V // 16
-_INTERPRETER_STAGING = (torch.ops.aten.set_.source_Storage, torch.ops.aten.copy_.default)
-
-
-class KernelMemoryRecorder(AllocationRecorder):
-    """`AllocationRecorder` that skips the interpreter's byte-level staging of kernel arguments."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if interpreting() and func in _INTERPRETER_STAGING and args[0].dtype == torch.uint8:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 @pytest.fixture(autouse=True)

@@ -9,32 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_triton_loss import DEVICE, make_problem
+from parity import DEVICE, make_problem
+from triton_harness import loss_op_args
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_kernels.triton import boundary
 
 COMPILE_BACKEND = "inductor" if DEVICE.type == "cuda" else "aot_eager"
-
-
-def loss_op_args(problem, config):
-    """The loss operators' flat arguments for `problem` (hidden and weight as leaves)."""
-    floats, ints, num_items = boundary.pack_config(config)
-    tensors = boundary.LossTensors(
-        hidden=problem["hidden"].reshape(-1, problem["hidden"].shape[-1]).detach().requires_grad_(),
-        weight=problem["weight"].detach().requires_grad_(),
-        bias=problem["bias"],
-        token_ids=problem["token_ids"],
-        mask=problem["mask"],
-        advantages=problem["advantages"][:, None].expand_as(problem["mask"]).contiguous(),
-        old_logp=problem["old_logp"],
-        ref_logp=problem["ref_logp"],
-        is_weights=None,
-        log_q=None,
-        sampling_logp=None,
-        cells=None,
-    )
-    return (*tensors.flat(), num_items, floats, ints)
 
 
 def test_config_round_trips_through_the_operator_arguments():

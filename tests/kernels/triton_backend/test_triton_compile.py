@@ -13,7 +13,7 @@ kernel's ``do_not_specialize`` (token counts, V, offsets) never get one at run t
 they get none here either: the variant compiled is the one that runs. On a CUDA machine
 the other kernel tests compile and run the kernels for real, so this one is not needed there.
 
-`python tests/kernels/test_triton_compile.py --all` (scripts/triton_compile_check.sh) compiles every
+`python tests/kernels/triton_backend/test_triton_compile.py --all` (scripts/triton_compile_check.sh) compiles every
 sweep variant (dtype x bias x softcap x entropy gradient); the test compiles every bf16 one and the
 unbiased fp16 and fp32 ones.
 """

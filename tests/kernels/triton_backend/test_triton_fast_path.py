@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from alloc import AllocationRecorder
-from test_triton_loss import DEVICE, check_against_reference, make_problem, run
-from test_triton_ops import loss_op_args
+from parity import DEVICE, make_problem, run
 from tolerances import TOLERANCES, assert_grad_close  # noqa: E402
+from triton_harness import check_against_reference, loss_op_args
 
 from sage_kernels import LossConfig, fused_linear_sage_loss  # noqa: E402
 from sage_kernels.inputs import validate_inputs  # noqa: E402

@@ -11,95 +11,21 @@ from __future__ import annotations
 
 import math
 
-import parity
 import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from parity import DEVICE, make_problem, run
+from triton_harness import check_against_reference
 
 from sage_kernels import LossConfig
-from sage_kernels.reference import reference_logprobs_and_entropy
 from sage_kernels.triton import three_matmul, tiles
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
 def poisoned_buffers(monkeypatch):
     """Every buffer a kernel writes starts as NaN."""
     monkeypatch.setattr(tiles, "POISON_BUFFERS", True)
-
-
-def make_problem(
-    B=3,
-    L=13,
-    V=1271,
-    D=96,
-    *,
-    dtype=torch.float32,
-    seed=0,
-    bias=True,
-    weight_scale=1.0,
-    mask="random",
-    adv_per_token=False,
-    old=True,
-    ref=True,
-    is_weights=False,
-    log_q=False,
-):
-    """Inputs of one loss call on DEVICE. old/ref log-probs are the true policy log-probs
-    plus noise, so ratios straddle the clip range and the KL is of realistic size."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=F64)
-
-    hidden = randn(B, L, D).to(dtype)
-    weight = (randn(V, D) * weight_scale / math.sqrt(D)).to(dtype)
-    b = (randn(V) * 0.5).to(dtype) if bias else None
-    token_ids = torch.randint(0, V, (B, L), generator=gen)
-    if mask == "random":
-        m = torch.rand(B, L, generator=gen) < 0.75
-        m[-1] = False  # an all-masked row
-        m[0, 0] = True
-    elif mask == "tail":  # completions of different lengths, padded at the end
-        lengths = torch.randint(1, L + 1, (B,), generator=gen)
-        m = torch.arange(L)[None, :] < lengths[:, None]
-    else:
-        m = torch.zeros(B, L, dtype=torch.bool) if mask == "none" else torch.ones(B, L, dtype=torch.bool)
-    logp, _ = reference_logprobs_and_entropy(
-        hidden.to(F64).reshape(B * L, D),
-        weight.to(F64),
-        token_ids.reshape(-1),
-        bias=None if b is None else b.to(F64),
-        dtype=F64,
-    )
-    logp = logp.view(B, L)
-    problem = dict(
-        hidden=hidden,
-        weight=weight,
-        token_ids=token_ids,
-        mask=m,
-        advantages=randn(B, L) if adv_per_token else randn(B),
-        bias=b,
-        old_logp=(logp + 0.25 * randn(B, L)).float() if old else None,
-        ref_logp=(logp + 0.5 * randn(B, L)).float() if ref else None,
-        is_weights=(0.5 + torch.rand(B, L, generator=gen)).float() if is_weights else None,
-        log_q=(0.2 * randn(B, L)).float() if log_q else None,
-    )
-    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in problem.items()}
-
-
-def run(problem, config, backend, dtype, *, upstream=1.0):
-    return parity.run(problem, config, backend, dtype, upstream=upstream)
-
-
-def check_against_reference(problem, config, dtype, *, frozen_weight=False, seed=0):
-    """Assert the Triton backend matches the float64 reference on everything it returns."""
-    return parity.check_against_reference(
-        problem, config, "triton", dtype, frozen=("weight",) if frozen_weight else (), seed=seed
-    )
 
 
 # ---------------------------------------------------------------- options, drawn by hypothesis
