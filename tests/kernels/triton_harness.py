@@ -1,5 +1,6 @@
 """What the Triton backend's tests share: the parity check with backend "triton" fixed, the loss
-operators' flat arguments for a problem, and an allocation recorder that skips the interpreter's staging.
+operators' inputs for a problem (checked, or flat), and an allocation recorder that skips the
+interpreter's staging.
 
 A module of its own beside `parity` and `alloc`, which never import Triton: the CPU tests use them without it.
 """
@@ -10,6 +11,7 @@ import parity
 import torch
 from alloc import AllocationRecorder
 
+from sage_kernels.inputs import validate_inputs
 from sage_kernels.triton import boundary
 from sage_kernels.triton.tiles import interpreting
 
@@ -20,6 +22,23 @@ def check_against_reference(problem, config, dtype, *, frozen_weight=False, seed
     """Assert the Triton backend matches the float64 reference on everything it returns."""
     return parity.check_against_reference(
         problem, config, "triton", dtype, frozen=("weight",) if frozen_weight else (), seed=seed
+    )
+
+
+def checked_inputs(problem, config):
+    """`problem`'s loss inputs, checked by `validate_inputs` as the loss call checks them (old, reference
+    and importance weights included)."""
+    return validate_inputs(
+        problem["hidden"],
+        problem["weight"],
+        problem["token_ids"],
+        problem["mask"],
+        problem["advantages"],
+        bias=problem["bias"],
+        old_logp=problem["old_logp"],
+        ref_logp=problem["ref_logp"],
+        is_weights=problem["is_weights"],
+        config=config,
     )
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alloc import AllocationRecorder
 from parity import DEVICE, make_problem, run
 from tolerances import TOLERANCES, assert_grad_close  # noqa: E402
-from triton_harness import check_against_reference, loss_op_args
+from triton_harness import KernelMemoryRecorder, check_against_reference, checked_inputs, loss_op_args
 
 from sage_kernels import LossConfig, fused_linear_sage_loss  # noqa: E402
-from sage_kernels.inputs import validate_inputs  # noqa: E402
 from sage_kernels.triton import boundary, gemm, ops_three_matmul, sweep_fwd, three_matmul, tiles
-from sage_kernels.triton.tiles import interpreting  # noqa: E402
 
 THREE, TWO = "three-matmul", "two-pass"
 
@@ -208,16 +205,13 @@ def test_two_pass_nothing_masked_and_hidden_without_gradient(small_chunks):
 
 # ---------------------------------------------------------------- memory and helpers
 
-_STAGING = (torch.ops.aten.set_.source_Storage, torch.ops.aten.copy_.default)
 
-
-class KernelMemoryRecorder(AllocationRecorder):
-    """Skips the interpreter's byte-level staging of kernel arguments (see test_triton_memory.py) and
-    views: the bf16 view of the fp32 logits workspace (d(logits) in place) has twice its elements
-    in the same bytes, and allocates nothing."""
+class ViewSkippingRecorder(KernelMemoryRecorder):
+    """Skips views too: the bf16 view of the fp32 logits workspace (d(logits) in place) has twice its
+    elements in the same bytes, and allocates nothing."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if (interpreting() and func in _STAGING and args[0].dtype == torch.uint8) or func.is_view:
+        if func.is_view:
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -227,19 +221,8 @@ def test_three_matmul_stays_under_the_logits_limit(dtype):
     B, L, V, D = 4, 64, 1024, 12  # D < N/16 and V/16 keeps the gradients themselves under the limit
     problem = make_problem(B=B, L=L, V=V, D=D, dtype=dtype, mask="tail", is_weights=True)
     config = LossConfig(entropy_coef=0.01)
-    inputs = validate_inputs(
-        problem["hidden"],
-        problem["weight"],
-        problem["token_ids"],
-        problem["mask"],
-        problem["advantages"],
-        bias=problem["bias"],
-        old_logp=problem["old_logp"],
-        ref_logp=problem["ref_logp"],
-        is_weights=problem["is_weights"],
-        config=config,
-    )
-    with KernelMemoryRecorder(B * L * V // 16) as recorder:
+    inputs = checked_inputs(problem, config)
+    with ViewSkippingRecorder(B * L * V // 16) as recorder:
         wanted = boundary.GradsWanted(hidden=True, weight=True, bias=True)
         out = ops_three_matmul.local_forward(boundary.LossTensors.of(inputs), config, wanted)
     recorder.check()

@@ -23,10 +23,9 @@ import torch
 from parity import DEVICE, make_problem
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from triton_harness import KernelMemoryRecorder
+from triton_harness import KernelMemoryRecorder, checked_inputs
 
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
-from sage_kernels.inputs import validate_inputs
 from sage_kernels.triton import boundary, ops, tiles
 
 B, L, V, D = 4, 128, 1024, 24
@@ -45,18 +44,7 @@ def narrow_vocab_tiles(monkeypatch):
 def test_forward_and_backward_stay_under_the_limit(dtype):
     problem = make_problem(B=B, L=L, V=V, D=D, dtype=dtype, mask="tail", is_weights=True)
     config = LossConfig(entropy_coef=0.01, top_entropy_quantile=0.5, importance_sampling="sequence")
-    inputs = validate_inputs(
-        problem["hidden"],
-        problem["weight"],
-        problem["token_ids"],
-        problem["mask"],
-        problem["advantages"],
-        bias=problem["bias"],
-        old_logp=problem["old_logp"],
-        ref_logp=problem["ref_logp"],
-        is_weights=problem["is_weights"],
-        config=config,
-    )
+    inputs = checked_inputs(problem, config)
     with KernelMemoryRecorder(LIMIT) as recorder:
         tensors = boundary.LossTensors.of(inputs)
         out = ops.loss_forward(tensors, config)
