@@ -23,12 +23,14 @@ behaviour policy's entropy, fixed for the update, as in the verl adapter.
 - `SAGEPolicyLoss`: OpenRLHF's ``PolicyLoss`` constructor and forward (returning ``(loss, clip_ratio,
   ppo_kl, vllm_kl, is_filter_ratio)``) with this package's loss types (``loss_type``: grpo/ppo's
   clipped surrogate, dppo_tv, cispo, sapo, ... with their `LossConfig` options), OpenRLHF's two
-  aggregations and its train/rollout correction by the ratio (token or sequence; mask or clip).
-  With ``loss_type="grpo"`` it equals OpenRLHF's ``PolicyLoss(policy_loss_type="ppo")`` except that
-  the log-ratio is not clamped to [-20, 20]; the divergence gatings (``binary_kl``, ``tv``) and
-  ``policy_loss_type="gspo"`` (use ``importance_sampling="sequence"``) are refused.
+  aggregations, ``policy_loss_type`` ppo or gspo, and its train/rollout correction (token or
+  sequence; mask or clip; gated by the ratio, the binary KL or the total variation). With
+  ``loss_type="grpo"`` it equals OpenRLHF's ``PolicyLoss`` except that the ppo log-ratio is not
+  clamped to [-20, 20]; unlike it, every tensor's shape is checked and a batch with no token kept
+  gives loss 0, not NaN.
 
-docs/integrations.md writes out the Ray-worker wiring.
+`sage_kernels.integrations.openrlhf_launch` runs an OpenRLHF entry point with `SAGEPolicyLoss` in
+place of ``PolicyLoss``, in the driver and in every Ray worker, with no OpenRLHF file edited.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 
 from ..guides import branch_guide
-from ..inputs import SageInputs
+from ..inputs import SageInputs, check_finite
 from ..reference import kl_estimate, policy_gradient_term
 from ..spec import LossConfig
 from .hf_logits import logit_options
@@ -161,9 +163,28 @@ class _Output(dict):
     aux_loss = None
 
 
+#: OpenRLHF's train/rollout correction: the levels, modes and gated statistics it takes
+IS_CORRECTION_LEVELS = ("off", "token", "seq")
+IS_CORRECTION_MODES = ("mask", "clip")
+IS_CORRECTION_GATINGS = ("ratio", "binary_kl", "tv")
+#: OpenRLHF's clamp on the sampled-token probabilities the divergence gates read (binary KL's logs stay finite)
+GATE_PROB_CLAMP = 1e-6
+
+
 class SAGEPolicyLoss(nn.Module):
     """OpenRLHF's ``PolicyLoss`` with this package's loss types (module docstring). `loss_type` and
-    `loss_options` are `LossConfig`'s; the clip range and dual clip are OpenRLHF's arguments."""
+    `loss_options` are `LossConfig`'s; the clip range, dual clip, ``policy_loss_type`` (ppo, gspo) and
+    the train/rollout correction (level off/token/seq, mode mask/clip, gating ratio/binary_kl/tv) are
+    OpenRLHF's arguments, refused with OpenRLHF's rules.
+
+    Inputs (B rows, L response tokens): `log_probs` [B, L] floating point; `old_log_probs` [B, L];
+    `advantages` [B, L] or [B, 1] (one per row); `action_mask` [B, L] or None (all tokens);
+    `rollout_log_probs` [B, L], required when ``is_correction_level`` is not "off", finite wherever
+    `action_mask` keeps a token. Any other shape is refused with a ValueError naming the argument.
+    Returns ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` as OpenRLHF does (the last two
+    None without the correction). With no token kept (`action_mask` all zero) the loss is 0 with zero
+    gradients and every metric is 0 (OpenRLHF's divides 0 by 0: NaN); ``batch_num_tokens`` and
+    ``global_batch_size`` of 0 count as 1 for the same reason."""
 
     def __init__(
         self,
@@ -181,17 +202,35 @@ class SAGEPolicyLoss(nn.Module):
         **loss_options,
     ) -> None:
         super().__init__()
-        if policy_loss_type != "ppo":
+        if policy_loss_type not in ("ppo", "gspo"):
+            raise ValueError(f"policy_loss_type must be 'ppo' or 'gspo', got {policy_loss_type!r}")
+        for name, value, allowed in (
+            ("is_correction_level", is_correction_level, IS_CORRECTION_LEVELS),
+            ("is_correction_mode", is_correction_mode, IS_CORRECTION_MODES),
+            ("is_correction_gating", is_correction_gating, IS_CORRECTION_GATINGS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if is_correction_mode == "clip" and (is_correction_level == "seq" or is_correction_gating != "ratio"):
             raise ValueError(
-                f"policy_loss_type must be 'ppo' (GSPO: importance_sampling='sequence'), got {policy_loss_type!r}"
+                "is_correction_mode 'clip' needs is_correction_level 'token' and is_correction_gating 'ratio' "
+                "(only the token ratio is a weight; the others are rejection filters)"
             )
-        if is_correction_level not in ("off", "token", "seq") or is_correction_mode not in ("mask", "clip"):
+        threshold = tuple(is_correction_threshold)
+        if len(threshold) != 2 or threshold[0] > threshold[1]:
+            raise ValueError(f"is_correction_threshold must be (low, high) with low <= high, got {threshold!r}")
+        if is_correction_gating != "ratio" and is_correction_level != "off" and threshold[0] > 0:
             raise ValueError(
-                "is_correction_level must be off, token or seq and is_correction_mode mask or clip, "
-                f"got {is_correction_level!r}, {is_correction_mode!r}"
+                f"is_correction_threshold's low bound must be <= 0 with is_correction_gating {is_correction_gating!r} "
+                f"(a divergence has an upper bound only), got {threshold!r}"
             )
-        if is_correction_gating != "ratio" or (is_correction_mode == "clip" and is_correction_level == "seq"):
-            raise ValueError("is_correction_gating must be 'ratio', and is_correction_mode 'clip' needs level 'token'")
+        if policy_loss_type == "gspo" and (
+            loss_type != "grpo" or loss_options.get("importance_sampling", "token") != "token"
+        ):
+            raise ValueError(
+                "policy_loss_type 'gspo' takes loss_type 'grpo' (its clipped surrogate) with importance_sampling "
+                f"'token' (the ratio is the row's), got {loss_type!r}, {loss_options.get('importance_sampling')!r}"
+            )
         self.config = LossConfig(
             beta=0.0,
             guide="none",
@@ -201,8 +240,10 @@ class SAGEPolicyLoss(nn.Module):
             dual_clip_c=dual_clip,
             **loss_options,
         )
-        self.token_level_loss = token_level_loss
-        self.is_correction = (is_correction_level, is_correction_mode, tuple(is_correction_threshold))
+        self.policy_loss_type = policy_loss_type
+        # GSPO's loss is a per-sequence mean, as in OpenRLHF
+        self.token_level_loss = token_level_loss and policy_loss_type != "gspo"
+        self.is_correction = (is_correction_level, is_correction_mode, is_correction_gating, threshold)
 
     def forward(
         self,
@@ -215,35 +256,48 @@ class SAGEPolicyLoss(nn.Module):
         batch_num_tokens=None,
         global_batch_size=None,
     ):
-        mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask.bool()
+        level, mode, gating, (lower, upper) = self.is_correction
+        mask = _checked_mask(log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, level)
         m = mask.float()
         A = torch.where(mask, advantages.detach().float().expand_as(mask), 0.0)
         old = torch.where(mask, old_log_probs.detach().float(), 0.0)
         logp = torch.where(mask, log_probs.float(), 0.0)
+        rollout = None
+        if level != "off":
+            check_finite("rollout_log_probs", rollout_log_probs, mask)
+            rollout = torch.where(mask, rollout_log_probs.detach().float(), 0.0)
         inputs = SageInputs(None, None, None, torch.zeros_like(mask, dtype=torch.long), mask, A, old, None, None, None)
         token_log_ratio = logp - old
-        log_ratio = token_log_ratio
-        if self.config.importance_sampling == "sequence":
-            log_ratio = ((token_log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(
-                m
-            )
-        pg, low, high = policy_gradient_term(logp, log_ratio.exp(), token_log_ratio, A, inputs, self.config)
+        if self.policy_loss_type == "gspo":
+            # OpenRLHF's GSPO: the row's mean log-ratio, against the rollout's log-probs under the correction
+            base = old if rollout is None else rollout
+            ratio = _row_mean(logp - base, m).exp().expand_as(m)
+        elif self.config.importance_sampling == "sequence":
+            ratio = _row_mean(token_log_ratio, m).exp().expand_as(m)
+        else:
+            ratio = token_log_ratio.exp()
+        pg, low, high = policy_gradient_term(logp, ratio, token_log_ratio, A, inputs, self.config)
         vllm_kl = is_filter_ratio = None
-        level, mode, (lower, upper) = self.is_correction
-        if level != "off":
-            is_log_ratio = old - torch.where(mask, rollout_log_probs.detach().float(), 0.0)
-            stat = (
-                is_log_ratio if level == "token" else (is_log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)
-            )
-            stat = stat.exp()
+        if rollout is not None and self.policy_loss_type == "ppo":
+            is_log_ratio = old - rollout
+            if gating == "ratio":
+                stat = (is_log_ratio if level == "token" else _row_mean(is_log_ratio, m)).exp()
+            else:
+                p = rollout.exp().clamp(GATE_PROB_CLAMP, 1 - GATE_PROB_CLAMP)
+                q = old.exp().clamp(GATE_PROB_CLAMP, 1 - GATE_PROB_CLAMP)
+                stat = (
+                    p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log() if gating == "binary_kl" else (p - q).abs()
+                )
+                stat = stat if level == "token" else _row_mean(stat, m)
             if mode == "clip":
                 coef, filtered = stat.clamp(lower, upper), (stat < lower) | (stat > upper)
             else:
                 keep = (stat >= lower) & (stat <= upper)
                 coef, filtered = torch.where(keep, is_log_ratio.exp(), 0.0), ~keep
             pg = coef * pg
+            # at the sequence level a row with no token kept has statistic 0 (ratio 1) where OpenRLHF's is 0/0
             is_filter_ratio = filtered.float().mean() if level == "seq" else _masked_mean(filtered.float(), m)
-            vllm_kl = _masked_mean(rollout_log_probs.float() - old_log_probs.float(), m)
+            vllm_kl = _masked_mean(rollout - old, m)
         loss = _aggregate(pg, m, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
         return (
             loss,
@@ -254,18 +308,71 @@ class SAGEPolicyLoss(nn.Module):
         )
 
 
+def _shape(t) -> str:
+    return "[" + ", ".join(map(str, t.shape)) + "]"
+
+
+def _checked_mask(log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, level) -> torch.Tensor:
+    """`action_mask` as bool [B, L] after checking every argument's shape against `log_probs` [B, L];
+    a ValueError naming the first argument that does not fit."""
+    if not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 2 or not log_probs.is_floating_point():
+        got = (
+            _shape(log_probs) + f" {log_probs.dtype}"
+            if isinstance(log_probs, torch.Tensor)
+            else type(log_probs).__name__
+        )
+        raise ValueError(f"log_probs must be a floating-point tensor of shape [B, L], got {got}")
+    B, L = log_probs.shape
+    expected = {"old_log_probs": [(B, L)], "advantages": [(B, L), (B, 1)], "action_mask": [(B, L)]}
+    if level != "off":
+        if rollout_log_probs is None:
+            raise ValueError(
+                "rollout_log_probs (the rollout engine's log-probs, [B, L]) is required with "
+                f"is_correction_level {level!r}"
+            )
+        expected["rollout_log_probs"] = [(B, L)]
+    given = {
+        "old_log_probs": old_log_probs,
+        "advantages": advantages,
+        "action_mask": action_mask,
+        "rollout_log_probs": rollout_log_probs,
+    }
+    for name, shapes in expected.items():
+        value = given[name]
+        if value is None and name == "action_mask":
+            continue
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) not in shapes:
+            got = _shape(value) if isinstance(value, torch.Tensor) else type(value).__name__
+            want = " or ".join("[" + ", ".join(map(str, s)) + "]" for s in shapes)
+            raise ValueError(f"{name} must have shape {want} (log_probs is [B, L] = [{B}, {L}]), got {got}")
+    return torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask.bool()
+
+
+def _row_mean(x, m):
+    """Each row's mean of `x` over its kept tokens, [B, 1] (0 for a row with none)."""
+    return (x * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+
+
 def _masked_mean(x, m):
-    return (x * m).sum() / m.sum()
+    """The mean of `x` over the kept tokens; 0 when none is kept."""
+    return (x * m).sum() / m.sum().clamp(min=1)
 
 
 def _aggregate(loss, m, token_level, dp_size, batch_num_tokens, global_batch_size):
     """OpenRLHF's ``aggregate_loss``: the token mean (over `batch_num_tokens` when given), or the mean
     over the non-empty rows (over `global_batch_size` when given) of each row's token mean."""
     if token_level:
-        return _masked_mean(loss, m) if batch_num_tokens is None else (loss * m).sum() / batch_num_tokens * dp_size
+        if batch_num_tokens is None:
+            return _masked_mean(loss, m)
+        return (loss * m).sum() / _at_least_one(batch_num_tokens, m) * dp_size
     counts = m.sum(-1)
     rows = (loss * m).sum(-1) / (counts + 1e-8)
     present = (counts > 0).float()
     if global_batch_size is None:
-        return (rows * present).sum() / present.sum()
-    return (rows * present).sum() / global_batch_size * dp_size
+        return (rows * present).sum() / present.sum().clamp(min=1)
+    return (rows * present).sum() / _at_least_one(global_batch_size, m) * dp_size
+
+
+def _at_least_one(count, like):
+    """A token or row count (a number or a tensor), 1 where it is 0: the sum it divides is 0 then."""
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1)

@@ -151,6 +151,14 @@ CORRECTIONS = {
     "icepop": dict(is_correction_level="token", is_correction_mode="mask", is_correction_threshold=(0.7, 1.4)),
     "tis": dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=(0.0, 1.2)),
     "seq-mask-tis": dict(is_correction_level="seq", is_correction_mode="mask", is_correction_threshold=(0.8, 1.3)),
+    "binary-kl-token": dict(
+        is_correction_level="token", is_correction_gating="binary_kl", is_correction_threshold=(0, 0.05)
+    ),
+    "binary-kl-seq": dict(
+        is_correction_level="seq", is_correction_gating="binary_kl", is_correction_threshold=(0, 0.04)
+    ),
+    "tv-token": dict(is_correction_level="token", is_correction_gating="tv", is_correction_threshold=(0, 0.1)),
+    "tv-seq": dict(is_correction_level="seq", is_correction_gating="tv", is_correction_threshold=(-1, 0.1)),
 }
 AGGREGATION = {
     "token-mean": dict(token_level_loss=True, call={}),
@@ -184,6 +192,33 @@ def test_policy_loss_equals_openrlhf(openrlhf, correction, aggregation, dual_cli
     assert 0 < float(want[1]) < 1
     if correction != "off":
         assert 0 < float(want[4]) < 1  # the correction binds somewhere
+
+
+@pytest.mark.parametrize("aggregation", ["sample-mean", "sample-global", "token-mean"])
+@pytest.mark.parametrize("correction", ["off", "icepop", "binary-kl-seq"])
+def test_gspo_equals_openrlhf(openrlhf, correction, aggregation):
+    """policy_loss_type="gspo": the row's mean log-ratio (against the rollout's under a correction, which
+    then gates nothing), clipped, per-sequence mean whatever token_level_loss says."""
+    old, logp, rollout, A, mask = batch(9, spread=0.5)
+    A = A + 0.3 * torch.randn(A.shape, generator=torch.Generator().manual_seed(10), dtype=F64)  # per-token
+    agg = AGGREGATION[aggregation]
+    options = dict(
+        clip_eps_low=0.1, clip_eps_high=0.12, policy_loss_type="gspo", token_level_loss=agg["token_level_loss"]
+    )
+    options.update(CORRECTIONS[correction])
+    results = []
+    for cls in (sage_openrlhf.SAGEPolicyLoss, openrlhf.PolicyLoss):
+        x = logp.clone().requires_grad_(True)
+        out = cls(**options)(x, old, A, action_mask=mask, rollout_log_probs=rollout, **agg["call"])
+        out[0].backward()
+        results.append((out, x.grad))
+    (ours, ours_grad), (want, want_grad) = results
+    torch.testing.assert_close(ours_grad.double(), want_grad, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(ours[0].double(), want[0], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(ours[1].double(), want[1].double(), rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(ours[2].double(), want[2].double(), rtol=1e-6, atol=1e-8)
+    assert ours[3] is None and want[3] is None and ours[4] is None
+    assert 0 < float(want[1]) < 1  # some rows clipped, not all
 
 
 def test_policy_loss_adds_the_loss_types():
@@ -246,11 +281,101 @@ def test_patched_actor_forward_equals_openrlhf(openrlhf, temperature, packing_sa
 
 
 def test_refusals_name_what_is_not_supported(openrlhf):
-    with pytest.raises(ValueError, match="policy_loss_type"):
-        sage_openrlhf.SAGEPolicyLoss(policy_loss_type="gspo")
-    with pytest.raises(ValueError, match="is_correction_gating"):
-        sage_openrlhf.SAGEPolicyLoss(is_correction_level="token", is_correction_gating="tv")
+    refused = {
+        "policy_loss_type": dict(policy_loss_type="grpo"),
+        "is_correction_gating": dict(is_correction_level="token", is_correction_gating="chi2"),
+        "is_correction_mode 'clip'": dict(
+            is_correction_level="token", is_correction_mode="clip", is_correction_gating="tv"
+        ),
+        "is_correction_threshold's low bound": dict(is_correction_level="seq", is_correction_gating="binary_kl"),
+        "policy_loss_type 'gspo' takes loss_type": dict(policy_loss_type="gspo", loss_type="dppo_tv"),
+    }
+    for message, options in refused.items():
+        with pytest.raises(ValueError, match=message):
+            sage_openrlhf.SAGEPolicyLoss(**options)
+    for options in list(refused.values())[:4]:  # OpenRLHF refuses the same
+        with pytest.raises((ValueError, AssertionError)):
+            openrlhf.PolicyLoss(**options)(*batch(1)[:2], batch(1)[3], batch(1)[4])
     actor = SimpleNamespace(forward=None)
     sage_openrlhf.patch_actor_forward(actor)
     with pytest.raises(NotImplementedError, match="ring_attn_group"):
         actor.forward(torch.ones(1, 3), torch.ones(1, 2), torch.ones(1, 3), ring_attn_group=object())
+
+
+B, L = 4, 7
+SHAPES = {  # argument -> a wrong shape that OpenRLHF's PolicyLoss broadcasts or fails on without naming it
+    "advantages": (L,),
+    "old_log_probs": (1, L),
+    "action_mask": (B, 1),
+    "rollout_log_probs": (B, L + 1),
+    "log_probs": (B * L,),
+}
+
+
+@pytest.mark.parametrize("argument", list(SHAPES))
+def test_wrong_shapes_are_refused_by_name(argument):
+    old, logp, rollout, A, mask = batch(11, B=B, L=L)
+    given = dict(log_probs=logp, old_log_probs=old, advantages=A, action_mask=mask, rollout_log_probs=rollout)
+    given[argument] = torch.ones(SHAPES[argument], dtype=F64)
+    loss = sage_openrlhf.SAGEPolicyLoss(is_correction_level="token", is_correction_threshold=(0.5, 2.0))
+    with pytest.raises(ValueError, match=rf"^{argument} must .*shape") as error:
+        loss(**given)
+    assert "\n" not in str(error.value)
+    # [B, 1] advantages are one per row: the [B, L] expansion of them gives the same loss
+    given[argument] = {"advantages": A, "old_log_probs": old, "action_mask": mask, "rollout_log_probs": rollout}.get(
+        argument, logp
+    )
+    per_row = dict(given, advantages=A[:, :1])
+    torch.testing.assert_close(loss(**per_row)[0], loss(**given)[0])
+
+
+def test_advantages_of_one_per_column_are_not_read_as_rows():
+    """The issue's case: advantages [B] with B == L broadcast along the columns in OpenRLHF's."""
+    old, logp, _, _, mask = batch(12, B=5, L=5)
+    with pytest.raises(ValueError, match=r"^advantages must have shape \[5, 5\] or \[5, 1\].*got \[5\]"):
+        sage_openrlhf.SAGEPolicyLoss()(logp, old, torch.randn(5, dtype=F64), mask)
+
+
+@pytest.mark.parametrize("aggregation", list(AGGREGATION))
+@pytest.mark.parametrize("correction", ["off", "icepop", "tis", "seq-mask-tis", "tv-seq"])
+def test_nothing_kept_gives_zero_loss_and_zero_gradients(openrlhf, correction, aggregation):
+    old, logp, rollout, A, mask = batch(13)
+    agg = AGGREGATION[aggregation]
+    call = {k: v * 0 for k, v in agg["call"].items() if k != "dp_size"} | {"dp_size": agg["call"].get("dp_size", 1)}
+    loss_fn = sage_openrlhf.SAGEPolicyLoss(token_level_loss=agg["token_level_loss"], **CORRECTIONS[correction])
+    x = logp.clone().requires_grad_(True)
+    out = loss_fn(x, old, A, action_mask=torch.zeros_like(mask), rollout_log_probs=rollout, **call)
+    out[0].backward()
+    assert float(out[0].detach()) == 0.0 and torch.equal(x.grad, torch.zeros_like(x))
+    for metric in out[1:]:
+        assert metric is None or float(metric) == 0.0
+    peer = openrlhf.PolicyLoss(token_level_loss=agg["token_level_loss"], **CORRECTIONS[correction])
+    assert torch.isnan(peer(logp, old, A, action_mask=torch.zeros_like(mask), rollout_log_probs=rollout)[0])
+
+
+@pytest.mark.parametrize("level", ["token", "seq"])
+def test_correction_without_rollout_log_probs_names_it(level):
+    old, logp, _, A, mask = batch(14)
+    with pytest.raises(ValueError, match="^rollout_log_probs .* is required with is_correction_level"):
+        sage_openrlhf.SAGEPolicyLoss(is_correction_level=level)(logp, old, A, mask)
+
+
+def test_non_finite_rollout_log_probs():
+    """NaN where a token is kept: a ValueError naming rollout_log_probs; where none is kept: ignored,
+    vllm_kl finite and the loss as if the value were any other."""
+    old, logp, rollout, A, mask = batch(15)
+    loss_fn = sage_openrlhf.SAGEPolicyLoss(is_correction_level="token", is_correction_threshold=(0.5, 2.0))
+    kept = rollout.clone()
+    kept[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="^rollout_log_probs has non-finite values"):
+        loss_fn(logp, old, A, mask, rollout_log_probs=kept)
+    dropped = rollout.clone()
+    row, col = (mask == 0).nonzero()[0]
+    dropped[row, col] = float("nan")
+    got, want = (
+        loss_fn(logp, old, A, mask, rollout_log_probs=dropped),
+        loss_fn(logp, old, A, mask, rollout_log_probs=rollout),
+    )
+    assert torch.isfinite(got[3]) and torch.isfinite(got[0])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
