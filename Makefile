@@ -39,6 +39,12 @@ trl-suite: $(STAMP)
 liger-suite: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/liger_suite.py $(if $(LIGER_GIT),--liger-git $(LIGER_GIT))
 
+# OpenRLHF 0.11.2's tests in its own side environment (~/.cache/sage-openrlhf-suite/venv, built on first use
+# by the script): its PolicyLoss against ours, and the launcher reaching a local Ray actor. Not part of `make test`.
+.PHONY: openrlhf-suite
+openrlhf-suite:
+	bash scripts/openrlhf_suite.sh
+
 demo: $(STAMP)
 	$(VENV)/bin/sage-train
 
