@@ -179,8 +179,9 @@ class SAGEPolicyLoss(nn.Module):
 
     Inputs (B rows, L response tokens): `log_probs` [B, L] floating point; `old_log_probs` [B, L];
     `advantages` [B, L] or [B, 1] (one per row); `action_mask` [B, L] or None (all tokens);
-    `rollout_log_probs` [B, L], required when ``is_correction_level`` is not "off", finite wherever
-    `action_mask` keeps a token. Any other shape is refused with a ValueError naming the argument.
+    `rollout_log_probs` [B, L], required when ``is_correction_level`` is not "off"; the last three
+    finite wherever `action_mask` keeps a token (a ValueError naming the argument on CPU, an
+    asynchronous device assertion on CUDA). Any other shape is refused with a ValueError naming the argument.
     Returns ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` as OpenRLHF does (the last two
     None without the correction). With no token kept (`action_mask` all zero) the loss is 0 with zero
     gradients and every metric is 0 (OpenRLHF's divides 0 by 0: NaN); ``batch_num_tokens`` and
@@ -259,6 +260,9 @@ class SAGEPolicyLoss(nn.Module):
         level, mode, gating, (lower, upper) = self.is_correction
         mask = _checked_mask(log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, level)
         m = mask.float()
+        # the experience's tensors, where a token is kept (a NaN there would reach the loss silently)
+        check_finite("old_log_probs", old_log_probs.detach(), mask)
+        check_finite("advantages", advantages.detach().expand_as(mask), mask)
         A = torch.where(mask, advantages.detach().float().expand_as(mask), 0.0)
         old = torch.where(mask, old_log_probs.detach().float(), 0.0)
         logp = torch.where(mask, log_probs.float(), 0.0)

@@ -360,6 +360,19 @@ def test_correction_without_rollout_log_probs_names_it(level):
         sage_openrlhf.SAGEPolicyLoss(is_correction_level=level)(logp, old, A, mask)
 
 
+@pytest.mark.parametrize("argument", ["old_log_probs", "advantages"])
+def test_non_finite_experience_tensors_are_named_where_kept(argument):
+    old, logp, _, A, mask = batch(16)
+    given = dict(old_log_probs=old.clone(), advantages=A.clone())
+    loss_fn = sage_openrlhf.SAGEPolicyLoss()
+    row, col = (mask == 0).nonzero()[0]
+    given[argument][row, col] = float("nan")  # where no token is kept: ignored
+    torch.testing.assert_close(loss_fn(logp, action_mask=mask, **given)[0], loss_fn(logp, old, A, mask)[0])
+    given[argument][0, 0] = float("inf")
+    with pytest.raises(ValueError, match=f"^{argument} has non-finite values"):
+        loss_fn(logp, action_mask=mask, **given)
+
+
 def test_non_finite_rollout_log_probs():
     """NaN where a token is kept: a ValueError naming rollout_log_probs; where none is kept: ignored,
     vllm_kl finite and the loss as if the value were any other."""
