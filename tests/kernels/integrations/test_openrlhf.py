@@ -353,6 +353,20 @@ def test_nothing_kept_gives_zero_loss_and_zero_gradients(openrlhf, correction, a
     assert torch.isnan(peer(logp, old, A, action_mask=torch.zeros_like(mask), rollout_log_probs=rollout)[0])
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(loss_type="dppo_tv"), dict(loss_type="cispo"), dict(loss_type="sapo"), dict(policy_loss_type="gspo")],
+    ids=["dppo_tv", "cispo", "sapo", "gspo"],
+)
+def test_nothing_kept_gives_zero_loss_for_every_loss_type(options):
+    old, logp, rollout, A, mask = batch(17)
+    x = logp.clone().requires_grad_(True)
+    out = sage_openrlhf.SAGEPolicyLoss(**options)(x, old, A, torch.zeros_like(mask), rollout_log_probs=rollout)
+    out[0].backward()
+    assert float(out[0].detach()) == 0.0 and torch.equal(x.grad, torch.zeros_like(x))
+    assert float(out[1]) == 0.0 and float(out[2]) == 0.0
+
+
 @pytest.mark.parametrize("level", ["token", "seq"])
 def test_correction_without_rollout_log_probs_names_it(level):
     old, logp, _, A, mask = batch(14)
