@@ -179,9 +179,10 @@ class SAGEPolicyLoss(nn.Module):
 
     Inputs (B rows, L response tokens): `log_probs` [B, L] floating point; `old_log_probs` [B, L];
     `advantages` [B, L] or [B, 1] (one per row); `action_mask` [B, L] or None (all tokens);
-    `rollout_log_probs` [B, L], required when ``is_correction_level`` is not "off"; the last three
-    finite wherever `action_mask` keeps a token (a ValueError naming the argument on CPU, an
-    asynchronous device assertion on CUDA). Any other shape is refused with a ValueError naming the argument.
+    `rollout_log_probs` [B, L], required when ``is_correction_level`` is not "off". Any other shape
+    is refused with a ValueError naming the argument. `old_log_probs`, `advantages` and
+    `rollout_log_probs` must be finite wherever `action_mask` keeps a token (a ValueError naming the
+    argument on CPU, an asynchronous device assertion on CUDA); elsewhere they are not read.
     Returns ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`` as OpenRLHF does (the last two
     None without the correction). With no token kept (`action_mask` all zero) the loss is 0 with zero
     gradients and every metric is 0 (OpenRLHF's divides 0 by 0: NaN); ``batch_num_tokens`` and
