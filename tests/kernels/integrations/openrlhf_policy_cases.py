@@ -78,3 +78,31 @@ def run(policy_loss, batch: dict) -> dict:
         out[0].backward()
         results[name] = tuple(None if t is None else t.detach() for t in out) + (log_probs.grad,)
     return results
+
+
+def actor_run(actor_cls, packing_samples: bool = False) -> tuple:
+    """(action log-probs, entropies, every parameter's gradient, the output's keys) of `actor_cls`
+    (OpenRLHF's ``Actor``) around a tiny Qwen2 model (seeded: the same in every process) on a
+    left- and right-padded batch, as OpenRLHF's training step calls it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=26, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    actor = actor_cls(Qwen2ForCausalLM(config), temperature=0.7)
+    actor.packing_samples = packing_samples  # set by Actor.__init__ only when it loads the model itself
+    actor.model.config.use_cache = False  # as Actor.__init__ sets it when it loads the model itself
+    g = torch.Generator().manual_seed(1)
+    sequences = torch.randint(3, 26, (3, 9), generator=g)
+    attention_mask = torch.ones(3, 9, dtype=torch.long)
+    attention_mask[1, :2] = attention_mask[1, -1] = attention_mask[2, :1] = 0
+    attention_mask[2, -3:] = 0
+    action_mask = attention_mask[:, -4:].clone()
+    sequences[attention_mask == 0] = 0
+    logp, output = actor(sequences, action_mask, attention_mask=attention_mask, return_output=True, return_entropy=True)
+    entropy = output.entropy[:, -4:] * action_mask
+    (logp * torch.randn(3, 4, generator=g)).sum().add((entropy * torch.randn(3, 4, generator=g)).sum()).backward()
+    grads = [p.grad.clone() for p in actor.model.parameters()]
+    return logp.detach(), entropy.detach(), grads, sorted(output.keys())

@@ -64,7 +64,7 @@ def test_runtime_env_keeps_the_callers_and_refuses_a_second_hook():
         "worker_process_setup_hook": "sage_kernels.integrations.openrlhf_launch.worker_setup",
     }
     assert base == {"env_vars": {"NCCL_DEBUG": "WARN"}, "pip": ["x"]}  # not changed in place
-    assert json.loads(value) == {"loss_type": "dppo_tv", "loss_options": {"tau": 0.5}}
+    assert json.loads(value) == {"loss_type": "dppo_tv", "loss_options": {"tau": 0.5}, "fused_actor": False}
     with pytest.raises(ValueError, match="worker_process_setup_hook"):
         openrlhf_launch.runtime_env({"worker_process_setup_hook": "theirs.setup"}, value)
 
@@ -94,6 +94,34 @@ print(openrlhf.models.PolicyLoss.sage_loss, openrlhf.models.PolicyLoss(0.1, 0.1)
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().splitlines()[-1] == "('dppo_tv', {'tau': 0.5}) dppo_tv", when
+
+
+def test_fused_actor_equals_openrlhfs_actor(openrlhf_loss, tmp_path):
+    """--fused_actor: OpenRLHF's own Actor, built as OpenRLHF builds it, runs the fused head (no logits
+    in its output) and gives OpenRLHF's log-probs, entropies and gradients."""
+    import openrlhf_policy_cases as cases
+    from openrlhf.models import Actor
+
+    out = tmp_path / "fused.pt"
+    script = f"""
+import torch
+from sage_kernels.integrations import openrlhf_launch
+openrlhf_launch.install(fused_actor=True)
+import openrlhf_policy_cases as cases
+from openrlhf.models import Actor
+torch.save({{layout: cases.actor_run(Actor, layout == "packed") for layout in ("padded", "packed")}}, {str(out)!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fused = torch.load(out, weights_only=False)
+    want = cases.actor_run(Actor)  # OpenRLHF's own forward, padded (its packed one needs flash-attn)
+    assert "logits" in want[3]
+    for layout, got in fused.items():
+        assert "logits" not in got[3], layout
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6, msg=layout)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6, msg=layout)
+        for a, b in zip(got[2], want[2]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=layout)
 
 
 def test_a_ray_actor_gets_our_loss_through_the_launcher_alone(openrlhf_loss, tmp_path):
