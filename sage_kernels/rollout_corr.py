@@ -9,9 +9,10 @@ computed as verl computes them, so that a run of ours and a run of verl read ali
   ``training_log_ppl``, ``kl`` (mean of log pi_rollout - log pi_train), ``k3_kl``, ``rollout_ppl``,
   ``rollout_log_ppl``, ``log_ppl_diff`` (its mean, ``_abs``, ``_max``, ``_min`` over sequences),
   ``ppl_ratio``, ``chi2_token`` (E[rho^2] - 1) and ``chi2_seq`` (E[(prod_t rho_t)^2] - 1).
-- `is_weights(log_ratio, mask, level, upper, lower)`: verl's truncated (TIS: upper cap) or masked
-  (IcePop: ``lower_upper``) importance weights per token ("token") or per sequence ("sequence",
-  the *product* of the token ratios, exp of the sum clamped to [-20, 20]).
+- `raw_is_weights(log_ratio, mask, level)` and `is_weights(log_ratio, mask, level, upper, lower)`:
+  verl's importance ratios per token ("token") or per sequence ("sequence", the *product* of the
+  token ratios, exp of the sum clamped to [-20, 20]), then truncated (TIS: `upper` cap) or masked
+  (IcePop: ``lower_upper``).
 - `is_metrics(weights, raw_weights, log_ratio_for_metrics, mask, level, upper, lower)`:
   ``rollout_is_mean``/``_std``/``_min``/``_max``, ``rollout_is_ratio_fraction_high``/``_low``,
   ``rollout_is_eff_sample_size`` and the sequence ones (``rollout_is_seq_mean``/``_std``/``_min``/
@@ -21,8 +22,8 @@ computed as verl computes them, so that a run of ours and a run of verl read ali
 Every value is a 0-d tensor (no host sync); rho = pi_train / pi_rollout. Means over tokens and over
 a sequence's tokens divide by (count + 1e-8) as verl's ``masked_mean`` does, so a row without tokens
 counts as verl counts it (a per-sequence mean of 0). verl raises on a mask with no token; here the
-token means, the extrema of the weights and the effective sample size are then 0, so a step with nothing scored logs finite
-values.
+token means, the extrema of the weights and the effective sample size are then 0, so a step with
+nothing scored logs finite values.
 """
 
 from __future__ import annotations
@@ -90,22 +91,30 @@ def offpolicy_metrics(
     return metrics
 
 
-def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, upper: float, lower: float | None = None):
-    """verl's importance weights from log(pi_train / pi_rollout) [B, L]: (weights, raw weights, the
-    log-ratio its metrics read), all 0 off `mask`. "token": rho_t; "sequence": one weight per row,
-    exp(clamp(sum_t log rho_t, -20, 20)), the product of its token ratios. Without `lower` the raw
-    weights are truncated at `upper` (TIS); with it, those outside [lower, upper] become 0 (IcePop)."""
+def raw_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str):
+    """verl's importance ratios before truncation from log(pi_train / pi_rollout) [B, L]: (raw weights
+    [B, L], 0 off `mask`; the log-ratio its metrics read, [B, L] per token, [B, 1] per sequence).
+    "token": rho_t; "sequence": one weight per row, exp(clamp(sum_t log rho_t, -20, 20)), the product
+    of its token ratios."""
     if level not in IS_LEVELS:
         raise ValueError(f"level must be one of {list(IS_LEVELS)}, got {level!r}")
-    if not (isinstance(upper, (int, float)) and math.isfinite(upper) and upper > 0):
-        raise ValueError(f"upper must be a finite number > 0, got {upper!r}")
-    if lower is not None and not (isinstance(lower, (int, float)) and 0 < lower <= upper):
-        raise ValueError(f"lower must be a number in (0, upper={upper}], got {lower!r}")
     mask = _check(mask, log_ratio=log_ratio)
     log_ratio = log_ratio.detach().float()
     if level == "sequence":
         log_ratio = _masked_sum(log_ratio, mask, -1).unsqueeze(-1)
     raw = torch.where(mask, torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand(mask.shape), 0.0)
+    return raw, log_ratio
+
+
+def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, upper: float, lower: float | None = None):
+    """verl's importance weights (`raw_is_weights` at `level`): (weights, raw weights, the log-ratio its
+    metrics read), all 0 off `mask`. Without `lower` the raw weights are truncated at `upper` (TIS);
+    with it, those outside [lower, upper] become 0 (IcePop)."""
+    if not (isinstance(upper, (int, float)) and math.isfinite(upper) and upper > 0):
+        raise ValueError(f"upper must be a finite number > 0, got {upper!r}")
+    if lower is not None and not (isinstance(lower, (int, float)) and 0 < lower <= upper):
+        raise ValueError(f"lower must be a number in (0, upper={upper}], got {lower!r}")
+    raw, log_ratio = raw_is_weights(log_ratio, mask, level)
     if lower is None:
         weights = raw.clamp(max=upper)
     else:
