@@ -23,6 +23,11 @@ verl's hooks see the SAGE loss in three places, and this module fills each:
   fused loss) with verl's aggregation modes and metric names; the anchor enters through
   the KL loss above.
 
+Inputs (`check_policy_inputs`): every per-token tensor has log_prob's shape [B, L], advantages
+too (verl's are per token); any other shape is refused naming the argument, where verl's own losses
+would broadcast a [B] or [1, L] tensor. With no token masked in (an all-zero `response_mask`) a
+loss is 0 with zero gradients and its metrics are 0.
+
 Differences from verl's "vanilla" and "sapo" losses: the log-ratio is not clamped to [-20, 20] before
 exp; dual clip applies only when ``clip_ratio_c`` is set (verl's default 3.0 is used when
 the config has no such key, as in verl).
@@ -33,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..guides import branch_guide
-from ..inputs import SageInputs
+from ..inputs import SageInputs, check_finite, check_tensor
 from ..packing import on_grid, packed_layout
 from ..reference import dppo_trust_region, policy_gradient_term
 from ..spec import LossConfig
@@ -80,13 +85,13 @@ def _aggregation_weights(
     B, L = m.shape
     if mode == "token-mean":
         tokens = m.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=m.dtype)
-        return m * dp_size / tokens
+        return torch.where(tokens > 0, m * dp_size / tokens.clamp(min=1e-30), 0.0)  # no token: weight 0, not NaN
     if mode == "token-sum":
         return m * dp_size
     per_row = m.sum(-1, keepdim=True)
     rows = (per_row > 0).float()
     sequences = rows.sum() if global_batch_size is None else torch.as_tensor(global_batch_size, dtype=m.dtype)
-    row_weight = rows * dp_size / sequences
+    row_weight = torch.where(sequences > 0, rows * dp_size / sequences.clamp(min=1e-30), 0.0)
     if mode == "seq-mean-token-mean":
         return m * row_weight / (per_row + 1e-8)  # verl's token-mean per sequence, with its epsilon
     if mode == "seq-mean-token-sum":
@@ -121,6 +126,7 @@ def compute_policy_loss_sage(
         old_log_prob, log_prob, advantages, response_mask, rollout_is_weights = packed_policy_inputs(
             cu_seqlens, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights
         )
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     clip = _config_value(config, "clip_ratio", 0.2)
     eps_low = _config_value(config, "clip_ratio_low", clip)
     eps_high = _config_value(config, "clip_ratio_high", clip)
@@ -169,6 +175,7 @@ def compute_policy_loss_sage_sapo(
             cu_seqlens, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights
         )
     del loss_agg_mode
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
     mask = response_mask.bool()
     batch_info = dict(_config_value(config, "global_batch_info", {}))
     weights = _aggregation_weights(mask, "seq-mean-token-mean", **batch_info)
@@ -193,6 +200,7 @@ def _dppo_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, wei
     """verl's dppo_tv / dppo_kl with docs/loss.md's PG term: (loss, verl's metrics)."""
     if config is None:
         raise ValueError("config (verl's ActorConfig) is required for the trust-region thresholds")
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, weights_in)
     clip = _config_value(config, "clip_ratio", 0.2)
     cap = float(_config_value(config, "clip_ratio_c", 20.0))
     loss_config = LossConfig(
@@ -275,6 +283,36 @@ def packed_policy_inputs(cu_seqlens, old_log_prob, log_prob, advantages, respons
         rollout_is_weights=rollout_is_weights,
     )
     return tuple(on_grid(layout, name, value, log_prob.device) for name, value in named.items())
+
+
+def check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights=None) -> None:
+    """The policy losses' documented inputs, each of log_prob's shape [B, L] (verl's padded
+    response tensors: one value per response token, advantages per token too): otherwise one
+    ValueError naming the argument, its shape and the expected one, before any broadcast can
+    read a [B] or [1, L] tensor across rows or columns. Log-probs and weights must be finite where
+    `response_mask` is set."""
+    check_tensor("log_prob", log_prob, ndim=(2,), float_=True)
+    expected = tuple(log_prob.shape)
+    named = dict(
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+        response_mask=response_mask,
+        rollout_is_weights=rollout_is_weights,
+    )
+    for name, value in named.items():
+        if value is None and name == "rollout_is_weights":
+            continue
+        check_tensor(name, value, device=log_prob.device)
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"{name} must have log_prob's shape [B, L] = {list(expected)} (one value per response token), "
+                f"got {list(value.shape)}"
+            )
+    mask = response_mask.bool()
+    named["log_prob"] = log_prob
+    for name, value in named.items():
+        if value is not None and name != "response_mask":
+            check_finite(name, value.detach().float(), where=mask)
 
 
 def _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, config: LossConfig):

@@ -13,13 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import assert_close, assert_grad_close
+from verl_peer import verl_installed
 
 from sage_kernels import fused_linear_sage_loss
 from sage_kernels.backends import BACKENDS
 from sage_kernels.integrations import verl as sage_verl
 from sage_kernels.reference import reference_logprobs_and_entropy
 
-HAS_VERL = importlib.util.find_spec("verl") is not None
+HAS_VERL = verl_installed()  # SAGE_REQUIRE_VERL=1 (the side suite): an error when verl is missing
 real_verl = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed here")
 BACKEND = "auto"  # integration tests: the default backend of the device ("cpu" here)
 
@@ -267,6 +268,70 @@ def test_policy_loss_metrics():
     for name, per_token in expected.items():
         assert metrics[name] == pytest.approx(((per_token * m).sum() / m.sum()).item(), abs=1e-7), name
     assert metrics["actor/pg_clipfrac_lower"] > 0  # the case exercises the dual clip
+
+
+POLICY_LOSSES = {
+    "sage": sage_verl.compute_policy_loss_sage,
+    "sage_sapo": sage_verl.compute_policy_loss_sage_sapo,
+    "sage_dppo_tv": sage_verl.compute_policy_loss_sage_dppo_tv,
+    "sage_dppo_kl": sage_verl.compute_policy_loss_sage_dppo_kl,
+}
+POLICY_CONFIG = Config(clip_ratio=0.2, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05, global_batch_info={})
+
+
+@pytest.mark.parametrize(
+    "argument, shape",
+    [
+        ("advantages", (4,)),  # [B] with B == L: read per column by a broadcast
+        ("advantages", (4, 1)),
+        ("old_log_prob", (1, 4)),  # one row broadcast over every row
+        ("old_log_prob", (4, 5)),
+        ("response_mask", (4,)),
+        ("response_mask", (1, 4)),
+        ("rollout_is_weights", (4, 1)),
+        ("rollout_is_weights", (4,)),
+        ("log_prob", (4,)),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("loss", list(POLICY_LOSSES))
+def test_policy_losses_refuse_other_shapes_by_argument_name(loss, argument, shape):
+    B = L = 4  # square: the shapes verl's own losses would broadcast without a word
+    g = torch.Generator().manual_seed(0)
+    args = dict(
+        old_log_prob=-torch.rand(B, L, generator=g),
+        log_prob=-torch.rand(B, L, generator=g),
+        advantages=torch.randn(B, L, generator=g),
+        response_mask=torch.ones(B, L, dtype=torch.bool),
+        rollout_is_weights=torch.ones(B, L),
+    )
+    args[argument] = torch.ones(shape, dtype=args[argument].dtype)
+    with pytest.raises(ValueError, match=rf"^{argument} must have (log_prob's shape \[B, L\] = \[4, 4\]|2 dim)"):
+        POLICY_LOSSES[loss](**args, loss_agg_mode="token-mean", config=POLICY_CONFIG)
+
+
+@pytest.mark.parametrize("argument", ["old_log_prob", "log_prob", "advantages", "rollout_is_weights"])
+def test_policy_loss_refuses_a_nan_where_the_mask_is_set(argument):
+    old, logp, A, mask, is_w = policy_batch()
+    args = dict(old_log_prob=old, log_prob=logp, advantages=A.clone(), response_mask=mask, rollout_is_weights=is_w)
+    args[argument] = args[argument].clone()
+    args[argument][3, 0] = float("nan")  # row 3 is masked out: accepted
+    sage_verl.compute_policy_loss_sage(**args, config=POLICY_CONFIG)
+    args[argument][0, 0] = float("nan")
+    with pytest.raises(ValueError, match=f"^{argument} has non-finite values"):
+        sage_verl.compute_policy_loss_sage(**args, config=POLICY_CONFIG)
+
+
+@pytest.mark.parametrize("mode", sage_verl.AGGREGATION_MODES)
+@pytest.mark.parametrize("loss", list(POLICY_LOSSES))
+def test_nothing_masked_in_gives_loss_zero_and_zero_gradients(loss, mode):
+    old, logp, A, mask, is_w = policy_batch()
+    logp = logp.clone().requires_grad_(True)
+    out, metrics = POLICY_LOSSES[loss](old, logp, A, torch.zeros_like(mask), mode, POLICY_CONFIG, is_w)
+    out.backward()
+    assert out.item() == 0.0
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+    assert metrics == {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
 
 
 def test_anchor_through_verl_kl_equals_the_fused_sage_kl():
