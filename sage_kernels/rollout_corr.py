@@ -91,6 +91,23 @@ def offpolicy_metrics(
     return metrics
 
 
+def parse_is_threshold(spec) -> tuple[float, float | None]:
+    """verl's ``rollout_is_threshold``: a number u (TIS: truncate at u) or a ``"lower_upper"``
+    string (IcePop: keep [lower, upper]); returns (upper, lower or None). Bad specs: ValueError
+    naming the key."""
+    text = str(spec).strip() if isinstance(spec, (str, int, float)) and not isinstance(spec, bool) else None
+    parts = text.split("_") if text else []
+    try:
+        bounds = [float(p) for p in parts]
+    except ValueError:
+        bounds = []
+    if len(bounds) not in (1, 2) or not all(math.isfinite(b) and b > 0 for b in bounds) or bounds[0] > bounds[-1]:
+        raise ValueError(
+            f"rollout_is_threshold must be a number > 0 or a 'lower_upper' string with 0 < lower <= upper, got {spec!r}"
+        )
+    return bounds[-1], (bounds[0] if len(bounds) == 2 else None)
+
+
 def raw_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str):
     """verl's importance ratios before truncation from log(pi_train / pi_rollout) [B, L]: (raw weights
     [B, L], 0 off `mask`; the log-ratio its metrics read, [B, L] per token, [B, 1] per sequence).

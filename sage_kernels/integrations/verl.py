@@ -5,6 +5,8 @@ verl's hooks see the SAGE loss in three places, and this module fills each:
 - `linear_cross_entropy` and `patch_verl_fused_kernel`: verl's fused-kernel interface, per-token
   log-probs and entropies without [N, V] logits, and where verl 0.9.1 looks it up
   (`verl_kernel.py` says which paths that reaches).
+- `compute_rollout_corr_metrics`: verl's ``rollout_corr/*`` mismatch metrics, every name of its
+  ``compute_offpolicy_metrics`` and ``compute_is_metrics`` (`sage_kernels.rollout_corr`).
 - `sage_anchor_log_prob(ref_log_prob, entropy, response_mask)`: log(q * pi_ref). Put in
   place of the batch's ``ref_log_prob`` (entropy from the old-log-prob pass), verl's own KL
   loss (``use_kl_loss=True``, ``kl_loss_type="low_var_kl"``, i.e. k3) becomes the KL to the
@@ -16,7 +18,9 @@ verl's hooks see the SAGE loss in three places, and this module fills each:
   ``tau_pos``/``tau_neg`` from the actor config, sequence-mean aggregation), and
   `compute_policy_loss_sage_dppo_tv` / `_kl` as ``"sage_dppo_tv"`` / ``"sage_dppo_kl"`` (verl's
   ``dppo_tv`` / ``dppo_kl``: the thresholds from ``clip_ratio_low`` / ``clip_ratio_high``, the ratio
-  cap from ``clip_ratio_c``, 20 by default, as verl reads them). verl's ``cispo``
+  cap from ``clip_ratio_c``, 20 by default, as verl reads them), and
+  `compute_policy_loss_sage_bypass` as ``"sage_bypass"`` (verl's ``"bypass_mode"``, old_log_prob =
+  the rollout log-probs, ``loss_type="ppo_clip"``). verl's ``cispo``
   clips the ratio on both sides (TRL's caps it above only) and its ``gspo`` differentiates a
   per-token combined ratio, so neither maps onto this loss's definitions. verl passes a policy loss only
   log-probs, so it is the PG term of ``docs/loss.md`` (the same per-token stage as the
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import rollout_corr
 from ..guides import branch_guide
 from ..inputs import SageInputs, check_finite, check_tensor
 from ..packing import on_grid, packed_layout
@@ -265,6 +270,71 @@ def compute_policy_loss_sage_dppo_kl(
     return _dppo_loss("dppo_kl", *args, loss_agg_mode, config)
 
 
+def compute_rollout_corr_metrics(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str | None = None,
+    rollout_is_threshold=2.0,
+) -> dict[str, float]:
+    """verl's ``rollout_corr/*`` metrics as floats, under its names, for `log_prob` (the trainer's) against
+    `rollout_log_prob` (the engine's), [B, L] each: every name of its ``compute_offpolicy_metrics`` and,
+    with `rollout_is` ("token" or "sequence") and `rollout_is_threshold` (u or ``"lower_upper"``), of its
+    ``compute_is_metrics`` (`sage_kernels.rollout_corr`)."""
+    _check_per_token(log_prob, response_mask, rollout_log_prob=rollout_log_prob)
+    upper, lower = rollout_corr.parse_is_threshold(rollout_is_threshold) if rollout_is is not None else (2.0, None)
+    metrics = rollout_corr.rollout_corr_metrics(
+        log_prob, rollout_log_prob, response_mask.bool(), level=rollout_is, upper=upper, lower=lower
+    )
+    return {name: value.item() for name, value in metrics.items()}
+
+
+def compute_policy_loss_sage_bypass(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+):
+    """verl's ``"bypass_mode"`` policy loss with the SAGE PG term, registered as ``"sage_bypass"``.
+
+    Bypass mode: `old_log_prob` holds the rollout engine's log-probs (verl's ``apply_bypass_mode`` puts
+    ``rollout_log_probs`` there), so the PPO ratio pi_theta / pi_rollout is itself the importance
+    correction: the loss is `compute_policy_loss_sage` with no further weights (`rollout_is_weights`
+    is ignored, as verl ignores it), and the metrics add verl's ``rollout_corr/*`` of the current
+    log-probs against the rollout ones (`compute_rollout_corr_metrics`), its ``rollout_is_*`` at
+    ``rollout_is`` / ``rollout_is_threshold``. Reads ``config.policy_loss.rollout_correction`` as verl
+    does; its ``loss_type`` must be ``"ppo_clip"`` (verl's ``"reinforce"`` has no SAGE counterpart) and
+    ``rollout_rs`` / ``rollout_is_batch_normalize`` must be off: each is refused naming the key."""
+    del rollout_is_weights
+    if config is None:
+        raise ValueError("config (verl's ActorConfig) is required: its policy_loss.rollout_correction")
+    policy_loss = _config_value(config, "policy_loss", {})
+    correction = _config_value(policy_loss, "rollout_correction", None)
+    if correction is None:
+        raise ValueError("config.policy_loss.rollout_correction is required by sage_bypass (verl's bypass mode)")
+    loss_type = _config_value(correction, "loss_type", "ppo_clip")
+    if loss_type != "ppo_clip":
+        raise ValueError(f"rollout_correction.loss_type must be 'ppo_clip' with sage_bypass, got {loss_type!r}")
+    for key in ("rollout_rs", "rollout_is_batch_normalize"):
+        if _config_value(correction, key, None):
+            value = _config_value(correction, key, None)
+            raise ValueError(f"rollout_correction.{key} must be off with sage_bypass, got {value!r}")
+    if cu_seqlens is not None:
+        old_log_prob, log_prob, advantages, response_mask, _ = packed_policy_inputs(
+            cu_seqlens, old_log_prob, log_prob, advantages, response_mask, None
+        )
+    loss, metrics = compute_policy_loss_sage(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+    level = _config_value(correction, "rollout_is", None)
+    threshold = _config_value(correction, "rollout_is_threshold", 2.0)
+    metrics.update(compute_rollout_corr_metrics(log_prob.detach(), old_log_prob, response_mask, level, threshold))
+    return loss, metrics
+
+
 def packed_policy_inputs(cu_seqlens, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights):
     """The policy losses' per-token tensors, given as S packed sequences of N tokens ([N] or [1, N]
     each, as verl's remove-padding stream holds them: ``log_probs.values()`` of its nested output,
@@ -291,16 +361,20 @@ def check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollo
     ValueError naming the argument, its shape and the expected one, before any broadcast can
     read a [B] or [1, L] tensor across rows or columns. Log-probs and weights must be finite where
     `response_mask` is set."""
+    named = dict(old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
+    _check_per_token(log_prob, response_mask, **named)
+    named["log_prob"] = log_prob
+    for name, value in named.items():
+        if value is not None:
+            check_finite(name, value.detach().float(), where=response_mask.bool())
+
+
+def _check_per_token(log_prob, response_mask, **named) -> None:
+    """log_prob [B, L] and every tensor of `named` (None: absent) and `response_mask` of its shape."""
     check_tensor("log_prob", log_prob, ndim=(2,), float_=True)
     expected = tuple(log_prob.shape)
-    named = dict(
-        old_log_prob=old_log_prob,
-        advantages=advantages,
-        response_mask=response_mask,
-        rollout_is_weights=rollout_is_weights,
-    )
-    for name, value in named.items():
-        if value is None and name == "rollout_is_weights":
+    for name, value in {**named, "response_mask": response_mask}.items():
+        if value is None:
             continue
         check_tensor(name, value, device=log_prob.device)
         if tuple(value.shape) != expected:
@@ -308,11 +382,6 @@ def check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollo
                 f"{name} must have log_prob's shape [B, L] = {list(expected)} (one value per response token), "
                 f"got {list(value.shape)}"
             )
-    mask = response_mask.bool()
-    named["log_prob"] = log_prob
-    for name, value in named.items():
-        if value is not None and name != "response_mask":
-            check_finite(name, value.detach().float(), where=mask)
 
 
 def _weighted_pg(old_log_prob, log_prob, advantages, mask, weights, config: LossConfig):
@@ -355,6 +424,7 @@ def _register() -> bool:
     register_policy_loss("sage_sapo")(compute_policy_loss_sage_sapo)
     register_policy_loss("sage_dppo_tv")(compute_policy_loss_sage_dppo_tv)
     register_policy_loss("sage_dppo_kl")(compute_policy_loss_sage_dppo_kl)
+    register_policy_loss("sage_bypass")(compute_policy_loss_sage_bypass)
     return True
 
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import assert_close, assert_grad_close
-from verl_peer import verl_installed
+from verl_peer import rollout_corr_helper, verl_installed
 
 from sage_kernels import fused_linear_sage_loss
 from sage_kernels.backends import BACKENDS
@@ -334,6 +334,70 @@ def test_nothing_masked_in_gives_loss_zero_and_zero_gradients(loss, mode):
     assert metrics == {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
 
 
+def bypass_config(**correction):
+    correction = {
+        **dict(loss_type="ppo_clip", rollout_is="token", rollout_is_threshold=2.0, rollout_rs=None),
+        **correction,
+    }
+    return dict(
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        global_batch_info={},
+        policy_loss=dict(loss_mode="sage_bypass", rollout_correction=correction),
+    )
+
+
+@pytest.mark.parametrize("threshold", [2.0, "0.8_1.25"], ids=str)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_corr_metrics_equal_verls_functions(level, threshold):
+    verl = rollout_corr_helper()
+    rollout, logp, _, mask, _ = policy_batch(seed=4)
+    ours = sage_verl.compute_rollout_corr_metrics(logp, rollout, mask, level, threshold)
+    _, want = verl.compute_rollout_correction_weights(logp - rollout, mask.float(), level, threshold)
+    want.update(verl.compute_offpolicy_metrics(logp, rollout, mask.float()))
+    assert set(ours) == {"rollout_corr/" + name for name in want}
+    for name, value in want.items():
+        assert ours["rollout_corr/" + name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+def test_bypass_is_the_sage_loss_against_the_rollout_log_probs_with_its_metrics():
+    rollout, logp, A, mask, is_w = policy_batch(seed=5)
+    config = bypass_config(rollout_is="sequence", rollout_is_threshold=1.5)
+    results = []
+    for fn in (
+        lambda lp: sage_verl.compute_policy_loss_sage_bypass(rollout, lp, A, mask, "token-mean", config, is_w),
+        lambda lp: sage_verl.compute_policy_loss_sage(rollout, lp, A, mask, "token-mean", config),
+    ):
+        lp = logp.clone().requires_grad_(True)
+        loss, metrics = fn(lp)
+        loss.backward()
+        results.append((loss.detach(), lp.grad, metrics))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)  # rollout_is_weights ignored
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+    corr = sage_verl.compute_rollout_corr_metrics(logp, rollout, mask, "sequence", 1.5)
+    assert results[0][2] == {**results[1][2], **corr}
+    assert corr["rollout_corr/rollout_is_ratio_fraction_high"] > 0  # the threshold binds
+
+
+@pytest.mark.parametrize(
+    "config, word",
+    [
+        (bypass_config(loss_type="reinforce"), "rollout_correction.loss_type must be 'ppo_clip'"),
+        (bypass_config(rollout_rs="token_k1"), "rollout_correction.rollout_rs must be off"),
+        (bypass_config(rollout_is_batch_normalize=True), "rollout_correction.rollout_is_batch_normalize"),
+        (bypass_config(rollout_is_threshold="2_1"), "rollout_is_threshold must be"),
+        ({"clip_ratio": 0.2}, "config.policy_loss.rollout_correction is required"),
+    ],
+    ids=["reinforce", "rollout_rs", "batch_normalize", "threshold", "no-correction"],
+)
+def test_bypass_refuses_what_it_does_not_compute(config, word):
+    rollout, logp, A, mask, _ = policy_batch()
+    with pytest.raises(ValueError, match=word):
+        sage_verl.compute_policy_loss_sage_bypass(rollout, logp, A, mask, "token-mean", config)
+
+
 def test_anchor_through_verl_kl_equals_the_fused_sage_kl():
     """verl's low_var_kl (k3) against sage_anchor_log_prob(...) is the fused loss's KL to q * pi_ref."""
     hidden, weight, labels, g = make_head(seed=2)
@@ -367,6 +431,7 @@ def test_registered_in_verl():
     assert sage_verl.VERL_REGISTERED
     assert get_policy_loss_fn("sage") is sage_verl.compute_policy_loss_sage
     assert get_policy_loss_fn("sage_sapo") is sage_verl.compute_policy_loss_sage_sapo
+    assert get_policy_loss_fn("sage_bypass") is sage_verl.compute_policy_loss_sage_bypass
 
 
 @real_verl
@@ -436,3 +501,25 @@ def test_patch_reaches_the_names_verl_modules_bound_at_import():
     finally:
         for name in (verl_kernel.__name__, *(module.__name__ for module in bound)):
             sys.modules[name].linear_cross_entropy = original
+
+
+@real_verl
+@pytest.mark.parametrize("level, threshold", [("token", 2.0), ("sequence", 1.5), ("token", "0.8_1.25")], ids=str)
+def test_bypass_matches_real_verl_bypass_mode(level, threshold):
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    config = OmegaConf.create(bypass_config(rollout_is=level, rollout_is_threshold=threshold))
+    rollout, logp, A, mask, _ = policy_batch(seed=6)
+    results = []
+    for fn in (get_policy_loss_fn("sage_bypass"), get_policy_loss_fn("bypass_mode")):
+        lp = logp.clone().requires_grad_(True)
+        loss, metrics = fn(rollout, lp, A, mask, "token-mean", config, None)
+        loss.backward()
+        results.append((loss.detach(), lp.grad, metrics))
+    (ours, our_grad, our_metrics), (theirs, their_grad, their_metrics) = results
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(our_grad, their_grad, atol=1e-6, rtol=1e-5)
+    assert set(our_metrics) == set(their_metrics)
+    for name, value in their_metrics.items():
+        assert our_metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
