@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 
 LINTED := sage_kernels sage_train benchmarks tests
 
-.PHONY: setup setup-real test trl-suite liger-suite demo demo-real bench lint format clean
+.PHONY: setup setup-real test trl-suite liger-suite verl-suite demo demo-real bench lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ trl-suite: $(STAMP)
 # it, the release's sdist through pip, else GitHub's raw files).
 liger-suite: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) scripts/liger_suite.py $(if $(LIGER_GIT),--liger-git $(LIGER_GIT))
+
+# the tests that run verl 0.9.1's own code (docs/integrations.md, verl), in its own venv (.venv-verl,
+# built on first use): verl pins transformers < 5.11 and needs ray. Not part of `make test`.
+verl-suite:
+	scripts/verl_suite.sh
 
 # OpenRLHF 0.11.2's tests in its own side environment (~/.cache/sage-openrlhf-suite/venv, built on first use
 # by the script): its PolicyLoss against ours, and the launcher reaching a local Ray actor. Not part of `make test`.

@@ -153,7 +153,7 @@ class RunOptions:
     openai_shared_dir: str = ""  # where adapters are saved for the server to load
     # the rollout-mismatch toolkit between the rollout engine's and the trainer's log-probs
     # (sage_train.rl_maths): truncated importance sampling, min(r, tis_cap) per token or sequence
-    tis_level: str = "off"  # "token", "sequence" (geometric mean) or "off"
+    tis_level: str = "off"  # "token", "sequence" (the product of its token ratios, as TRL and verl) or "off"
     tis_cap: float = 2.0
     # TRL 1.16's modes ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
     # and bounds [clip_min, clip_max] (None: unbounded on that side); both bounds with token_mask: IcePop

@@ -13,8 +13,10 @@ A rollout engine (vLLM) samples from numerically different log-probs than the tr
 the same weights. With r_t = pi_train(y_t) / pi_rollout(y_t) (the trainer's behaviour log-probs
 against the engine's):
 
-- `truncated_is_weights` (``tis_level``, ``tis_cap``): w = min(r_t, cap) per token ("token") or with
-  one weight per sequence from the *mean* log-ratio ("sequence", a geometric mean).
+- `truncated_is_weights` (``tis_level``, ``tis_cap``): w = min(r_t, cap) per token ("token") or one
+  weight per sequence, the *product* of its token ratios exp(sum_t log r_t) with the sum clamped to
+  [-20, 20] as verl clamps it, then capped ("sequence": verl's ``rollout_is=sequence``, TRL's
+  ``sequence_truncate`` with no lower bound).
 - `is_weights` (``vllm_importance_sampling_mode``, TRL 1.16's four modes and semantics):
   token_truncate w = clamp(r_t, C_min, C_max); token_mask w = r_t inside [C_min, C_max], else 0
   (with both bounds: IcePop's two-sided token mask, verl's ``rollout_is=token`` with a
@@ -29,8 +31,11 @@ against the engine's):
   k3 = r - 1 - log r (log r clamped to [-20, 20]); thresholds "lower_upper" bounds on exp(k1) for
   the k1 options (one number u means [1/u, u]), an upper bound for the others; one threshold for all
   options or one per option.
-- `mismatch_metrics`: verl's rollout_corr metrics: k1 = mean(log pi_rollout - log pi_train) and k3
-  over the scored tokens, and the fractions of tokens and sequences truncated, masked or rejected.
+- `mismatch_metrics`: verl's ``rollout_corr/*`` off-policy metrics under its names
+  (`sage_kernels.rollout_corr.offpolicy_metrics`: ``kl``, ``k3_kl``, the perplexities, their log
+  difference and ratio, chi^2 per token and per sequence) over the scored tokens, and the fractions
+  of tokens and sequences truncated, masked or rejected; `importance_metrics`: verl's
+  ``rollout_corr/rollout_is_*`` statistics of the applied weights.
 
 Tokens the engine could not score carry NaN log-probs (TRL's convention): their log-ratio is 0 (a
 weight of 1, no evidence for the sequence's sums, never rejected) and the metrics leave them out.
@@ -91,6 +96,7 @@ import math
 
 import torch
 
+from sage_kernels import rollout_corr
 from sage_kernels.guides import Guide
 from sage_kernels.ordered import ordered_sum
 
@@ -126,17 +132,16 @@ SAFETY_BOUND = 20.0
 def truncated_is_weights(
     train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *, level: str = "token", cap: float = 2.0
 ) -> torch.Tensor:
-    """[B, L] weights min(exp(train_logp - rollout_logp), cap), 1 at masked positions; no gradient."""
+    """[B, L] weights min(w, cap), 1 at masked positions; no gradient. w is the token's ratio
+    exp(clamp(log r_t, -20, 20)) ("token") or its sequence's product of ratios
+    exp(clamp(sum_t log r_t, -20, 20)) ("sequence"), verl's `rollout_corr.raw_is_weights`."""
     if level not in IS_LEVELS:
         raise ValueError(f"level must be one of {list(IS_LEVELS)}, got {level!r}")
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap!r}")
     mask = mask.bool()
-    log_ratio = rollout_log_ratio(train_logp, rollout_logp, mask)
-    if level == "sequence":
-        count = mask.sum(-1, keepdim=True).clamp(min=1)
-        log_ratio = (log_ratio.sum(-1, keepdim=True) / count).expand_as(log_ratio)
-    return torch.where(mask, log_ratio.exp().clamp(max=cap), 1.0)
+    raw, _ = rollout_corr.raw_is_weights(rollout_log_ratio(train_logp, rollout_logp, mask), mask, level)
+    return torch.where(mask, raw.clamp(max=cap), 1.0)
 
 
 def rollout_log_ratio(train_logp, rollout_logp, mask) -> torch.Tensor:
@@ -212,13 +217,12 @@ def rejection_mask(log_ratio, mask, options: str, thresholds) -> torch.Tensor:
 
 
 def mismatch_metrics(train_logp, rollout_logp, mask, *, weights=None, outside=None, mode="off", kept=None) -> dict:
-    """verl's rollout_corr metrics over the scored tokens of `mask`, 0-d tensors (no host sync):
-    k1, k3, the unscored fraction; with `weights` their token mean and the fraction of tokens (and
-    sequences with any) truncated or masked by `mode`; with `kept` the rejected fractions."""
+    """verl's rollout_corr off-policy metrics over the scored tokens of `mask`, 0-d tensors (no host
+    sync), and the unscored fraction; with `weights` the fraction of tokens (and sequences with any)
+    truncated or masked by `mode`; with `kept` the rejected fractions."""
     mask = mask.bool()
     scored = mask & ~torch.isnan(rollout_logp)
-    log_ratio = rollout_log_ratio(train_logp, rollout_logp, scored)
-    tokens, n_scored = mask.sum().clamp(min=1), scored.sum().clamp(min=1)
+    tokens = mask.sum().clamp(min=1)
     rows = mask.any(-1)
     n_rows = rows.sum().clamp(min=1)
 
@@ -228,17 +232,26 @@ def mismatch_metrics(train_logp, rollout_logp, mask, *, weights=None, outside=No
             f"rollout_corr/seq_{name}_frac": ((flagged & mask).any(-1) & rows).sum() / n_rows,
         }
 
-    metrics = {
-        "rollout_corr/k1": -log_ratio.sum() / n_scored,
-        "rollout_corr/k3": torch.where(scored, torch.expm1(log_ratio) - log_ratio, 0.0).sum() / n_scored,
-        "rollout_corr/unscored_frac": (mask & ~scored).sum() / tokens,
-    }
+    offpolicy = rollout_corr.offpolicy_metrics(train_logp, rollout_logp, scored)
+    metrics = {rollout_corr.PREFIX + name: value for name, value in offpolicy.items()}
+    metrics["rollout_corr/unscored_frac"] = (mask & ~scored).sum() / tokens
     if weights is not None:
-        metrics["rollout_corr/is_weight_mean"] = torch.where(mask, weights, 0.0).sum() / tokens
         metrics.update(fractions("truncated" if mode.endswith("truncate") else "masked", outside))
     if kept is not None:
         metrics.update(fractions("rejected", mask & ~kept))
     return metrics
+
+
+def importance_metrics(log_ratio, mask, weights, level: str, upper: float | None, lower: float | None = None) -> dict:
+    """verl's ``rollout_corr/rollout_is_*`` statistics (`sage_kernels.rollout_corr.is_metrics`) of the
+    applied `weights` [B, L] at `level` ("token" or "sequence"), against the raw ratios of
+    `rollout_log_ratio`; `upper` None: no cap. `lower` given: the IcePop lower bound (and its
+    ``rollout_is_oob_ratio``)."""
+    mask = mask.bool()
+    raw, for_metrics = rollout_corr.raw_is_weights(log_ratio, mask, level)
+    upper = math.inf if upper is None else upper
+    metrics = rollout_corr.is_metrics(weights, raw, for_metrics, mask, level, upper, lower)
+    return {rollout_corr.PREFIX + name: value for name, value in metrics.items()}
 
 
 def generation_log_q(guide: Guide | None, old_logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor):

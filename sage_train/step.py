@@ -207,18 +207,22 @@ def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: B
     rollout_logp = rollout_logp.to(train_logp.device)
     mask = batch.completion_mask
     log_ratio = rl_maths.rollout_log_ratio(train_logp, rollout_logp, mask)
-    weights, outside, kept = None, None, None
+    weights, outside, kept, is_metrics = None, None, None, {}
     if cfg.tis_level != "off":
         weights = rl_maths.truncated_is_weights(train_logp, rollout_logp, mask, level=cfg.tis_level, cap=cfg.tis_cap)
         outside = (weights >= cfg.tis_cap) & mask
+        is_metrics = rl_maths.importance_metrics(log_ratio, mask, weights, cfg.tis_level, cfg.tis_cap)
     elif mode != "off":
         low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
         weights, outside = rl_maths.is_weights(log_ratio, mask, mode, low, high)
+        level, kind = mode.split("_")
+        is_metrics = rl_maths.importance_metrics(log_ratio, mask, weights, level, high, low if kind == "mask" else None)
     if cfg.rollout_rs:
         kept = rl_maths.rejection_mask(log_ratio, mask, cfg.rollout_rs, cfg.rollout_rs_threshold)
     metrics = rl_maths.mismatch_metrics(
         train_logp, rollout_logp, mask, weights=weights, outside=outside, mode=mode, kept=kept
     )
+    metrics.update(is_metrics)
     if cfg.tis_level != "off":
         tokens = mask.sum().clamp(min=1)
         metrics[STEP_METRICS.tis_weight_mean] = (weights * mask).sum() / tokens

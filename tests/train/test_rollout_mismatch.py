@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from peer_source import peer_functions
+from verl_peer import rollout_corr_helper
 
 from sage_train import report, rl_maths
 from sage_train.cli import train_main
@@ -82,22 +82,7 @@ def test_modes_equal_trl(trl_block, mode, bounds):
 
 @pytest.fixture(scope="module")
 def verl():
-    masked = peer_functions("verl", "verl/utils/torch_functional.py", ["masked_sum", "masked_mean"], {"torch": torch})
-    scope = {"torch": torch, "math": math, "Optional": __import__("typing").Optional, "Any": object}
-    scope["verl_F"] = SimpleNamespace(masked_sum=masked["masked_sum"], masked_mean=masked["masked_mean"])
-    names = [
-        "SAFETY_BOUND",
-        "SUPPORTED_ROLLOUT_RS_OPTIONS",
-        "TOKEN_LEVEL_ROLLOUT_RS_OPTIONS",
-        "_parse_rollout_is_threshold",
-        "_parse_rollout_rs_thresholds",
-        "compute_rollout_rejection_mask",
-        "compute_rs_metrics",
-        "compute_rollout_correction_weights",
-        "compute_is_metrics",
-        "compute_offpolicy_metrics",
-    ]
-    return SimpleNamespace(**peer_functions("verl", "verl/trainer/ppo/rollout_corr_helper.py", names, scope))
+    return rollout_corr_helper()
 
 
 def test_icepop_token_mask_equals_verl(verl):
@@ -144,18 +129,34 @@ def test_mismatch_metrics_equal_verl_and_skip_unscored_tokens(verl):
     train, rollout, mask = mismatch_batch(4, nan=False)
     want = verl.compute_offpolicy_metrics(train, rollout, mask.float())
     metrics = rl_maths.mismatch_metrics(train, rollout, mask)
-    assert float(metrics["rollout_corr/k1"]) == pytest.approx(want["kl"], rel=1e-5)
-    assert float(metrics["rollout_corr/k3"]) == pytest.approx(want["k3_kl"], rel=1e-5)
+    assert {"rollout_corr/" + name for name in want} <= set(metrics)
+    for name, value in want.items():
+        assert float(metrics["rollout_corr/" + name]) == pytest.approx(value, rel=1e-5), name
     # NaN engine log-probs: left out of the means (TRL's choice for its logp-difference metrics)
     unscored = rollout.clone()
     unscored[2, 1] = unscored[4, 0] = float("nan")
     kept = mask.clone()
     kept[2, 1] = kept[4, 0] = False
     with_nan = rl_maths.mismatch_metrics(train, unscored, mask)
-    assert float(with_nan["rollout_corr/k3"]) == pytest.approx(
-        float(rl_maths.mismatch_metrics(train, rollout, kept)["rollout_corr/k3"])
-    )
+    without = rl_maths.mismatch_metrics(train, rollout, kept)
+    for name in want:
+        assert float(with_nan["rollout_corr/" + name]) == pytest.approx(float(without["rollout_corr/" + name])), name
     assert float(with_nan["rollout_corr/unscored_frac"]) == pytest.approx(2 / float(mask.sum()))
+
+
+@pytest.mark.parametrize("cap", [1.2, 3.0])
+def test_sequence_tis_is_the_product_as_trl_and_verl_weigh_it(trl_block, verl, cap):
+    train, rollout, mask = mismatch_batch(6, nan=False)
+    weights = rl_maths.truncated_is_weights(train, rollout, mask, level="sequence", cap=cap)
+    trl = trl_block(train, rollout, mask, "sequence_truncate", None, cap).expand(mask.shape)
+    torch.testing.assert_close(weights[mask], trl[mask], rtol=1e-6, atol=0)
+    verl_weights, verl_metrics = verl.compute_rollout_correction_weights(train - rollout, mask.float(), "sequence", cap)
+    torch.testing.assert_close(weights[mask], verl_weights[mask], rtol=1e-6, atol=0)
+    assert 0 < int((weights[mask] == cap).sum()) < int(mask.sum())  # the cap binds on some rows only
+    log_ratio = rl_maths.rollout_log_ratio(train, rollout, mask)
+    ours = rl_maths.importance_metrics(log_ratio, mask, weights, "sequence", cap)
+    for name, value in verl_metrics.items():
+        assert float(ours["rollout_corr/" + name]) == pytest.approx(value, rel=1e-5, abs=1e-7), name
 
 
 def test_unscored_tokens_are_never_rejected_and_add_nothing_to_sequence_sums():
@@ -198,7 +199,24 @@ SAGE_TRAIN_CASES = {
         for mode in MODES
     },
     "rejection": {"rollout_rs": "token_k1,seq_max_k3", "rollout_rs_threshold": "0.999_1.001,0.001"},
+    "tis-sequence": {"tis_level": "sequence", "tis_cap": 1.001},
 }
+OFFPOLICY_NAMES = [
+    "training_ppl",
+    "training_log_ppl",
+    "kl",
+    "k3_kl",
+    "rollout_ppl",
+    "rollout_log_ppl",
+    "log_ppl_diff",
+    "log_ppl_abs_diff",
+    "log_ppl_diff_max",
+    "log_ppl_diff_min",
+    "ppl_ratio",
+    "chi2_token",
+    "chi2_seq",
+]
+IS_NAMES = ["rollout_is_mean", "rollout_is_std", "rollout_is_max", "rollout_is_min", "rollout_is_eff_sample_size"]
 
 
 @pytest.mark.slow
@@ -214,7 +232,9 @@ def test_sage_train_runs_each_mode_on_the_hf_engine(tmp_path, distributed, tiny_
     rows = report.read_metrics(tmp_path / "mismatch" / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
-        assert row["rollout_corr/k3"] > 0 and row["rollout_corr/unscored_frac"] == 0  # bf16 vs fp32
+        assert row["rollout_corr/k3_kl"] > 0 and row["rollout_corr/unscored_frac"] == 0  # bf16 vs fp32
+        logged = [f"rollout_corr/{n}" for n in OFFPOLICY_NAMES + (IS_NAMES if name != "rejection" else [])]
+        assert all(math.isfinite(row[key]) for key in logged)  # verl's names, each logged
         flagged = [v for k, v in row.items() if k.startswith("rollout_corr/") and k.endswith("ed_frac")]
         assert flagged and 0 < max(flagged) <= 1
         assert math.isfinite(row["loss"])

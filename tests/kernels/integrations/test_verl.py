@@ -13,13 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import assert_close, assert_grad_close
+from verl_peer import rollout_corr_helper, verl_installed
 
 from sage_kernels import fused_linear_sage_loss
 from sage_kernels.backends import BACKENDS
 from sage_kernels.integrations import verl as sage_verl
 from sage_kernels.reference import reference_logprobs_and_entropy
 
-HAS_VERL = importlib.util.find_spec("verl") is not None
+HAS_VERL = verl_installed()  # SAGE_REQUIRE_VERL=1 (the side suite): an error when verl is missing
 real_verl = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed here")
 BACKEND = "auto"  # integration tests: the default backend of the device ("cpu" here)
 
@@ -269,6 +270,134 @@ def test_policy_loss_metrics():
     assert metrics["actor/pg_clipfrac_lower"] > 0  # the case exercises the dual clip
 
 
+POLICY_LOSSES = {
+    "sage": sage_verl.compute_policy_loss_sage,
+    "sage_sapo": sage_verl.compute_policy_loss_sage_sapo,
+    "sage_dppo_tv": sage_verl.compute_policy_loss_sage_dppo_tv,
+    "sage_dppo_kl": sage_verl.compute_policy_loss_sage_dppo_kl,
+}
+POLICY_CONFIG = Config(clip_ratio=0.2, clip_ratio_c=3.0, tau_pos=1.0, tau_neg=1.05, global_batch_info={})
+
+
+@pytest.mark.parametrize(
+    "argument, shape",
+    [
+        ("advantages", (4,)),  # [B] with B == L: read per column by a broadcast
+        ("advantages", (4, 1)),
+        ("old_log_prob", (1, 4)),  # one row broadcast over every row
+        ("old_log_prob", (4, 5)),
+        ("response_mask", (4,)),
+        ("response_mask", (1, 4)),
+        ("rollout_is_weights", (4, 1)),
+        ("rollout_is_weights", (4,)),
+        ("log_prob", (4,)),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("loss", list(POLICY_LOSSES))
+def test_policy_losses_refuse_other_shapes_by_argument_name(loss, argument, shape):
+    B = L = 4  # square: the shapes verl's own losses would broadcast without a word
+    g = torch.Generator().manual_seed(0)
+    args = dict(
+        old_log_prob=-torch.rand(B, L, generator=g),
+        log_prob=-torch.rand(B, L, generator=g),
+        advantages=torch.randn(B, L, generator=g),
+        response_mask=torch.ones(B, L, dtype=torch.bool),
+        rollout_is_weights=torch.ones(B, L),
+    )
+    args[argument] = torch.ones(shape, dtype=args[argument].dtype)
+    with pytest.raises(ValueError, match=rf"^{argument} must have (log_prob's shape \[B, L\] = \[4, 4\]|2 dim)"):
+        POLICY_LOSSES[loss](**args, loss_agg_mode="token-mean", config=POLICY_CONFIG)
+
+
+@pytest.mark.parametrize("argument", ["old_log_prob", "log_prob", "advantages", "rollout_is_weights"])
+def test_policy_loss_refuses_a_nan_where_the_mask_is_set(argument):
+    old, logp, A, mask, is_w = policy_batch()
+    args = dict(old_log_prob=old, log_prob=logp, advantages=A.clone(), response_mask=mask, rollout_is_weights=is_w)
+    args[argument] = args[argument].clone()
+    args[argument][3, 0] = float("nan")  # row 3 is masked out: accepted
+    sage_verl.compute_policy_loss_sage(**args, config=POLICY_CONFIG)
+    args[argument][0, 0] = float("nan")
+    with pytest.raises(ValueError, match=f"^{argument} has non-finite values"):
+        sage_verl.compute_policy_loss_sage(**args, config=POLICY_CONFIG)
+
+
+@pytest.mark.parametrize("mode", sage_verl.AGGREGATION_MODES)
+@pytest.mark.parametrize("loss", list(POLICY_LOSSES))
+def test_nothing_masked_in_gives_loss_zero_and_zero_gradients(loss, mode):
+    old, logp, A, mask, is_w = policy_batch()
+    logp = logp.clone().requires_grad_(True)
+    out, metrics = POLICY_LOSSES[loss](old, logp, A, torch.zeros_like(mask), mode, POLICY_CONFIG, is_w)
+    out.backward()
+    assert out.item() == 0.0
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+    assert metrics == {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
+
+
+def bypass_config(**correction):
+    correction = {
+        **dict(loss_type="ppo_clip", rollout_is="token", rollout_is_threshold=2.0, rollout_rs=None),
+        **correction,
+    }
+    return dict(
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        global_batch_info={},
+        policy_loss=dict(loss_mode="sage_bypass", rollout_correction=correction),
+    )
+
+
+@pytest.mark.parametrize("threshold", [2.0, "0.8_1.25"], ids=str)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_corr_metrics_equal_verls_functions(level, threshold):
+    verl = rollout_corr_helper()
+    rollout, logp, _, mask, _ = policy_batch(seed=4)
+    ours = sage_verl.compute_rollout_corr_metrics(logp, rollout, mask, level, threshold)
+    _, want = verl.compute_rollout_correction_weights(logp - rollout, mask.float(), level, threshold)
+    want.update(verl.compute_offpolicy_metrics(logp, rollout, mask.float()))
+    assert set(ours) == {"rollout_corr/" + name for name in want}
+    for name, value in want.items():
+        assert ours["rollout_corr/" + name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+def test_bypass_is_the_sage_loss_against_the_rollout_log_probs_with_its_metrics():
+    rollout, logp, A, mask, is_w = policy_batch(seed=5)
+    config = bypass_config(rollout_is="sequence", rollout_is_threshold=1.5)
+    results = []
+    for fn in (
+        lambda lp: sage_verl.compute_policy_loss_sage_bypass(rollout, lp, A, mask, "token-mean", config, is_w),
+        lambda lp: sage_verl.compute_policy_loss_sage(rollout, lp, A, mask, "token-mean", config),
+    ):
+        lp = logp.clone().requires_grad_(True)
+        loss, metrics = fn(lp)
+        loss.backward()
+        results.append((loss.detach(), lp.grad, metrics))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)  # rollout_is_weights ignored
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+    corr = sage_verl.compute_rollout_corr_metrics(logp, rollout, mask, "sequence", 1.5)
+    assert results[0][2] == {**results[1][2], **corr}
+    assert corr["rollout_corr/rollout_is_ratio_fraction_high"] > 0  # the threshold binds
+
+
+@pytest.mark.parametrize(
+    "config, word",
+    [
+        (bypass_config(loss_type="reinforce"), "rollout_correction.loss_type must be 'ppo_clip'"),
+        (bypass_config(rollout_rs="token_k1"), "rollout_correction.rollout_rs must be off"),
+        (bypass_config(rollout_is_batch_normalize=True), "rollout_correction.rollout_is_batch_normalize"),
+        (bypass_config(rollout_is_threshold="2_1"), "rollout_is_threshold must be"),
+        ({"clip_ratio": 0.2}, "config.policy_loss.rollout_correction is required"),
+    ],
+    ids=["reinforce", "rollout_rs", "batch_normalize", "threshold", "no-correction"],
+)
+def test_bypass_refuses_what_it_does_not_compute(config, word):
+    rollout, logp, A, mask, _ = policy_batch()
+    with pytest.raises(ValueError, match=word):
+        sage_verl.compute_policy_loss_sage_bypass(rollout, logp, A, mask, "token-mean", config)
+
+
 def test_anchor_through_verl_kl_equals_the_fused_sage_kl():
     """verl's low_var_kl (k3) against sage_anchor_log_prob(...) is the fused loss's KL to q * pi_ref."""
     hidden, weight, labels, g = make_head(seed=2)
@@ -302,6 +431,7 @@ def test_registered_in_verl():
     assert sage_verl.VERL_REGISTERED
     assert get_policy_loss_fn("sage") is sage_verl.compute_policy_loss_sage
     assert get_policy_loss_fn("sage_sapo") is sage_verl.compute_policy_loss_sage_sapo
+    assert get_policy_loss_fn("sage_bypass") is sage_verl.compute_policy_loss_sage_bypass
 
 
 @real_verl
@@ -371,3 +501,25 @@ def test_patch_reaches_the_names_verl_modules_bound_at_import():
     finally:
         for name in (verl_kernel.__name__, *(module.__name__ for module in bound)):
             sys.modules[name].linear_cross_entropy = original
+
+
+@real_verl
+@pytest.mark.parametrize("level, threshold", [("token", 2.0), ("sequence", 1.5), ("token", "0.8_1.25")], ids=str)
+def test_bypass_matches_real_verl_bypass_mode(level, threshold):
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    config = OmegaConf.create(bypass_config(rollout_is=level, rollout_is_threshold=threshold))
+    rollout, logp, A, mask, _ = policy_batch(seed=6)
+    results = []
+    for fn in (get_policy_loss_fn("sage_bypass"), get_policy_loss_fn("bypass_mode")):
+        lp = logp.clone().requires_grad_(True)
+        loss, metrics = fn(rollout, lp, A, mask, "token-mean", config, None)
+        loss.backward()
+        results.append((loss.detach(), lp.grad, metrics))
+    (ours, our_grad, our_metrics), (theirs, their_grad, their_metrics) = results
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(our_grad, their_grad, atol=1e-6, rtol=1e-5)
+    assert set(our_metrics) == set(their_metrics)
+    for name, value in their_metrics.items():
+        assert our_metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
