@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sage_train.tasks import answer
+from sage_train.tasks import answer, knights
 from sage_train.tasks.arithmetic import ArithmeticTask
 from sage_train.tasks.base import Problem
 from sage_train.tasks.countdown import CountdownTask, free_expression
@@ -35,6 +35,11 @@ HOSTILE = {
     "answer markers": "the answer is " * (SIZE // 14),
     "knights": "a is a knight " * (SIZE // 14),
     "scientific": "1e5 " * (SIZE // 4),
+    # the old knights pair pattern tried every split of a run of spaces between "\s*" and "\s+is": cubic
+    "spaced knight pair": "a" + " " * (SIZE // 2) + "is" + " " * (SIZE // 2),
+    "spaced knight pair said": "The answer is: a" + "\n" * (SIZE // 2) + "is an" + "\t" * (SIZE // 2) + "k",
+    "spaced knight separators": ("a" + " " * 999 + "is" + " " * 999 + "a" + " " * 999 + "=") * (SIZE // 3000),
+    "spaced scientific": ("1" + " " * 999 + "e" + " " * 999) * (SIZE // 2000),
 }
 TASKS = {
     f"{name}-{grading}": make(grading=grading)
@@ -51,6 +56,45 @@ def test_every_synthetic_grader_is_bounded_on_hostile_completions(task):
         start = time.perf_counter()
         assert grader.score(completion, problem) in (0.0, 1.0)
         assert time.perf_counter() - start < BOUND_S, (task, name)
+
+
+def test_the_issue_knights_pair_is_graded_at_once():
+    """ "a", 2000 spaces, "is", 2000 spaces: 33 s with the old pair pattern (issue 46), growing as n^3."""
+    grader = KnightsTask(grading="strict")
+    problem = grader.problems("test", 1, 0)[0]
+    for n in (2_000, 20_000):
+        start = time.perf_counter()
+        assert grader.score("a" + " " * n + "is" + " " * n, problem) == 0.0
+        assert time.perf_counter() - start < 0.5, n
+
+
+@pytest.mark.parametrize("grading", ["free", "strict"])
+def test_the_knights_grader_takes_a_million_characters_of_spaced_pairs_in_linear_time(grading):
+    """Each run of spaces read once: a million characters of pairs separated by long runs of spaces,
+    tabs and newlines (a quadratic reading needs 10^12 steps here) graded within the hang guard, and
+    the one pair said at the end of them still read."""
+    grader = KnightsTask(people=2, grading=grading)
+    problem = grader.problems("test", 1, 0)[0]
+    gap = " \t" * 130_000
+    answer = problem.answer.replace("=", gap + "is a" + gap).replace(",", " and ")
+    completion = ("b" + gap + "is" + gap + "a") * 4 + "\nAnswer: " + answer if grading == "strict" else answer
+    assert len(completion) > 1_000_000
+    start = time.perf_counter()
+    assert grader.score(completion, problem) == 1.0
+    assert time.perf_counter() - start < BOUND_S
+
+
+OLD_PAIR = re.compile(
+    r"(?<![a-z])([a-z])\s*(?:=|:|-|\s+is(?:\s+an?)?\s+)\s*(knight|knave)(?![a-z])", re.IGNORECASE | re.ASCII
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.text(alphabet="abAB =:-\n\tisnKkx", max_size=40).map(lambda t: t.replace("K", "knight").replace("x", "knave"))
+)
+def test_the_knights_pair_pattern_reads_what_the_old_one_read(text):
+    assert knights._PAIR.findall(text) == OLD_PAIR.findall(text)
 
 
 def test_math_answer_extraction_is_bounded_on_hostile_completions():
