@@ -10,9 +10,7 @@ import json
 import shlex
 from pathlib import Path
 
-import yaml
-
-from ..config import ConfigError, TrainConfig, load
+from ..config import ConfigError, TrainConfig, command_line_value, load
 from ..config_files import read_mapping
 from ..run_files import RUN_FILES
 
@@ -69,7 +67,7 @@ class Study:
 
 
 def _yaml_scalar(value) -> str:
-    """A value as sage-train reads it back (`yaml.safe_load` of the text after `=`; YAML reads JSON)."""
+    """A value as sage-train reads it back (`config.command_line_value` of the text after `=`; YAML reads JSON)."""
     return value if isinstance(value, str) else json.dumps(value)
 
 
@@ -110,7 +108,10 @@ def parse_study(argv: list) -> Study:
         key, has_value, text = arg.partition("=")
         if not key.startswith("--") or not has_value:
             raise StudyError(f"unexpected argument {arg!r}; training overrides are --key=value")
-        train[key[2:].replace("-", "_")] = yaml.safe_load(text) if text else ""
+        try:  # read by the key's type, as sage-train reads it ("--rollout_rs_threshold=2_3" stays "2_3")
+            train[key[2:].replace("-", "_")] = command_line_value(key[2:].replace("-", "_"), text)
+        except ConfigError as error:
+            raise StudyError(str(error)) from None
     if args.steps is not None:
         train["steps"] = args.steps
     if args.task is not None:  # another task's options would not fit it: its defaults unless given
