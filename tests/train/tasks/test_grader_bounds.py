@@ -3,6 +3,7 @@
 convert (more than 4300 digits), and reading as before every completion the old rules read. The old
 rules are kept here as the references: the regular expressions and slicing that were quadratic."""
 
+import json
 import re
 import time
 from decimal import Decimal
@@ -16,7 +17,7 @@ from sage_train.tasks.arithmetic import ArithmeticTask
 from sage_train.tasks.base import Problem
 from sage_train.tasks.countdown import CountdownTask, free_expression
 from sage_train.tasks.knights import KnightsTask
-from sage_train.tasks.math import MathTask, answer_for_grading, last_answer_tags
+from sage_train.tasks.math import MathTask, answer_for_grading, last_answer_tags, scientific_written_out
 
 #: the size of a hostile completion: a quadratic grader takes minutes here (30 s at 80 KB), a linear
 #: one well under a second
@@ -40,6 +41,8 @@ HOSTILE = {
     "spaced knight pair said": "The answer is: a" + "\n" * (SIZE // 2) + "is an" + "\t" * (SIZE // 2) + "k",
     "spaced knight separators": ("a" + " " * 999 + "is" + " " * 999 + "a" + " " * 999 + "=") * (SIZE // 3000),
     "spaced scientific": ("1" + " " * 999 + "e" + " " * 999) * (SIZE // 2000),
+    "scientific, written out long": "1e399 " * (SIZE // 6),
+    "scientific, a long exponent": "1e" + "9" * SIZE,
 }
 TASKS = {
     f"{name}-{grading}": make(grading=grading)
@@ -172,10 +175,36 @@ def test_the_linear_readers_read_what_the_old_rules_read(text):
         ("The answer is 1.5E-2", "0.015", 1.0),
         ("<answer>6.02e23</answer>", "602000000000000000000000", 1.0),
         ("so the result is \\boxed{2e4}", "2000", 0.0),
+        # not their mantissas (issue 46 item 8), in text, boxes and tags, and as golds
+        ("The answer is 1e100.", "10^{100}", 1.0),
+        ("The answer is 1e100.", "1", 0.0),
+        ("The answer is 1e100.", "3e100", 0.0),
+        ("so the result is \\boxed{3e100}", "3", 0.0),
+        ("so the result is \\boxed{3e100}", "3\\times 10^{100}", 1.0),
+        ("so the result is \\boxed{10^{100}}", "1e100", 1.0),
+        ("so the result is \\boxed{10^{100}}", "3e100", 0.0),
+        ("The answer is 1.5e-300", "1.5", 0.0),
+        ("The answer is 1.5e-300", "0", 0.0),
+        ("<answer>1.5e-300</answer>", "1.5\\times 10^{-300}", 1.0),
+        ("The answer is 1E+100", "1" + "0" * 100, 1.0),
+        # past the digits written out: exact in LaTeX, in text too, and inside $...$
+        ("The answer is 1e1000", "10^{1000}", 1.0),
+        ("The answer is 1e1000", "1", 0.0),
+        ("The answer is $x = 3e1000$", "3\\times 10^{1000}", 1.0),
+        ("so the result is \\boxed{3e1000}", "10^{1000}", 0.0),
     ],
 )
 def test_scientific_notation_is_read_as_the_number_it_writes(tmp_path, completion, gold, score):
-    """math-verify alone reads "2e3" as 2*e*3 in a box and as 2 in text."""
-    (tmp_path / "one.jsonl").write_text(f'{{"problem": "p", "answer": "{gold}"}}\n')
+    """math-verify alone reads "2e3" as 2*e*3 in a box and as 2 in text, "1e100" as 1."""
+    (tmp_path / "one.jsonl").write_text(json.dumps({"problem": "p", "answer": gold}) + "\n")
     task = MathTask(str(tmp_path / "one.jsonl"))
     assert task.score(completion, task.problems()[0]) == score
+
+
+def test_numbers_in_scientific_notation_add_a_bounded_length():
+    """Written out in digits up to 400 of them and 100,000 in all, then as "m\\times10^{k}": a
+    completion of exponents cannot grow a hundredfold on its way to math-verify."""
+    for completion in (HOSTILE["scientific, written out long"], HOSTILE["scientific, a long exponent"]):
+        assert len(scientific_written_out(completion)) <= 4 * len(completion) + 100_000
+    assert scientific_written_out("1.5e-300") == "0." + "0" * 299 + "15"
+    assert scientific_written_out("1e1000 and $2.5E-1000$") == "$1\\times10^{1000}$ and $2.5\\times10^{-1000}$"
