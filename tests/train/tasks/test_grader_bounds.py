@@ -16,8 +16,15 @@ from sage_train.tasks import answer, knights
 from sage_train.tasks.arithmetic import ArithmeticTask
 from sage_train.tasks.base import Problem
 from sage_train.tasks.countdown import CountdownTask, free_expression
+from sage_train.tasks.grading import grading_stats
 from sage_train.tasks.knights import KnightsTask
-from sage_train.tasks.math import MathTask, answer_for_grading, last_answer_tags, scientific_written_out
+from sage_train.tasks.math import (
+    MAX_GRADED_CHARS,
+    MathTask,
+    answer_for_grading,
+    last_answer_tags,
+    scientific_written_out,
+)
 
 #: the size of a hostile completion: a quadratic grader takes minutes here (30 s at 80 KB), a linear
 #: one well under a second
@@ -208,3 +215,20 @@ def test_numbers_in_scientific_notation_add_a_bounded_length():
         assert len(scientific_written_out(completion)) <= 4 * len(completion) + 100_000
     assert scientific_written_out("1.5e-300") == "0." + "0" * 299 + "15"
     assert scientific_written_out("1e1000 and $2.5E-1000$") == "$1\\times10^{1000}$ and $2.5\\times10^{-1000}$"
+
+
+def test_math_grading_of_hostile_completions_is_bounded_end_to_end(tmp_path):
+    """What math-verify gets is the end of a completion, at most MAX_GRADED_CHARS: every hostile
+    completion is graded (none timed out), and an answer boxed after a million characters still counts."""
+    (tmp_path / "one.jsonl").write_text(json.dumps({"problem": "p", "answer": "7"}) + "\n")
+    task = MathTask(str(tmp_path / "one.jsonl"))
+    long_answer = "so we add the terms. " * 50_000 + "\\boxed{7}"
+    hostile = ("digits", "unclosed boxes", "answer markers", "spaced knight pair said", "scientific, written out long")
+    completions = [*(HOSTILE[name] for name in hostile), long_answer]
+    assert all(len(answer_for_grading(c)) <= MAX_GRADED_CHARS for c in completions)
+    before = grading_stats()
+    start = time.perf_counter()
+    scores = task.score_batch(completions, task.problems() * len(completions))
+    assert time.perf_counter() - start < 3 * BOUND_S
+    assert scores[-1] == 1.0 and set(scores[:-1]) == {0.0}
+    assert grading_stats()["timeouts"] == before["timeouts"]
