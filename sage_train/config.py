@@ -13,6 +13,7 @@ fields of `guide.GuideSettings` (`GUIDE_KEYS`). Keys left as None take the algor
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import types
@@ -245,6 +246,24 @@ TrainConfig = dataclasses.make_dataclass(
 
 
 _FLOAT = re.compile(r"[-+]?((?:0|[1-9]\d*)(?:\.\d*)?|\.\d+)([eE][-+]?\d+)?")  # no leading zero: "010" is 8 to YAML 1.1
+
+
+def decimal_int(text: str) -> int:
+    """`text` as an integer in plain decimal digits, for argparse options and comma-separated lists;
+    argparse.ArgumentTypeError otherwise (Python's int() also reads "1_000" and other scripts' digits)."""
+    if not re.fullmatch(r"\s*[-+]?[0-9]+\s*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is no integer in plain decimal digits")
+    return int(text)
+
+
+def decimal_float(text: str) -> float:
+    """`text` as a number in plain decimal digits ("0.3", "1e-3"), for argparse options;
+    argparse.ArgumentTypeError otherwise (Python's float() also reads "1_0.5")."""
+    if not _FLOAT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is no number in plain decimal digits")
+    return float(text)
+
+
 #: a number as YAML 1.1 writes it and `config_files` reads as text ("1_000", "0x1f", "010", "1:30")
 _NUMBER_LIKE = re.compile(r"[-+]?(?:0[xob][0-9a-fA-F_]+|[0-9][0-9_:.]*)")
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

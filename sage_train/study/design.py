@@ -10,7 +10,7 @@ import json
 import shlex
 from pathlib import Path
 
-from ..config import ConfigError, TrainConfig, command_line_value, load
+from ..config import ConfigError, TrainConfig, command_line_value, decimal_int, load
 from ..config_files import read_mapping
 from ..run_files import RUN_FILES
 
@@ -86,11 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", default=None, help="comma-separated presets, e.g. grpo,sage-branch")
     p.add_argument("--seeds", default=None, help="comma-separated training seeds, e.g. 0,1,2")
     p.add_argument("--baseline", default=None, help="the arm differences are taken against (default: the first)")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (a training override)")
+    p.add_argument("--steps", type=decimal_int, default=None, help="RL steps per run (a training override)")
     p.add_argument("--task", default=None, help="the task (a training override; resets task_options)")
-    p.add_argument("--eval-n", type=int, default=None, help="samples per held-out problem (default 16)")
-    p.add_argument("--eval-problems", type=int, default=None, help="held-out problems (default 64)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process")
+    p.add_argument("--eval-n", type=decimal_int, default=None, help="samples per held-out problem (default 16)")
+    p.add_argument("--eval-problems", type=decimal_int, default=None, help="held-out problems (default 64)")
+    p.add_argument("--jobs", type=decimal_int, default=1, help="runs at once, each its own process")
     p.add_argument("--out", default=None, help="the study directory (required)")
     p.add_argument("--report-only", action="store_true", help="write the report from the runs finished so far")
     p.add_argument("--toy", action="store_true", help="the closed-form toy study instead (sage_train.study.toy)")
@@ -204,6 +204,6 @@ def check_endpoints(study: Study) -> None:
 
 def _ints(text: str, what: str) -> list:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
+        return [decimal_int(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
         raise StudyError(f"{what} must be comma-separated integers, got {text!r}") from None

@@ -288,3 +288,35 @@ def test_quirky_strings_round_trip_through_the_saved_config_for_both_yaml_reader
         save_yaml(cfg, tmp_path / "c.yaml")
         assert load_yaml(tmp_path / "c.yaml") == cfg, text
         assert yaml.safe_load((tmp_path / "c.yaml").read_text())["name"] == text  # what sage-study reads back
+
+
+def test_a_study_passes_training_overrides_by_their_type(tmp_path):
+    """sage-study's --key=value overrides are read as sage-train reads them (YAML 1.1 made 2_3 the
+    integer 23 there too), and its logged command line reproduces them."""
+    from sage_train.study.design import StudyError, parse_study
+
+    argv = ["--algorithms", "grpo", "--seeds", "0", "--out", str(tmp_path / "out")]
+    study = parse_study([*argv, "--rollout_rs=token_k1", "--rollout_rs_threshold=2_3", "--report_project=on"])
+    cfg = study.train_config_of(None, 0)
+    assert (cfg.rollout_rs_threshold, cfg.report_project) == ("2_3", "on")
+    assert "--rollout_rs_threshold=2_3" in study.train_command(None, 0)
+    with pytest.raises(StudyError, match="'max_new_tokens'.*plain decimal digits"):
+        parse_study([*argv, "--max_new_tokens=1_0"])
+
+
+@pytest.mark.parametrize("value", ["1_000", "0x10", "١٢"])
+def test_the_study_and_eval_flags_take_numbers_in_plain_decimal_digits_only(tmp_path, value):
+    """Python's int() and float() read "1_000" (and Arabic-Indic digits): argparse's type=int did too."""
+    from sage_train.eval.settings import build_parser, parse_ints
+    from sage_train.study.design import StudyError, parse_study
+
+    argv = ["--algorithms", "grpo", "--out", str(tmp_path / "out")]
+    for flag in ("--steps", "--jobs", "--eval-n", "--seeds"):
+        with pytest.raises(StudyError, match="plain decimal digits|comma-separated integers"):
+            parse_study([*argv, flag, value] + ["--seeds", "0"] * (flag != "--seeds"))
+    for flag in ("--n", "--limit", "--top-k", "--temperature", "--top-p"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--model", "m", "--tasks", "math500", flag, value])
+    with pytest.raises(ValueError, match="--seeds"):
+        parse_ints(f"0,{value}", "--seeds")
+    assert build_parser().parse_args(["--model", "m", "--tasks", "x", "--n", "16", "--temperature", ".3"]).n == 16
