@@ -27,9 +27,9 @@ def train_main(argv=None) -> int:
         print(f"sage-train: {error}")
         return 2
     if dry_run:
-        import yaml
+        from .config_files import dump
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        print(dump(cfg.to_dict()), end="")
         return 0
     from .distributed import RunError
     from .run import train

@@ -13,6 +13,7 @@ fields of `guide.GuideSettings` (`GUIDE_KEYS`). Keys left as None take the algor
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import types
@@ -244,7 +245,27 @@ TrainConfig = dataclasses.make_dataclass(
 )
 
 
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_FLOAT = re.compile(r"[-+]?((?:0|[1-9]\d*)(?:\.\d*)?|\.\d+)([eE][-+]?\d+)?")  # no leading zero: "010" is 8 to YAML 1.1
+
+
+def decimal_int(text: str) -> int:
+    """`text` as an integer in plain decimal digits, for argparse options and comma-separated lists;
+    argparse.ArgumentTypeError otherwise (Python's int() also reads "1_000" and other scripts' digits)."""
+    if not re.fullmatch(r"\s*[-+]?[0-9]+\s*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is no integer in plain decimal digits")
+    return int(text)
+
+
+def decimal_float(text: str) -> float:
+    """`text` as a number in plain decimal digits ("0.3", "1e-3"), for argparse options;
+    argparse.ArgumentTypeError otherwise (Python's float() also reads "1_0.5")."""
+    if not _FLOAT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is no number in plain decimal digits")
+    return float(text)
+
+
+#: a number as YAML 1.1 writes it and `config_files` reads as text ("1_000", "0x1f", "010", "1:30")
+_NUMBER_LIKE = re.compile(r"[-+]?(?:0[xob][0-9a-fA-F_]+|[0-9][0-9_:.]*)")
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
 
@@ -257,8 +278,7 @@ def _type_name(hint) -> str:
 
 def _coerce(key: str, value):
     """`value` checked against the type of field `key` (ints accepted where floats are)."""
-    hint = _HINTS[key]
-    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    hint, allowed = _HINTS[key], _allowed(key)
     for kind in allowed:
         if kind is type(None) and value is None:
             return None
@@ -272,6 +292,14 @@ def _coerce(key: str, value):
             return value
         if kind in (str, bool, list, dict) and isinstance(value, kind):
             return value
+    # what YAML 1.1 would have read as a number or a boolean, and `config_files` leaves as text
+    if isinstance(value, str) and (int in allowed or float in allowed) and _NUMBER_LIKE.fullmatch(value.strip()):
+        raise ConfigError(
+            f"config key {key!r} must be {_type_name(hint)}, got {value!r}: write numbers in plain decimal digits "
+            f"(no digit-group underscores, 0x/0o prefixes, leading zeros or 1:30 sexagesimal)"
+        )
+    if isinstance(value, str) and bool in allowed and value.strip().lower() in ("yes", "no", "on", "off", "y", "n"):
+        raise ConfigError(f"config key {key!r} must be {_type_name(hint)}, got {value!r}: write true or false")
     raise ConfigError(f"config key {key!r} must be {_type_name(hint)}, got {value!r} ({type(value).__name__})")
 
 
@@ -309,8 +337,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
             continue
         if key == "local_rank":  # passed by the deepspeed launcher; LOCAL_RANK in the environment says the same
             continue
-        _check_keys({key: None}, "the command line")
-        overrides[key] = _override(key, text)
+        overrides[key] = command_line_value(key, text)
     return load(config_file, overrides)
 
 
@@ -321,22 +348,46 @@ def load(config_file: str | None, overrides: dict | None = None) -> TrainConfig:
     _check_keys(overrides, "the overrides")
     if config_file is None:
         config_file = DEFAULT_CONFIG if overrides.get("model", "tiny") == "tiny" else REAL_MODEL_CONFIG
-    values = config_files.read_mapping(config_file)
+    texts: dict = {}
+    values = config_files.read_mapping(config_file, texts)
     _check_keys(values, f"config file {config_file!r}")
+    values = {key: _typed(key, value, texts[key]) if key in texts else value for key, value in values.items()}
     values.update(overrides)
     return resolve(build(values))
 
 
-def _override(key: str, text: str):
-    """The value of ``--key=text``: YAML, except that a string key keeps any text that does not read
-    as a YAML string (a name like "123", "on" or "[draft" stays as given)."""
-    if _HINTS[key] is not str:
+def command_line_value(key: str, text: str):
+    """The value of ``--key=text`` by the key's declared type: YAML (`config_files.load`), except that
+    a key that takes a string keeps, as given, any text that does not read as a YAML string or as
+    another type the key takes (a name like "123", "on", "1e-3" or "[draft"; "null" where the key
+    may be None). An unknown key raises ConfigError."""
+    _check_keys({key: None}, "the command line")
+    if str not in _allowed(key):
         return config_files.load(text, f"--{key}") if text != "" else ""
     try:
         value = config_files.load(text, f"--{key}")
     except config_files.YamlDataError:
         return text
-    return value if isinstance(value, str) else text
+    return _typed(key, value, text)
+
+
+def _allowed(key: str) -> tuple:
+    """The types key `key` takes."""
+    hint = _HINTS[key]
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def _typed(key: str, value, text: str):
+    """`value`, read as YAML from `text`, by the type of key `key`: for a key that takes a string,
+    `text` itself unless `value` is a string or of another type the key takes (a float, or None)."""
+    allowed = _allowed(key)
+    if str not in allowed:
+        return value
+    if isinstance(value, str) or (value is None and type(None) in allowed):
+        return value
+    if isinstance(value, float) and float in allowed:
+        return value
+    return text
 
 
 def build(values: dict) -> TrainConfig:

@@ -26,6 +26,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..config import decimal_float, decimal_int
 from ..rollout.base import SamplingParams
 from ..run_files import RUN_FILES
 from . import evaluate
@@ -66,8 +67,8 @@ def prompt_format(args, model: ModelSpec) -> tuple[str, str]:
 
 def parse_ints(text: str, what: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
+        return [decimal_int(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
         raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
@@ -114,19 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="a system prompt name (sage, official) or text (default: what the model was trained "
         "with; needs a chat template)",
     )
-    p.add_argument("--n", type=int, default=None, help="samples per problem and seed (default 16; official 64)")
+    p.add_argument("--n", type=decimal_int, default=None, help="samples per problem and seed (default 16; official 64)")
     p.add_argument("--k", default="", help="comma-separated ks (default: 1, 2, 4, ... up to n)")
     p.add_argument("--seeds", default="0", help="comma-separated sampling seeds")
-    p.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems of each task")
+    p.add_argument("--limit", type=decimal_int, default=None, help="evaluate the first LIMIT problems of each task")
     p.add_argument("--engine", default="hf", choices=("hf", "vllm"))
     p.add_argument("--device", default=None, help="hf engine device (default: cuda if available, else cpu)")
-    p.add_argument("--temperature", type=float, default=None, help="default 1.0 (official: 0.3)")
-    p.add_argument("--top-p", type=float, default=None, help="default 1.0 (official: 0.95)")
-    p.add_argument("--top-k", type=int, default=None, help="default 0: off")
-    p.add_argument("--min-p", type=float, default=None, help="default 0.0: off")
+    p.add_argument("--temperature", type=decimal_float, default=None, help="default 1.0 (official: 0.3)")
+    p.add_argument("--top-p", type=decimal_float, default=None, help="default 1.0 (official: 0.95)")
+    p.add_argument("--top-k", type=decimal_int, default=None, help="default 0: off")
+    p.add_argument("--min-p", type=decimal_float, default=None, help="default 0.0: off")
     p.add_argument(
         "--max-new-tokens",
-        type=int,
+        type=decimal_int,
         default=None,
         help="default: a run directory's eval_max_new_tokens or max_new_tokens, else 1024 (official: 6144)",
     )
@@ -138,14 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--problems-per-call",
-        type=int,
+        type=decimal_int,
         default=1,
         help="prompts per generate call (more is faster with the hf engine and small n; a problem's "
         "samples do not depend on it: each problem is drawn with a seed of its own)",
     )
     p.add_argument(
         "--samples-per-call",
-        type=int,
+        type=decimal_int,
         default=None,
         help="split each problem's n samples into generate calls of this many",
     )
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-prompt-tokens",
-        type=int,
+        type=decimal_int,
         default=8192,
         help="refuse a problem whose prompt has more tokens (default 8192)",
     )

@@ -10,9 +10,7 @@ import json
 import shlex
 from pathlib import Path
 
-import yaml
-
-from ..config import ConfigError, TrainConfig, load
+from ..config import ConfigError, TrainConfig, command_line_value, decimal_int, load
 from ..config_files import read_mapping
 from ..run_files import RUN_FILES
 
@@ -69,7 +67,7 @@ class Study:
 
 
 def _yaml_scalar(value) -> str:
-    """A value as sage-train reads it back (`yaml.safe_load` of the text after `=`; YAML reads JSON)."""
+    """A value as sage-train reads it back (`config.command_line_value` of the text after `=`; YAML reads JSON)."""
     return value if isinstance(value, str) else json.dumps(value)
 
 
@@ -88,11 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", default=None, help="comma-separated presets, e.g. grpo,sage-branch")
     p.add_argument("--seeds", default=None, help="comma-separated training seeds, e.g. 0,1,2")
     p.add_argument("--baseline", default=None, help="the arm differences are taken against (default: the first)")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (a training override)")
+    p.add_argument("--steps", type=decimal_int, default=None, help="RL steps per run (a training override)")
     p.add_argument("--task", default=None, help="the task (a training override; resets task_options)")
-    p.add_argument("--eval-n", type=int, default=None, help="samples per held-out problem (default 16)")
-    p.add_argument("--eval-problems", type=int, default=None, help="held-out problems (default 64)")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process")
+    p.add_argument("--eval-n", type=decimal_int, default=None, help="samples per held-out problem (default 16)")
+    p.add_argument("--eval-problems", type=decimal_int, default=None, help="held-out problems (default 64)")
+    p.add_argument("--jobs", type=decimal_int, default=1, help="runs at once, each its own process")
     p.add_argument("--out", default=None, help="the study directory (required)")
     p.add_argument("--report-only", action="store_true", help="write the report from the runs finished so far")
     p.add_argument("--toy", action="store_true", help="the closed-form toy study instead (sage_train.study.toy)")
@@ -110,7 +108,10 @@ def parse_study(argv: list) -> Study:
         key, has_value, text = arg.partition("=")
         if not key.startswith("--") or not has_value:
             raise StudyError(f"unexpected argument {arg!r}; training overrides are --key=value")
-        train[key[2:].replace("-", "_")] = yaml.safe_load(text) if text else ""
+        try:  # read by the key's type, as sage-train reads it ("--rollout_rs_threshold=2_3" stays "2_3")
+            train[key[2:].replace("-", "_")] = command_line_value(key[2:].replace("-", "_"), text)
+        except ConfigError as error:
+            raise StudyError(str(error)) from None
     if args.steps is not None:
         train["steps"] = args.steps
     if args.task is not None:  # another task's options would not fit it: its defaults unless given
@@ -203,6 +204,6 @@ def check_endpoints(study: Study) -> None:
 
 def _ints(text: str, what: str) -> list:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
+        return [decimal_int(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError:
         raise StudyError(f"{what} must be comma-separated integers, got {text!r}") from None

@@ -48,8 +48,11 @@ TEMPLATES = {
 }
 NAMES = "ABCDEFGH"
 KINDS = ("is", "and", "or", "same", "different")
+# Possessive quantifiers: each run of spaces is read once. With "\s*" beside "\s+is" the old pattern
+# tried every split of a run between them (33 s on "a", 2000 spaces, "is", 2000 spaces; cubic).
+# Nothing it could give back would match: what follows each run is a separator, "is" or a role.
 _PAIR = re.compile(
-    r"(?<![a-z])([a-z])\s*(?:=|:|-|\s+is(?:\s+an?)?\s+)\s*(knight|knave)(?![a-z])", re.IGNORECASE | re.ASCII
+    r"(?<![a-z])([a-z])(?:\s*+[=:\-]|\s++is(?:\s++an?+)?+\s)\s*+(knight|knave)(?![a-z])", re.IGNORECASE | re.ASCII
 )  # ASCII: the Kelvin sign is no "k"
 
 

@@ -54,7 +54,13 @@ from .base import Problem
 from .grading import math_rewards
 
 #: a number in scientific notation, not part of a word or of a longer number ("2e3", "1.5E-2"; not "x2e3")
-_SCIENTIFIC = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[eE][+-]?\d{1,2}(?!\w|\.\d)", re.ASCII)
+_SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[eE]([+-]?)(\d+)(?!\w|\.\d)", re.ASCII)
+#: the longest number written out in digits ("1.5e-300" takes 302); a longer one becomes "$m\times10^{k}$"
+_MAX_WRITTEN_OUT = 400
+#: the most characters written out in one completion: what it adds is bounded whatever it holds
+_WRITTEN_OUT_BUDGET = 100_000
+#: the most characters of a completion handed to math-verify (its end): 0.1-0.4 s to parse on one core
+MAX_GRADED_CHARS = 100_000
 
 TEMPLATES = {
     "sage": "{question}\nPlease reason step by step, and put your final answer within \\boxed{}.",
@@ -199,19 +205,48 @@ def answer_for_grading(completion: str) -> str:
     expression, boxed (`answer.free_number`); else "" (no answer: math-verify would otherwise pick a
     number of a restated question, "Let me compute 94+22.").
 
-    Numbers in scientific notation are written out first ("2e3" -> "2000", "1.5E-2" -> "0.015"):
-    math-verify reads "2e3" as 2*e*3 in a box and as 2 in text."""
-    completion = _SCIENTIFIC.sub(lambda m: format(Decimal(m.group(0)), "f"), completion)
+    Numbers in scientific notation are written out first (`scientific_written_out`): math-verify
+    reads "2e3" as 2*e*3 in a box and as 2 in text, "1e100" as 1. Of a text longer than
+    `MAX_GRADED_CHARS`, its end (where the last box is) is graded: math-verify's time grows with it."""
+    completion = scientific_written_out(completion)
     if "\\boxed" in completion:
-        return completion
+        return completion[-MAX_GRADED_CHARS:]
     tagged = last_answer_tags(completion)
     if tagged is not None and tagged.strip():
-        return "\\boxed{" + tagged.strip() + "}"
+        return ("\\boxed{" + tagged.strip() + "}")[-MAX_GRADED_CHARS:]
     span, explicit = free_span(completion)
     if explicit:
-        return span.strip().split("\n", 1)[0]
+        return span.strip().split("\n", 1)[0][-MAX_GRADED_CHARS:]
     number = free_number(completion)
-    return "" if number is None else "\\boxed{" + str(number) + "}"
+    return "" if number is None else ("\\boxed{" + str(number) + "}")[-MAX_GRADED_CHARS:]
+
+
+def scientific_written_out(text: str) -> str:
+    """`text` with each number in scientific notation written as the number it is, in digits ("2e3"
+    -> "2000", "1.5E-2" -> "0.015", "1e100" -> 1 and 100 zeros, exact), or, past `_MAX_WRITTEN_OUT`
+    digits (or once `_WRITTEN_OUT_BUDGET` is spent), as "$m\\times10^{k}$" ("1e1000" ->
+    "$1\\times10^{1000}$", the dollars left out inside $...$; exact too, no longer than what it replaces
+    but for 12 characters).
+    Linear in the length of `text`, whatever its numbers."""
+    budget, dollars, read_to = _WRITTEN_OUT_BUDGET, 0, 0
+
+    def replace(match: re.Match) -> str:
+        nonlocal budget, dollars, read_to
+        dollars += text.count("$", read_to, match.start())  # counted once over the text: linear
+        read_to = match.start()
+        mantissa, sign, exponent = match.groups()
+        digits = exponent.lstrip("0") or "0"
+        # the written-out length, from the exponent's length first: int() of 5000 digits raises
+        if len(digits) <= len(str(_MAX_WRITTEN_OUT)) and int(digits) + len(mantissa) + 2 <= min(
+            _MAX_WRITTEN_OUT, budget
+        ):
+            written = format(Decimal(match.group(0)), "f")
+            budget -= len(written)
+            return written
+        latex = f"{mantissa}\\times10^{{{sign.replace('+', '')}{digits}}}"
+        return latex if dollars % 2 else f"${latex}$"  # in $: math-verify reads it in text too, not in "$x = $"
+
+    return _SCIENTIFIC.sub(replace, text)
 
 
 def last_answer_tags(completion: str) -> str | None:
@@ -263,5 +298,7 @@ class MathTask:
 
     def score_batch(self, completions: list[str], problems: list[Problem]) -> list[float]:
         """`score` of many (completion, problem) pairs, graded in parallel."""
-        pairs = zip(map(answer_for_grading, completions), (p.answer for p in problems))
+        # a gold in scientific notation is read as the same number ("1e100"; math-verify: 1*e*100)
+        golds = (scientific_written_out(p.answer) if self.gold_parsing == "boxed" else p.answer for p in problems)
+        pairs = zip(map(answer_for_grading, completions), golds)
         return math_rewards(pairs, box_gold=self.gold_parsing == "boxed")

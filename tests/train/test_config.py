@@ -196,3 +196,127 @@ def test_the_guide_keys_are_the_guide_settings_fields_and_read_back_through_them
     settings = guide_settings(cfg)
     assert (settings.eps_max, settings.num_cycles, settings.sigma_max) == (0.2, 3, 0.15)  # the random guide's sigma
     assert [is_scheduled(g) for g in ("none", "branch", "token", "random")] == [False, False, True, True]
+
+
+# --- every option read by its declared type, on the command line and in a file (issue 46 item 6) ---------
+
+#: what YAML 1.1 reads as another type: a bool, an integer (digit groups, hex, octal, sexagesimal), a date
+YAML_11_QUIRKS = [
+    "yes",
+    "no",
+    "on",
+    "off",
+    "1_000",
+    "2_3",
+    "0x1f",
+    "0o17",
+    "010",
+    "1:30",
+    "2024-01-01",
+    "1e-3",
+    "12",
+    "1.5",
+]
+
+
+def _parse(tmp_path, where: str, key: str, text: str):
+    """parse_args of ``key: text`` given on the command line or in a config file."""
+    rejection = key == "rollout_rs_threshold"  # it takes effect with a rejection option
+    if where == "command line":
+        return parse_args([f"--{key}={text}"] + ["--rollout_rs=token_k1"] * rejection)
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{key}: {text}\n" + "rollout_rs: token_k1\n" * rejection)
+    return parse_args(["--config", str(path)])
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+@pytest.mark.parametrize("text", YAML_11_QUIRKS)
+def test_a_string_option_keeps_the_text_as_written(tmp_path, where, text):
+    cfg = _parse(tmp_path, where, "name", text)
+    assert cfg.name == text and type(cfg.name) is str
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+@pytest.mark.parametrize(
+    "key, text",
+    [("steps", t) for t in ("1_000", "2_3", "0x1f", "0o17", "010", "1:30", "0b11")]
+    + [("lr", t) for t in ("1_0.5", "0.000_1", "1:30", "010")]
+    + [("beta", "0_1")]
+    + [(k, t) for k in ("resume", "bf16") for t in ("yes", "no", "on", "off")],
+)
+def test_a_number_or_boolean_option_refuses_what_yaml_11_reads_otherwise(tmp_path, where, key, text):
+    with pytest.raises(ConfigError) as error:
+        _parse(tmp_path, where, key, text)
+    message = str(error.value)
+    assert f"'{key}'" in message and repr(text) in message, message
+    assert ("true or false" if key in ("resume", "bf16") else "plain decimal digits") in message, message
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+@pytest.mark.parametrize("key, text, value", [("steps", "1000", 1000), ("lr", "1e-3", 1e-3), ("resume", "true", True)])
+def test_plain_numbers_and_booleans_still_read(tmp_path, where, key, text, value):
+    assert getattr(_parse(tmp_path, where, key, text), key) == value
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+def test_rollout_rs_threshold_2_3_is_the_pair_2_and_3_not_23(tmp_path, where):
+    import math
+
+    from sage_train.rl_maths import parse_rejection
+
+    cfg = _parse(tmp_path, where, "rollout_rs_threshold", "2_3")
+    assert cfg.rollout_rs_threshold == "2_3"
+    assert parse_rejection(cfg.rollout_rs, cfg.rollout_rs_threshold) == [("token_k1", math.log(2), math.log(3))]
+
+
+@pytest.mark.parametrize("text", ["!!int 1_000", "!!int 0x10", "!!float 1_0.5"])
+def test_an_explicit_tag_does_not_bring_back_yaml_11_numbers(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"steps: {text}\n")
+    with pytest.raises(ConfigError, match="run.yaml.*line 1.*plain decimal digits"):
+        parse_args(["--config", str(path)])
+
+
+def test_quirky_strings_round_trip_through_the_saved_config_for_both_yaml_readers(tmp_path):
+    import yaml
+
+    from sage_train.config import load_yaml
+    from sage_train.config_files import save_yaml
+
+    for text in YAML_11_QUIRKS + ["0.5_2.0", "true", "null", "12", ".inf"]:
+        cfg = parse_args([f"--name={text}", "--rollout_rs=token_k1", "--rollout_rs_threshold=2_3"])
+        save_yaml(cfg, tmp_path / "c.yaml")
+        assert load_yaml(tmp_path / "c.yaml") == cfg, text
+        assert yaml.safe_load((tmp_path / "c.yaml").read_text())["name"] == text  # what sage-study reads back
+
+
+def test_a_study_passes_training_overrides_by_their_type(tmp_path):
+    """sage-study's --key=value overrides are read as sage-train reads them (YAML 1.1 made 2_3 the
+    integer 23 there too), and its logged command line reproduces them."""
+    from sage_train.study.design import StudyError, parse_study
+
+    argv = ["--algorithms", "grpo", "--seeds", "0", "--out", str(tmp_path / "out")]
+    study = parse_study([*argv, "--rollout_rs=token_k1", "--rollout_rs_threshold=2_3", "--report_project=on"])
+    cfg = study.train_config_of(None, 0)
+    assert (cfg.rollout_rs_threshold, cfg.report_project) == ("2_3", "on")
+    assert "--rollout_rs_threshold=2_3" in study.train_command(None, 0)
+    with pytest.raises(StudyError, match="'max_new_tokens'.*plain decimal digits"):
+        parse_study([*argv, "--max_new_tokens=1_0"])
+
+
+@pytest.mark.parametrize("value", ["1_000", "0x10", "١٢"])
+def test_the_study_and_eval_flags_take_numbers_in_plain_decimal_digits_only(tmp_path, value):
+    """Python's int() and float() read "1_000" (and Arabic-Indic digits): argparse's type=int did too."""
+    from sage_train.eval.settings import build_parser, parse_ints
+    from sage_train.study.design import StudyError, parse_study
+
+    argv = ["--algorithms", "grpo", "--out", str(tmp_path / "out")]
+    for flag in ("--steps", "--jobs", "--eval-n", "--seeds"):
+        with pytest.raises(StudyError, match="plain decimal digits|comma-separated integers"):
+            parse_study([*argv, flag, value] + ["--seeds", "0"] * (flag != "--seeds"))
+    for flag in ("--n", "--limit", "--top-k", "--temperature", "--top-p"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--model", "m", "--tasks", "math500", flag, value])
+    with pytest.raises(ValueError, match="--seeds"):
+        parse_ints(f"0,{value}", "--seeds")
+    assert build_parser().parse_args(["--model", "m", "--tasks", "x", "--n", "16", "--temperature", ".3"]).n == 16
