@@ -20,7 +20,7 @@ from .config import ConfigError, TrainConfig
 from .distributed import on_rank0
 from .presets import is_scheduled
 from .run_files import FRESH_RUN_CLEARS, RUN_FILES
-from .safe_files import make_dir, open_lock, own_copy, remove
+from .safe_files import make_dir, open_lock, own_copy, refused, remove
 
 RESUME_MAY_CHANGE = (
     "output_dir",  # the run directory was moved
@@ -85,7 +85,11 @@ class RunLock:
             os.close(fd)
         stale = _read(fd)
         if os.fstat(fd).st_nlink > 1:  # hard-linked (cp -al, or planted): the holder is never written there
-            fd = own_copy(self.path, fd, keep_data=False)
+            try:
+                fd = own_copy(self.path, fd, keep_data=False)
+            except OSError as error:  # e.g. a read-only folder
+                os.close(fd)
+                raise refused(self.path, error) from None
         if stale:
             print(
                 f"sage-{'train' if self.owner == 'run' else self.owner}: {self.path} was left by {describe(stale)}, "

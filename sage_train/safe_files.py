@@ -154,7 +154,11 @@ def open_append(path: Path):
     file that has other hard links (`own_copy`)."""
     fd = _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     if os.fstat(fd).st_nlink > 1:
-        fd = own_copy(path, fd, keep_data=True)
+        try:
+            fd = own_copy(path, fd, keep_data=True)
+        except BaseException:
+            os.close(fd)
+            raise
     return os.fdopen(fd, "a")
 
 

@@ -6,12 +6,17 @@ O_NOFOLLOW does not see a hard link: each such file is first replaced by a copy 
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 from run_copies import QUICK_RUN, link_copy, snapshot
+from tiny_models import tiny_model
 
+from sage_train.build import rollout_model_path
 from sage_train.cli import eval_main, train_main
+from sage_train.config import build, resolve
+from sage_train.models.loading import build_char_tokenizer
 from sage_train.run_dir import RunLock
 from sage_train.run_files import RUN_FILES
 from sage_train.safe_files import open_append
@@ -90,3 +95,19 @@ def test_a_hard_linked_run_lock_leaves_the_file_it_shares_as_it_was_and_still_lo
         lock.release()
     assert outside.read_text() == "a file of the user's own\n"
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == []
+
+
+def test_the_rollout_model_of_a_cp_al_copy_is_saved_afresh(tmp_path, distributed):
+    """A vLLM run saves its starting model to rollout_init/: into a new folder, so that a copy's
+    hard-linked files (the original run's) are never overwritten."""
+    tokenizer = build_char_tokenizer()
+    for output, seed in (("runs", 0), ("runs2", 1)):
+        if output == "runs2":
+            link_copy(tmp_path / "runs" / "a", tmp_path / "runs2" / "a")
+            before = snapshot(tmp_path / "runs" / "a")
+        cfg = resolve(build({**QUICK_RUN, "rollout_engine": "vllm", "output_dir": str(tmp_path / output), "name": "a"}))
+        model = tiny_model(tokenizer, seed=seed, layers=1, max_positions=64)
+        saved = rollout_model_path(SimpleNamespace(cfg=cfg, model=cfg.model), model, tokenizer, 0)
+        assert saved == str(cfg.run_dir / RUN_FILES.rollout_init)
+    assert snapshot(tmp_path / "runs" / "a") == before
+    assert snapshot(tmp_path / "runs2" / "a") != before  # the copy holds the other model's weights
