@@ -174,6 +174,7 @@ def own_copy(path: Path, fd: int, *, keep_data: bool) -> int:
     `keep_data` the new file holds a copy of the old one's bytes and appends (a log); without, it is
     empty and holds an exclusive ``flock`` before it takes the name, so a lock file changes hands
     without a moment unlocked (call it while holding the old file's lock)."""
+    path = Path(path)
     staged, new = _new_temporary(path, os.O_RDWR | (os.O_APPEND if keep_data else 0))
     try:
         os.fchmod(new, stat.S_IMODE(os.fstat(fd).st_mode))
@@ -183,8 +184,9 @@ def own_copy(path: Path, fd: int, *, keep_data: bool) -> int:
                 chunk = os.pread(fd, min(1 << 20, size - offset), offset)
                 if not chunk:
                     break
-                os.write(new, chunk)
                 offset += len(chunk)
+                while chunk:  # os.write may write a part
+                    chunk = chunk[os.write(new, chunk) :]
         else:
             fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.replace(staged, path)

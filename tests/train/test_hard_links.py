@@ -99,15 +99,16 @@ def test_a_hard_linked_run_lock_leaves_the_file_it_shares_as_it_was_and_still_lo
 
 def test_the_rollout_model_of_a_cp_al_copy_is_saved_afresh(tmp_path, distributed):
     """A vLLM run saves its starting model to rollout_init/: into a new folder, so that a copy's
-    hard-linked files (the original run's) are never overwritten."""
+    hard-linked files (the original run's) are never overwritten. The copy's model is another one
+    (its seed and position count): its config.json too differs from the original's."""
     tokenizer = build_char_tokenizer()
     for output, seed in (("runs", 0), ("runs2", 1)):
         if output == "runs2":
             link_copy(tmp_path / "runs" / "a", tmp_path / "runs2" / "a")
             before = snapshot(tmp_path / "runs" / "a")
         cfg = resolve(build({**QUICK_RUN, "rollout_engine": "vllm", "output_dir": str(tmp_path / output), "name": "a"}))
-        model = tiny_model(tokenizer, seed=seed, layers=1, max_positions=64)
+        model = tiny_model(tokenizer, seed=seed, layers=1, max_positions=64 * (1 + seed))
         saved = rollout_model_path(SimpleNamespace(cfg=cfg, model=cfg.model), model, tokenizer, 0)
         assert saved == str(cfg.run_dir / RUN_FILES.rollout_init)
     assert snapshot(tmp_path / "runs" / "a") == before
-    assert snapshot(tmp_path / "runs2" / "a") != before  # the copy holds the other model's weights
+    assert snapshot(tmp_path / "runs2" / "a") != before  # the copy holds the other model
