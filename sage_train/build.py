@@ -158,12 +158,13 @@ def rollout_model_path(plan: RunPlan, model, tokenizer, rank: int) -> str:
     if cfg.model != "tiny" and (not cfg.warm_start or is_lora(model)):  # an adapter: the base loads
         return plan.model  # a named model or GGUF file: its cached conversion
     path = cfg.run_dir / RUN_FILES.rollout_init
-    if rank == 0:
-        if is_lora(model):  # the warm start's adapter, merged out of place
-            base_lm(model).save_pretrained(path, state_dict=dict(merged_named_weights(model)))
-        else:
-            model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+    if rank == 0:  # saved afresh, then renamed: a copy's files (cp -al: hard links) are never written through
+        with folder_written_atomically(path) as staged:
+            if is_lora(model):  # the warm start's adapter, merged out of place
+                base_lm(model).save_pretrained(staged, state_dict=dict(merged_named_weights(model)))
+            else:
+                model.save_pretrained(staged)
+            tokenizer.save_pretrained(staged)
     dist.barrier()
     return str(path)
 

@@ -43,11 +43,14 @@ from .config import ConfigError
 from .config_files import save_yaml
 from .distributed import RunError
 from .run_files import RUN_FILES
-from .safe_files import fresh_dir, remove, write_file
+from .safe_files import NotAFileError, fresh_dir, read_json, read_text, remove, write_file
 
 TAG_PREFIX = "step"
 PARTIAL = ".partial"  # the staging folder of a save in progress (or killed)
 MANIFEST = "manifest.json"
+#: the most bytes read of `latest` (a step folder's name) and of a manifest (a size per file of a
+#: save): a received run's oversized or endless file is refused, not read
+LATEST_MAX, MANIFEST_MAX = 4096, 16 << 20
 #: free bytes under which a failed write is read as a full disk (torch reports ENOSPC as an iostream error)
 FULL_DISK_BYTES = 1 << 20
 
@@ -287,20 +290,23 @@ def _write_failure(error: Exception, root: Path, tag: str) -> str:
 def latest_complete_name(root: Path) -> str | None:
     latest = root / "latest"
     try:
-        name = latest.read_text().strip()
-    except OSError:
+        name = read_text(latest, LATEST_MAX).strip()
+    except (OSError, ValueError):
         return None
     return name if name and (root / name / MANIFEST).is_file() else None
 
 
 def verify(path: Path, world: int) -> str | None:
     """Why checkpoint folder `path` cannot be resumed by `world` processes, or None when its
-    manifest matches the files on disk (what a truncation or a half-copied folder breaks)."""
+    manifest matches the files on disk (what a truncation or a half-copied folder breaks).
+    `NotAFileError` when the manifest is not a regular file (a FIFO would block the read)."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = read_json(path / MANIFEST, MANIFEST_MAX)
         sizes, saved_world = manifest["files"], manifest["world_size"]
     except FileNotFoundError:
         return f"no {MANIFEST}: not a complete checkpoint"
+    except NotAFileError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"unreadable {MANIFEST} ({error})"
     if saved_world != world:
@@ -324,10 +330,12 @@ def find(run_dir: Path, world: int) -> tuple[list[Path], list[str]]:
     if (root / PARTIAL).is_dir():
         for path in sorted((root / PARTIAL).iterdir()):
             skipped.append(f"{PARTIAL}/{path.name} (a save that did not finish)")
-    if (root / "latest").exists():
+    if os.path.lexists(root / "latest"):
         try:
-            named = (root / "latest").read_text().strip()
-        except OSError as error:
+            named = read_text(root / "latest", LATEST_MAX).strip()
+        except NotAFileError:
+            raise
+        except (OSError, ValueError) as error:
             named = f"<unreadable: {error}>"
         if not usable or named != usable[0].name:
             skipped.append(

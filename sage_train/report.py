@@ -116,7 +116,7 @@ def rows_up_to(path: Path, step: int) -> list[str]:
             continue
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             if number < len(lines):  # a complete line (newline-terminated) that is not JSON: not a kill
                 raise RunError(f"{path} line {number} is not JSON: {line[:80]!r}; repair or remove it") from None
             print(f"sage-train: dropped the half-written last line of {path} ({len(line)} characters)", flush=True)

@@ -20,7 +20,7 @@ from .config import ConfigError, TrainConfig
 from .distributed import on_rank0
 from .presets import is_scheduled
 from .run_files import FRESH_RUN_CLEARS, RUN_FILES
-from .safe_files import make_dir, open_lock, remove
+from .safe_files import make_dir, open_lock, own_copy, refused, remove
 
 RESUME_MAY_CHANGE = (
     "output_dir",  # the run directory was moved
@@ -84,6 +84,12 @@ class RunLock:
                 break
             os.close(fd)
         stale = _read(fd)
+        if os.fstat(fd).st_nlink > 1:  # hard-linked (cp -al, or planted): the holder is never written there
+            try:
+                fd = own_copy(self.path, fd, keep_data=False)
+            except OSError as error:  # e.g. a read-only folder
+                os.close(fd)
+                raise refused(self.path, error) from None
         if stale:
             print(
                 f"sage-{'train' if self.owner == 'run' else self.owner}: {self.path} was left by {describe(stale)}, "
@@ -118,7 +124,7 @@ class RunLock:
 def _read(fd: int) -> dict:
     try:
         holder = json.loads(os.pread(fd, 4096, 0) or b"null") or {}
-    except ValueError:
+    except (ValueError, RecursionError):  # 4096 bytes of "[" nest deeper than the parser goes
         holder = None
     if not isinstance(holder, dict):
         return {"pid": "?", "host": "?", "started": "?", "command": "(an unreadable lock file)"}

@@ -6,12 +6,18 @@ is ever opened through a symbolic link. This module is the one home of every wri
   one: a random name, ``O_CREAT | O_EXCL | O_NOFOLLOW``, but with an ordinary file's permissions),
   then renamed over the name: a link there is replaced, never followed (`save_figure` for plots);
 - `open_append`, `open_lock`: logs that grow and lock files are opened with ``O_NOFOLLOW``, and
-  must be regular files (a link, a folder or a FIFO there is refused: `RunDirError`);
+  must be regular files (a link, a folder or a FIFO there is refused: `RunDirError`). A file with
+  other hard links (``cp -al``, the cheap copy of a run, or a link planted by a sender) is first
+  replaced by a copy of its own (`own_copy`), so that what sage appends never reaches the other names;
 - `make_dir` makes a folder and refuses a link in its place; `fresh_dir` makes a staging folder
   anew, so that what a library saves into it (DeepSpeed, transformers) lands inside it;
 - `remove` deletes a file, link or tree, never following a link (a link goes, its target stays);
 - `refuse_links`: before a command touches such a folder, any link among the entries it will write
   or read (``eval/``, ``checkpoints/``, ``sft/``, ``final/``, ... at any depth) is refused by name.
+
+Reading such a folder (or a model folder) is guarded too: `read_bytes`, `read_text` and `parse_json`
+check that a file is a regular one before opening it (a FIFO would block the open, /dev/zero never
+ends) and read it with a size bound; JSON nested too deeply for the parser is a `ValueError`.
 
 Every refusal is a `RunDirError` (a `ConfigError`): one line naming the path, before anything is
 written (sage-train and sage-eval exit 2 on it).
@@ -20,7 +26,9 @@ written (sage-train and sage-eval exit 2 on it).
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
+import json
 import os
 import secrets
 import shutil
@@ -37,6 +45,11 @@ WANDB_OWN = ("wandb", "wandb")
 class RunDirError(ConfigError):
     """A path in a run (or output) directory that sage refuses to open: a link, a folder where a
     file belongs, a FIFO, a name too long for the filesystem."""
+
+
+class NotAFileError(RunDirError):
+    """A file sage would read that is not a regular one (a FIFO, a device, a folder, a dangling link),
+    or larger than any file of its kind may be."""
 
 
 def refused(path: Path, error: OSError) -> RunDirError:
@@ -137,28 +150,71 @@ def _open_regular(path: Path, flags: int):
 
 
 def open_append(path: Path):
-    """A text file object appending to `path` (created if absent), never through a link."""
-    return os.fdopen(_open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
+    """A text file object appending to `path` (created if absent), never through a link, nor into a
+    file that has other hard links (`own_copy`)."""
+    fd = _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    if os.fstat(fd).st_nlink > 1:
+        try:
+            fd = own_copy(path, fd, keep_data=True)
+        except BaseException:
+            os.close(fd)
+            raise
+    return os.fdopen(fd, "a")
 
 
 def open_lock(path: Path) -> int:
-    """A read-write descriptor of the lock file `path` (created if absent), never through a link."""
+    """A read-write descriptor of the lock file `path` (created if absent), never through a link.
+    The caller locks it, then replaces it by `own_copy` if it has other hard links."""
     return _open_regular(path, os.O_RDWR | os.O_CREAT)
+
+
+def own_copy(path: Path, fd: int, *, keep_data: bool) -> int:
+    """Replace the file `path` (open as `fd`, which has other hard links) by a new file of its own,
+    renamed over the name, and return a read-write descriptor of the new file (`fd` is closed). With
+    `keep_data` the new file holds a copy of the old one's bytes and appends (a log); without, it is
+    empty and holds an exclusive ``flock`` before it takes the name, so a lock file changes hands
+    without a moment unlocked (call it while holding the old file's lock)."""
+    path = Path(path)
+    staged, new = _new_temporary(path, os.O_RDWR | (os.O_APPEND if keep_data else 0))
+    try:
+        os.fchmod(new, stat.S_IMODE(os.fstat(fd).st_mode))
+        if keep_data:
+            size, offset = os.fstat(fd).st_size, 0
+            while offset < size:  # the size read once: a file that keeps growing cannot stall us
+                chunk = os.pread(fd, min(1 << 20, size - offset), offset)
+                if not chunk:
+                    break
+                offset += len(chunk)
+                while chunk:  # os.write may write a part
+                    chunk = chunk[os.write(new, chunk) :]
+        else:
+            fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.replace(staged, path)
+    except BaseException:
+        os.close(new)
+        remove(staged, quiet=True)
+        raise
+    os.close(fd)
+    return new
+
+
+def _new_temporary(path: Path, flags: int) -> tuple[Path, int]:
+    """A new file beside `path` (module docstring: a random name, never through a link) and its
+    descriptor, opened with `flags`."""
+    for _ in range(100):
+        staged = path.with_name(f".{path.name[:200]}.{secrets.token_hex(4)}.tmp")
+        try:
+            return staged, os.open(staged, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
 
 
 def write_file(path: Path, data: str | bytes, *, sync: bool = False) -> None:
     """`path` holds `data` whole, or what it held before: written to a new temporary file beside it
     (module docstring), fsynced with ``sync``, then renamed over `path`."""
     path = Path(path)
-    for _ in range(100):
-        staged = path.with_name(f".{path.name[:200]}.{secrets.token_hex(4)}.tmp")
-        try:
-            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+    staged, fd = _new_temporary(path, os.O_WRONLY)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
@@ -169,6 +225,84 @@ def write_file(path: Path, data: str | bytes, *, sync: bool = False) -> None:
     except BaseException:
         remove(staged, quiet=True)
         raise
+
+
+def read_bytes(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file `path` (a link to one is followed), at most `limit` of them.
+    `NotAFileError` naming it when it is anything else (checked before it is opened: opening a FIFO
+    blocks) or larger; `FileNotFoundError` when it is absent."""
+    path = check_regular(Path(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:  # what was opened is the file checked (not a FIFO swapped in since)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotAFileError(f"{path} is not a regular file; remove it")
+        if os.fstat(fd).st_size > limit:
+            raise NotAFileError(f"{path} has {os.fstat(fd).st_size} bytes, more than a file of its kind may ({limit})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: Path, limit: int) -> str:
+    """`read_bytes` of `path` as UTF-8 text (`ValueError` naming it otherwise)."""
+    data = read_bytes(path, limit)
+    try:
+        return data.decode()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text ({error})") from None
+
+
+def parse_json(text: str | bytes, where: Path | str):
+    """``json.loads(text)``; its errors, and nesting too deep for the parser (a RecursionError
+    otherwise), are a `ValueError` naming `where`."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{where} nests JSON arrays or objects too deeply to be read") from None
+    except ValueError as error:
+        raise ValueError(f"{where} is not valid JSON ({error})") from None
+
+
+def read_json(path: Path, limit: int):
+    """The JSON value in the file `path` (`read_bytes`, `parse_json`)."""
+    return parse_json(read_bytes(path, limit), path)
+
+
+def check_regular(path: Path) -> Path:
+    """`path`, once its ``stat`` (following links, never opening it) says it is a regular file;
+    `NotAFileError` naming it and what it is otherwise, `FileNotFoundError` when it is absent."""
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        if not os.path.islink(path):
+            raise
+        regular = False  # a dangling link: reported as one, not as an absent file
+    if not regular:
+        raise NotAFileError(f"{path} is not a regular file ({_kind(path)}); sage reads only files there: remove it")
+    return Path(path)
+
+
+def _kind(path: Path) -> str:
+    """What `path` is, in words, for a refusal."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a dangling link to {os.readlink(path)}"
+    mode = os.stat(path).st_mode
+    kind = next(
+        (
+            word
+            for test, word in (
+                (stat.S_ISFIFO, "a FIFO"),
+                (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"),
+                (stat.S_ISSOCK, "a socket"),
+                (stat.S_ISDIR, "a folder"),
+            )
+            if test(mode)
+        ),
+        "not a file",
+    )
+    return f"{kind}, through a link to {os.readlink(path)}" if os.path.islink(path) else kind
 
 
 def save_figure(fig, path: Path, **savefig) -> Path:

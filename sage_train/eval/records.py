@@ -7,14 +7,18 @@ has since been retrained or replaced are refused, not reused."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..safe_files import open_append, write_file
+from ..safe_files import open_append, read_bytes, read_json, write_file
 
 RECORDS_FILE = "records.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
+#: the most bytes of records.jsonl read back (a record is a few hundred bytes) and of sampling.json
+RECORDS_MAX, SAMPLING_MAX = 1 << 30, 1 << 20
 
 
 def read_records(out: Path) -> dict[tuple[str, str, int, str], dict]:
@@ -23,15 +27,14 @@ def read_records(out: Path) -> dict[tuple[str, str, int, str], dict]:
     A kill can leave the last line half written: it is dropped (that problem is redone) and
     cut from the file so that new records start on a fresh line."""
     path = out / RECORDS_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return {}
     records, good_bytes = {}, 0
-    with open(path, "rb") as f:
-        lines = f.readlines()
+    lines = io.BytesIO(read_bytes(path, RECORDS_MAX)).readlines()  # a FIFO or a device is refused
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except ValueError:  # not JSON, or not UTF-8
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested beyond the parser
             if number == len(lines):
                 break
             raise ValueError(f"{path}:{number} is not a JSON record; remove the file to start afresh")
@@ -63,8 +66,8 @@ def check_fingerprints(out: Path, records: dict, fingerprints: dict[str, str]) -
 def check_sampling(out: Path, sampling: dict) -> None:
     """Refuse to resume into `out` with different sampling settings; record them on first use."""
     path = out / "sampling.json"
-    if path.is_file():
-        previous = json.loads(path.read_text())
+    if os.path.lexists(path):
+        previous = read_json(path, SAMPLING_MAX)
         changed = {k: (previous.get(k), sampling[k]) for k in sampling if previous.get(k) != sampling[k]}
         if changed:
             details = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in changed.items())

@@ -8,6 +8,9 @@ cannot read) or a hub name that does not resolve, before transformers meets it. 
 data: nothing here or in `sage_train.models.loading` runs its code (``trust_remote_code=False``) or unpickles
 more than tensors. `fingerprint` is a digest of every file of a model directory (weights,
 config, tokenizer, adapter): the same bytes give the same fingerprint wherever the folder lies.
+Every file of a model folder must be a regular file (a link to one is fine, as in the hub's cache):
+a FIFO blocks whoever opens it, a link to /dev/zero never ends, so both are refused by name before
+any file of the folder is opened (`model_files`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ import os
 import struct
 from pathlib import Path
 
+from ..safe_files import NotAFileError, check_regular, parse_json, read_bytes
+
 #: weight files transformers loads (safetensors, or a PyTorch pickle, checked by `pickle_problem`)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _SAFETENSORS_HEADER_MAX = 100 << 20  # the format's own limit on its JSON header
+_CONFIG_MAX = 16 << 20  # config.json, adapter_config.json: a few kB
 
 
 class ModelFilesError(ValueError):
@@ -37,14 +43,19 @@ def check_model(name_or_path: str, what: str) -> None:
             raise ModelFilesError(f"{what}: no directory {name_or_path!r}")
         _check_hub_name(name_or_path, what)
         return
+    try:
+        for _ in model_files(path):  # each one checked before any is opened
+            pass
+    except NotAFileError as error:
+        raise ModelFilesError(f"{what}: {error}") from None
     configs = [path / "config.json", path / "adapter_config.json"]
     config = next((c for c in configs if c.is_file()), None)
     if config is None:
         raise ModelFilesError(f"{what}: no config.json in {name_or_path!r} (not an HF model directory)")
     try:
-        values = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ModelFilesError(f"{what}: {config} is not valid JSON ({error})") from None
+        values = parse_json(read_bytes(config, _CONFIG_MAX), config)
+    except (OSError, ValueError) as error:
+        raise ModelFilesError(f"{what}: {config} cannot be read: {error}") from None
     if not isinstance(values, dict):
         raise ModelFilesError(f"{what}: {config} must hold a JSON object")
     if config.name == "config.json":
@@ -90,6 +101,8 @@ def safetensors_problem(file: Path) -> str | None:
         try:
             header = json.loads(f.read(header_len))
             end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        except RecursionError:
+            return "has a header nested too deeply to be read (not a safetensors file)"
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             return "has a garbled header (not a safetensors file)"
     if 8 + header_len + end != size:
@@ -147,13 +160,28 @@ def fingerprint(name_or_path: str, skip: Path | None = None) -> str:
         from huggingface_hub import snapshot_download
 
         root = Path(snapshot_download(name_or_path, local_files_only=True))
-    skip = skip.resolve() if skip is not None else None
     digest = hashlib.sha256()
+    for file in model_files(root, skip):
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size  # read to this size only: a file that keeps growing cannot stall us
+            digest.update(f"{file.relative_to(root).as_posix()}\0{size}\0".encode())
+            part, offset = hashlib.sha256(), 0
+            while offset < size and (chunk := os.pread(fd, min(1 << 22, size - offset), offset)):
+                part.update(chunk)
+                offset += len(chunk)
+            digest.update(part.digest())
+        finally:
+            os.close(fd)
+    return digest.hexdigest()
+
+
+def model_files(root: Path, skip: Path | None = None):
+    """Every file under the model folder `root` (sorted; hidden ones and the folder `skip` left out),
+    each checked to be a regular file, links followed, before it is yielded: `NotAFileError` naming
+    the first FIFO, device, socket or dangling link."""
+    skip = skip.resolve() if skip is not None else None
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = sorted(d for d in subfolders if not d.startswith(".") and Path(folder, d).resolve() != skip)
         for name in sorted(f for f in files if not f.startswith(".")):
-            file = Path(folder, name)
-            digest.update(f"{file.relative_to(root).as_posix()}\0{file.stat().st_size}\0".encode())
-            with open(file, "rb") as f:
-                digest.update(hashlib.file_digest(f, "sha256").digest())
-    return digest.hexdigest()
+            yield check_regular(Path(folder, name))
