@@ -170,3 +170,29 @@ def test_no_metric_or_run_file_name_is_spelled_outside_its_table():
                 if names[node.value] != module and (module, node.value) not in SPELLED_ELSEWHERE:
                     found.append(f"{module}:{node.lineno} spells {node.value!r} (its table: {names[node.value]})")
     assert not found, found
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    """The modules `path` imports that are test modules (``test_*``) or a ``conftest``, as written."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            # `from . import test_x` names the module in the alias; `from x import test_y` names a function
+            names = [node.module or ""] + ([f"{node.module or ''}.{a.name}" for a in node.names] if node.level else [])
+        else:
+            continue
+        for name in names:
+            if any(part == "conftest" or part.startswith("test_") for part in name.split(".")):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name.lstrip('.')}")
+    return found
+
+
+def test_no_test_imports_a_test_module_or_a_conftest():
+    """Shared test helpers live in named helper modules (`tests/kernels/triton_harness.py`...) and
+    fixtures in conftest.py: pytest imports each of the four conftest.py files as the module
+    ``conftest``, so ``from conftest import`` takes whichever was loaded last, and a test module
+    imported by another runs its module-level code (and may be collected) twice."""
+    found = [line for path in sorted((ROOT / "tests").rglob("*.py")) for line in imported_test_modules(path)]
+    assert not found, found

@@ -9,8 +9,8 @@ from typing import Any, Optional
 import parity
 import pytest
 import torch
+from far_cases import far_problem
 from peer_source import peer_functions
-from test_loss_variants import far_problem
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_kernels.integrations import verl as sage_verl

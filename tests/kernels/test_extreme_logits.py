@@ -12,7 +12,7 @@ from __future__ import annotations
 import parity
 import pytest
 import torch
-from test_cpu_loss import make_case
+from cpu_cases import make_case
 
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
 from sage_kernels.reference import logits_of, reference_logprobs_and_entropy

@@ -14,39 +14,16 @@ import math
 import parity
 import pytest
 import torch
+from far_cases import ADVANTAGE_SIGNS, B, L, far_batch, far_problem, liger_loss
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from parity import make_problem
-from test_reference import stage
+from stage_harness import max_rel_err, stage
 
 from sage_kernels import LossConfig
 from sage_kernels.loss_types import per_token_grad_is_local
 from sage_kernels.triton import three_matmul
 
 F64 = torch.float64
-B, L = 4, 9
-#: noise of the old log-probs around the current ones: ratios from about e^-2 to e^2.
-FAR = 1.0
-#: both signs in every batch, so each side of the clipping and gating is reached.
-ADVANTAGE_SIGNS = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=F64)
-
-
-def far_batch(seed=0, *, full_mask=False):
-    g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(B, L, generator=g, dtype=F64) * 4
-    mask = torch.ones(B, L) if full_mask else (torch.rand(B, L, generator=g) > 0.3).double()
-    mask[0, 0] = 1.0
-    return dict(
-        logp=logp,
-        entropy=torch.rand(B, L, generator=g, dtype=F64) * 3,
-        mask=mask,
-        advantages=ADVANTAGE_SIGNS * (0.5 + torch.rand(B, generator=g, dtype=F64)),
-        old_logp=logp + FAR * torch.randn(B, L, generator=g, dtype=F64),
-        ref_logp=logp + 0.5 * torch.randn(B, L, generator=g, dtype=F64),
-        is_weights=0.5 + torch.rand(B, L, generator=g, dtype=F64),
-    )
-
-
 VARIANTS = {
     "cispo": dict(loss_type="cispo", eps_high=1.2),
     "sapo": dict(loss_type="sapo", sapo_temperature_pos=1.5, sapo_temperature_neg=2.0),
@@ -58,40 +35,6 @@ VARIANTS = {
     "sapo-bias_kl": dict(loss_type="sapo", use_bias_correction_kl=True),
     "vespo-bias_kl": dict(loss_type="vespo", use_bias_correction_kl=True),
 }
-
-
-def liger_loss(batch, options, *, vllm):
-    """Liger's per-token GRPO loss in float64, differentiable in logp."""
-    from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOFunction
-
-    logp = batch["logp"].clone().requires_grad_(True)
-    loss, metrics = LigerFusedLinearGRPOFunction.ppo_loss_fn(
-        logp,
-        batch["mask"],
-        batch["advantages"],
-        batch["mask"],
-        ref_per_token_logps=batch["ref_logp"],
-        old_per_token_logps=batch["old_logp"],
-        epsilon_low=0.2,
-        epsilon_high=options.get("eps_high", 0.2),
-        beta=0.1,
-        loss_type=options["loss_type"],
-        importance_sampling_level=options.get("importance_sampling", "token"),
-        sapo_temperature_pos=options.get("sapo_temperature_pos", 1.0),
-        sapo_temperature_neg=options.get("sapo_temperature_neg", 1.05),
-        vllm_is_ratio=batch["is_weights"] * batch["mask"] + (1 - batch["mask"]) if vllm else None,
-        use_bias_correction_kl=options.get("use_bias_correction_kl", False),
-        vespo_k_pos=options.get("vespo_k_pos", 2.0),
-        vespo_lambda_pos=options.get("vespo_lambda_pos", 3.0),
-        vespo_k_neg=options.get("vespo_k_neg", 3.0),
-        vespo_lambda_neg=options.get("vespo_lambda_neg", 2.0),
-    )
-    (grad,) = torch.autograd.grad(loss, logp)
-    return loss.detach(), grad, metrics
-
-
-def max_rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-300)).item()
 
 
 @pytest.mark.parametrize("vllm", [False, True], ids=["plain", "vllm_is"])
@@ -237,14 +180,6 @@ PRESENT = {
     "is-weights-log-q-token-adv": dict(is_weights=True, log_q=True, adv_per_token=True),
     "on-policy": dict(old=False),
 }
-
-
-def far_problem(seed, **present):
-    problem = make_problem(B=3, L=9, V=200, D=32, seed=seed, **present)
-    if problem["old_logp"] is not None:  # move the behaviour policy far away: ratios e^-2 .. e^2
-        g = torch.Generator().manual_seed(seed)
-        problem["old_logp"] = problem["old_logp"] + FAR * torch.randn(problem["old_logp"].shape, generator=g)
-    return problem
 
 
 @pytest.mark.parametrize("present", list(PRESENT), ids=list(PRESENT))
@@ -490,9 +425,6 @@ def test_gmpo_bf16_matches_the_reference(backend, present):
 )
 def test_property_gmpo_matches_the_reference(shape, eps, backend, present, beta, seed):
     B_, L_ = shape
-    problem = make_problem(B=B_, L=L_, V=97, D=24, seed=seed, **present)
-    if problem["old_logp"] is not None:
-        g = torch.Generator().manual_seed(seed)
-        problem["old_logp"] = problem["old_logp"] + FAR * torch.randn(problem["old_logp"].shape, generator=g)
+    problem = far_problem(seed, B=B_, L=L_, V=97, D=24, **present)
     config = LossConfig(loss_type="gmpo", eps_low=eps[0], eps_high=eps[1], beta=beta, guide="none")
     parity.check_against_reference(problem, config, backend, torch.float32, seed=seed)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import parity
 import pytest
 import torch
+from far_cases import far_batch, far_problem, liger_loss
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from parity import make_problem
-from test_loss_variants import FAR, far_batch, liger_loss, max_rel_err
-from test_reference import stage
+from stage_harness import max_rel_err, stage
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_kernels.triton.three_matmul import PATHS_TAKEN
@@ -110,14 +109,6 @@ def test_agrees_with_the_default_where_the_per_token_loss_is_constant_along_rows
 # ---------------------------------------------------------------- the backends against the reference
 
 
-def padded_problem(seed, *, B=3, L=9, V=200, D=32, mask="tail", **present):
-    problem = make_problem(B=B, L=L, V=V, D=D, seed=seed, mask=mask, **present)
-    if problem["old_logp"] is not None:  # ratios from about e^-2 to e^2, so the clip binds
-        g = torch.Generator().manual_seed(seed)
-        problem["old_logp"] = problem["old_logp"] + FAR * torch.randn(problem["old_logp"].shape, generator=g)
-    return problem
-
-
 CASES = {
     "sequence-kl": dict(importance_sampling="sequence"),
     "sequence-bias_kl-branch": dict(importance_sampling="sequence", use_bias_correction_kl=True, guide="branch"),
@@ -139,7 +130,7 @@ def assert_padded_rows_have_gradient(problem, grad_hidden):
 @pytest.mark.parametrize("name", list(CASES), ids=list(CASES))
 @pytest.mark.parametrize("backend", ["cpu-native", "cpu-torch", "triton"])
 def test_backends_match_the_reference(backend, name, mask):
-    problem = padded_problem(len(name), mask=mask, is_weights=name.startswith("token"), adv_per_token=mask == "random")
+    problem = far_problem(len(name), mask=mask, is_weights=name.startswith("token"), adv_per_token=mask == "random")
     config = LossConfig(loss_type="luspo", beta=0.2, luspo_include_padding=True, **{"guide": "none", **CASES[name]})
     native = {"cpu-native": True, "cpu-torch": False}.get(backend)
     out = parity.check_against_reference(
@@ -151,7 +142,7 @@ def test_backends_match_the_reference(backend, name, mask):
 
 
 def test_triton_takes_the_two_pass_path():
-    problem = padded_problem(1)
+    problem = far_problem(1, mask="tail")
     PATHS_TAKEN.clear()
     parity.run(problem, LossConfig(loss_type="luspo", luspo_include_padding=True), "triton")
     assert PATHS_TAKEN == {"two-pass": 1}
@@ -172,7 +163,7 @@ def test_triton_takes_the_two_pass_path():
 )
 def test_property_backends_match_the_reference(shape, mask, level, kl, bias_kl, old, is_weights, backend, seed):
     B, L, V, D = shape
-    problem = padded_problem(seed, B=B, L=L, V=V, D=D, mask=mask, old=old, is_weights=is_weights)
+    problem = far_problem(seed, B=B, L=L, V=V, D=D, mask=mask, old=old, is_weights=is_weights)
     config = LossConfig(
         loss_type="luspo",
         luspo_include_padding=True,
@@ -196,7 +187,7 @@ def test_only_with_luspo():
 
 
 def test_padded_positions_are_read_and_checked():
-    problem = padded_problem(3, mask="random", ref=True)
+    problem = far_problem(3, mask="random", ref=True)
     args = (problem["hidden"], problem["weight"], problem["token_ids"].clone(), problem["mask"], problem["advantages"])
     kwargs = dict(ref_logp=problem["ref_logp"].clone(), loss_type="luspo", backend="reference")
     padded = ~problem["mask"].bool()

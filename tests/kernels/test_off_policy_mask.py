@@ -11,7 +11,7 @@ import parity
 import pytest
 import torch
 from parity import make_problem
-from test_reference import stage
+from stage_harness import stage
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 from sage_kernels.reference import off_policy_keep

@@ -6,34 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_copies import TINY_RUN
 
 from sage_train.config import build, resolve
 from sage_train.models import loading
 from sage_train.tasks.math import BENCHMARKS, MathTask, data_root
-
-#: a run that takes seconds: a 2-layer, 32-wide model on 1-digit addition
-TINY_RUN = {
-    "model": "tiny",
-    "tiny_hidden_size": 32,
-    "tiny_layers": 2,
-    "tiny_heads": 2,
-    "tiny_kv_heads": 1,
-    "tiny_intermediate_size": 64,
-    "task": "arithmetic",
-    "task_options": {"digits": 1},
-    "sft_steps": 0,
-    "steps": 3,
-    "prompts_per_step": 4,
-    "group_size": 4,
-    "micro_batch_size": 8,
-    "max_new_tokens": 4,
-    "eval_problems": 0,
-    "progress": False,
-    "plots": False,
-    "report_to": [],
-    "loss_backend": "auto",
-    "cpu_threads": 1,
-}
 
 
 @pytest.fixture

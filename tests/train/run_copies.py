@@ -1,10 +1,35 @@
-"""Runs as tests make and copy them: a seconds-long run's options (`QUICK_RUN`), a copy made the way
+"""Runs as tests make and copy them: seconds-long runs' options (`TINY_RUN`, `QUICK_RUN`), a copy made the way
 users make cheap ones (`link_copy`: ``cp -al``, every file a hard link to the original's), and a
 snapshot of a folder's entries to compare before and after a command."""
 
 import hashlib
 import os
 from pathlib import Path
+
+#: a run that takes seconds: a 2-layer, 32-wide model on 1-digit addition
+TINY_RUN = {
+    "model": "tiny",
+    "tiny_hidden_size": 32,
+    "tiny_layers": 2,
+    "tiny_heads": 2,
+    "tiny_kv_heads": 1,
+    "tiny_intermediate_size": 64,
+    "task": "arithmetic",
+    "task_options": {"digits": 1},
+    "sft_steps": 0,
+    "steps": 3,
+    "prompts_per_step": 4,
+    "group_size": 4,
+    "micro_batch_size": 8,
+    "max_new_tokens": 4,
+    "eval_problems": 0,
+    "progress": False,
+    "plots": False,
+    "report_to": [],
+    "loss_backend": "auto",
+    "cpu_threads": 1,
+}
+
 
 #: a run of a few seconds on a CPU: a 1-layer, 32-wide model on 1-digit addition, checkpointed at
 #: every step, its completions logged

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TINY_RUN
+from run_copies import TINY_RUN
 
 from sage_train.cli import train_main
 from sage_train.config import ConfigError, RunOptions, build, parse_args, resolve

@@ -4,8 +4,7 @@ and the token guide reads the current policy's log-probs inside the loss forward
 
 import pytest
 import torch
-from test_microbatch import completions
-from tiny_models import tiny_model
+from tiny_models import completions, tiny_model
 
 from sage_kernels import LossConfig
 from sage_kernels.guides import TokenGuide

@@ -7,8 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_microbatch import completions
-from tiny_models import step_context, tiny_model
+from tiny_models import completions, step_context, tiny_model
 
 from sage_train.build import build_engines
 from sage_train.inputs import engine_config

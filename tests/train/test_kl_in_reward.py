@@ -4,7 +4,7 @@ its presets, and `sage-train --algorithm=sage-branch-exact` on the tiny model.""
 import pytest
 import torch
 import yaml
-from conftest import TINY_RUN
+from run_copies import TINY_RUN
 
 from sage_kernels.guides import BranchGuide, RandomGuide, TokenGuide, branch_guide
 from sage_train import report, step

@@ -5,31 +5,17 @@ filtering), micro-batches of 1 and of 4 rows, and packed micro-batches by a toke
 real DeepSpeed engine (ZeRO-0, float32): the gradients DeepSpeed hands to the optimizer agree to
 float32 rounding."""
 
-import random
-
 import pytest
 import torch
-from tiny_models import step_context, tiny_model
+from tiny_models import completions, step_context, tiny_model
 
 from sage_train.build import build_engines
 from sage_train.inputs import engine_config
 from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import make_batch, score
-from sage_train.rollout import Completion
 from sage_train.step import policy_update
 
 CPU = torch.device("cpu")
-
-
-def completions(tokenizer, rows: int, seed: int) -> list:
-    rng = random.Random(seed)
-    vocab = list(range(3, len(tokenizer)))
-    out = []
-    for row in range(rows):
-        prompt = [rng.choice(vocab) for _ in range(rng.randint(2, 6))]
-        completion = [rng.choice(vocab) for _ in range(rng.randint(1, 7))] + [tokenizer.eos_token_id]
-        out.append(Completion(prompt_index=row // 4, prompt_ids=prompt, completion_ids=completion, text=""))
-    return out
 
 
 def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):

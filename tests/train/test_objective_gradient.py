@@ -8,7 +8,7 @@ is far outside that error."""
 
 import pytest
 import torch
-from conftest import TINY_RUN
+from run_copies import TINY_RUN
 
 from sage_train.config import build, resolve
 from sage_train.presets import make_guide

@@ -15,8 +15,7 @@ import torch
 import transformers
 from hypothesis import given
 from hypothesis import strategies as st
-from test_microbatch import completions
-from tiny_models import step_context, tiny_model
+from tiny_models import completions, step_context, tiny_model
 
 from sage_train.build import build_engines
 from sage_train.config import ConfigError

@@ -5,7 +5,7 @@ log-probs of both of PolicyHead's sweeps equal log_softmax of the model's output
 import pytest
 import torch
 import transformers
-from test_microbatch import completions
+from tiny_models import completions
 
 from sage_kernels import LossConfig
 from sage_train.models.loading import build_char_tokenizer

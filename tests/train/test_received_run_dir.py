@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TINY_RUN
+from run_copies import TINY_RUN
 from tiny_models import tiny_model
 
 from sage_train.cli import eval_main, study_main, train_main

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY_RUN
+from run_copies import TINY_RUN
 
 from sage_train import report
 from sage_train.config import ConfigError, build, resolve

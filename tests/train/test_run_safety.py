@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from conftest import TINY_RUN
+from run_copies import TINY_RUN
 
 from sage_train import checkpoint, report
 from sage_train.cli import train_main

@@ -40,7 +40,7 @@ def checkpointed(tmp_path_factory, distributed):
     import signal
 
     import yaml
-    from conftest import TINY_RUN
+    from run_copies import TINY_RUN
 
     from sage_train.config import build, resolve
 

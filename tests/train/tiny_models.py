@@ -1,11 +1,14 @@
-"""The one builder of the small Qwen2-style models the trainer tests use (fast on one CPU thread), and
-of the `RunContext` a test's step runs them in."""
+"""The one builder of the small Qwen2-style models the trainer tests use (fast on one CPU thread), of
+the `RunContext` a test's step runs them in, and of ragged completions for them to score (`completions`)."""
+
+import random
 
 import torch
 
 from sage_train.context import RunContext
 from sage_train.models.loading import build_tiny_model
 from sage_train.presets import loss_config
+from sage_train.rollout import Completion
 
 
 def tiny_model(tokenizer, seed=0, max_positions=128, layers=2, hidden=32, heads=2, kv_heads=1):
@@ -52,3 +55,15 @@ def step_context(
         loss=loss_config(cfg),
         **state,
     )
+
+
+def completions(tokenizer, rows: int, seed: int) -> list:
+    """`rows` completions of random tokens (prompts of 2-6, completions of 1-7 then EOS), 4 per prompt."""
+    rng = random.Random(seed)
+    vocab = list(range(3, len(tokenizer)))
+    out = []
+    for row in range(rows):
+        prompt = [rng.choice(vocab) for _ in range(rng.randint(2, 6))]
+        completion = [rng.choice(vocab) for _ in range(rng.randint(1, 7))] + [tokenizer.eos_token_id]
+        out.append(Completion(prompt_index=row // 4, prompt_ids=prompt, completion_ids=completion, text=""))
+    return out

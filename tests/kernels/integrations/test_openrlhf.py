@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import build_tokenizer, tiny_decoder_options
 from peer_source import peer_functions
+from tiny_lm import build_tokenizer, tiny_decoder_options
 
 from sage_kernels import fused_linear_sage_loss
 from sage_kernels.integrations import openrlhf as sage_openrlhf

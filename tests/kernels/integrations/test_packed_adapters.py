@@ -5,9 +5,9 @@ policy losses on packed tensors and on verl's remove-padding stream against the 
 import pytest
 import torch
 from packed_batches import cu_of, pad, unpad
-from test_verl import AGG_CASES as VERL_AGG_CASES
-from test_verl import Config
 from tolerances import assert_close, assert_grad_close
+from verl_cases import AGG_CASES as VERL_AGG_CASES
+from verl_cases import Config
 
 from sage_kernels import FusedLinearSAGELoss, fused_linear_grpo
 from sage_kernels.integrations import verl as sage_verl
@@ -169,7 +169,7 @@ def test_module_refusals_on_packed_sequences():
 # ---------------------------------------------------------------- verl
 
 
-#: verl's aggregation modes (test_verl.py's), and seq-mean-token-sum-norm at its default length
+#: verl's aggregation modes (verl_cases.py's), and seq-mean-token-sum-norm at its default length
 AGG_CASES = {**VERL_AGG_CASES, "seq-mean-token-sum-norm-longest": ("seq-mean-token-sum-norm", {})}
 POLICY_LOSSES = {
     "sage": sage_verl.compute_policy_loss_sage,

@@ -11,16 +11,17 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
-from conftest import build_tokenizer, tiny_decoder_options  # noqa: E402
-from test_trl_options import assert_same, pair  # noqa: E402
-from test_trl_trainer import (  # noqa: E402
+from tiny_lm import build_tokenizer, tiny_decoder_options  # noqa: E402
+from trl_harness import (  # noqa: E402
     COMPARED_METRICS,
     DEFAULTS,
     FAR,
+    assert_same,
     configure,
     loss_grads_metrics,
     make_batch,
     make_trainer,
+    pair,
 )
 
 from sage_kernels.integrations.hf_logits import logit_options  # noqa: E402

@@ -2,37 +2,11 @@
 `GRPOTrainer` (guide off, same weights, same batch): the off-policy sequence mask, the static and
 the adaptive entropy coefficient (and its ``entropy_coef`` metric), the MoE load-balancing loss."""
 
-import math
-
 import pytest
 import torch
 
 pytest.importorskip("trl")
-from test_trl_trainer import DEFAULTS, FAR, configure, loss_grads_metrics, make_batch, make_trainer  # noqa: E402
-from trl import GRPOTrainer  # noqa: E402
-
-from sage_kernels.integrations.trl import SAGEGRPOTrainer  # noqa: E402
-
-
-def assert_same(results, metrics=()):
-    (loss_t, grads_t, metrics_t), (loss_s, grads_s, metrics_s) = results
-    torch.testing.assert_close(loss_s, loss_t, atol=1e-6, rtol=1e-5)
-    assert grads_s.keys() == grads_t.keys() and len(grads_t) > 0
-    for name in grads_t:
-        torch.testing.assert_close(grads_s[name], grads_t[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
-    for name in metrics:
-        assert name in metrics_t and name in metrics_s, name
-        assert math.isclose(metrics_s[name], metrics_t[name], rel_tol=1e-5, abs_tol=1e-6), name
-
-
-def pair(model_dir, out, **overrides):
-    trainers = [
-        make_trainer(cls, model_dir, str(out / cls.__name__), sage_guide="none", **overrides)
-        for cls in (GRPOTrainer, SAGEGRPOTrainer)
-    ]
-    for p, q in zip(trainers[0].model.parameters(), trainers[1].model.parameters()):
-        assert torch.equal(p, q)
-    return trainers
+from trl_harness import DEFAULTS, FAR, assert_same, configure, loss_grads_metrics, make_batch, pair  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +86,7 @@ def test_adaptive_entropy_equals_trl(tiny_lm_dir, tmp_path, target):
 
 @pytest.fixture(scope="module")
 def tiny_moe_dir(tmp_path_factory, tiny_lm_dir):
-    """A saved tiny Qwen3-MoE model (4 experts, 2 per token) with the test tokenizer (tiny_lm_dir's:
-    not `conftest.build_tokenizer`, as every folder's conftest is imported under that one name)."""
+    """A saved tiny Qwen3-MoE model (4 experts, 2 per token) with the test tokenizer (tiny_lm_dir's)."""
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-qwen3-moe")

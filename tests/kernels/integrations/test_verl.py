@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import assert_close, assert_grad_close
+from verl_cases import AGG_CASES, Config
 from verl_peer import rollout_corr_helper, verl_installed
 
 from sage_kernels import fused_linear_sage_loss
@@ -23,12 +24,6 @@ from sage_kernels.reference import reference_logprobs_and_entropy
 HAS_VERL = verl_installed()  # SAGE_REQUIRE_VERL=1 (the side suite): an error when verl is missing
 real_verl = pytest.mark.skipif(not HAS_VERL, reason="verl is not installed here")
 BACKEND = "auto"  # integration tests: the default backend of the device ("cpu" here)
-
-
-class Config(dict):
-    """verl's ActorConfig as the policy losses use it: attributes plus `.get`."""
-
-    __getattr__ = dict.__getitem__
 
 
 def logprobs_entropy_formula(hidden, weight, labels, temperature):
@@ -188,16 +183,6 @@ def policy_batch(seed=0, B=4, L=6):
     old = logp + 0.4 * torch.randn(B, L, generator=g)
     A = torch.randn(B, 1, generator=g).expand(B, L) * 2
     return old, logp, A, mask, torch.rand(B, L, generator=g) + 0.5
-
-
-AGG_CASES = {
-    "token-mean": ("token-mean", {}),
-    "token-mean-global": ("token-mean", dict(dp_size=2, batch_num_tokens=30)),
-    "token-sum": ("token-sum", {}),
-    "seq-mean-token-mean": ("seq-mean-token-mean", {}),
-    "seq-mean-token-sum": ("seq-mean-token-sum", dict(global_batch_size=5)),
-    "seq-mean-token-sum-norm": ("seq-mean-token-sum-norm", dict(loss_scale_factor=8)),
-}
 
 
 @pytest.mark.parametrize("case", list(AGG_CASES), ids=list(AGG_CASES))

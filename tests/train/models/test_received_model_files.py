@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TINY_RUN
+from run_copies import TINY_RUN
 from tiny_gguf import write_tiny_gguf
 from tiny_models import tiny_model
 
