@@ -38,7 +38,7 @@ class RunPlan:
     accumulation: int  # DeepSpeed's nominal micro-batches per update
     deepspeed: dict  # the DeepSpeed config (`deepspeed_config`), the file merged in
     model: str  # the model source: "tiny", a hub id or a directory (a named model's or GGUF's cached conversion)
-    tokenizer: object  # the model source's tokenizer (`model.tokenizer_for`)
+    tokenizer: object  # the model source's tokenizer (`loading.tokenizer_for`)
 
 
 def check_inputs(cfg: TrainConfig, world: int, device: torch.device | None = None) -> RunPlan:
@@ -103,7 +103,7 @@ def check_inputs(cfg: TrainConfig, world: int, device: torch.device | None = Non
 
 def _check_what_the_model_meets(cfg: TrainConfig, model: str, sft_task, sft_problems: list) -> tuple:
     """The keys that fail only once a model exists, checked on its tokenizer and on a skeleton of it
-    (no weights: `model.load_skeleton`): the chat template, the LoRA target modules, and the warm
+    (no weights: `loading.load_skeleton`): the chat template, the LoRA target modules, and the warm
     start's examples (`sft_examples` refuses a set that leaves none). Returns (the tokenizer, the
     warm start's examples: [] without a warm start)."""
     tokenizer = tokenizer_for(model)

@@ -10,6 +10,7 @@ is spelled outside its table (issue 39's done-when rules).
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -196,3 +197,118 @@ def test_no_test_imports_a_test_module_or_a_conftest():
     imported by another runs its module-level code (and may be collected) twice."""
     found = [line for path in sorted((ROOT / "tests").rglob("*.py")) for line in imported_test_modules(path)]
     assert not found, found
+
+
+#: a reference in backticks: ``module.name``, ``package.module.Name``...
+DOTTED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)`")
+#: packages our modules are named after (`sage_train/rollout/vllm.py`, `sage_kernels/integrations/trl.py`...),
+#: which may be absent here: ``vllm.LLM`` is theirs
+PEERS = {"vllm", "trl", "verl", "openrlhf", "liger_kernel"}
+#: the run's config and context, values whose fields share names with our functions (``cfg.deepspeed_config``)
+VALUES = {"cfg", "ctx"}
+
+
+def top_level_names(path: Path) -> set[str]:
+    """The names a module defines or imports at its top level (inside an ``if`` or ``try`` there too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.col_offset == 0:
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.col_offset == 0:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def unresolved_reference(ref: str, modules: dict[str, set[str]], defined: set[str]) -> bool:
+    """Whether `ref` names a module of ours, or a name through a module, that is not there: a full
+    path (``sage_train.x.y``) whose module is missing or lacks ``y``; ``x.Name`` (a class or table)
+    or ``x.function`` (the name of one of our functions) whose ``x`` is no module of ours holding it."""
+    parts = ref.split(".")
+    if parts[0] in ("sage_train", "sage_kernels"):
+        for end in range(len(parts), 0, -1):
+            module = ".".join(parts[:end])
+            if module in modules:
+                return end < len(parts) and not (parts[end] in modules[module] or f"{module}.{parts[end]}" in modules)
+        return True
+    first, second = parts[:2]
+    if not first[0].islower() or first in VALUES or not (second[0].isupper() or second in defined):
+        return False  # a value's attribute (`batch.completion_mask`), a class's (`LossConfig.loss_type`)
+    holders = [name for name in modules if name.rpartition(".")[2] == first]
+    if any(second in modules[name] or f"{name}.{second}" in modules for name in holders):
+        return False
+    return first not in PEERS and importlib.util.find_spec(first) is None
+
+
+def test_docstrings_name_modules_that_exist():
+    """Every module reference in the docstrings, comments and messages of sage_kernels and sage_train
+    resolves (`unresolved_reference`): a module merged or renamed leaves no ``guide.GuideSettings``."""
+    modules = {
+        name: top_level_names(path)
+        for package in ("sage_kernels", "sage_train")
+        for name, path in package_modules(package).items()
+    }
+    defined = {
+        node.name
+        for name in modules
+        for node in ast.parse(ALL_MODULES[name].read_text()).body
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+    }
+    found = [
+        f"{ALL_MODULES[name].relative_to(ROOT)}:{lineno}: `{ref}`"
+        for name in modules
+        for lineno, line in enumerate(ALL_MODULES[name].read_text().splitlines(), 1)
+        for ref in DOTTED.findall(line)
+        if unresolved_reference(ref, modules, defined)
+    ]
+    assert len(modules) > 100 and not found, found
+
+
+#: the stages of an RL step the map names, each a function `sage_train/step.py` calls
+STEP_STAGES = {
+    "collect_groups",
+    "make_batch",
+    "score",
+    "rollout_correction",
+    "group_advantages",
+    "objective_advantages",
+    "policy_update",
+    "sync_weights",
+}
+
+
+def step_calls() -> list[str]:
+    """The names of the functions an RL step calls, in step.py's order: `generate`'s body, then
+    `rl_step`'s after its call of `generate`."""
+    functions = {
+        node.name: node
+        for node in ast.parse((ROOT / "sage_train" / "step.py").read_text()).body
+        if isinstance(node, ast.FunctionDef)
+    }
+
+    def calls(function, after=0):
+        found = sorted(
+            (node for node in ast.walk(function) if isinstance(node, ast.Call) and node.lineno > after),
+            key=lambda node: (node.lineno, node.col_offset),
+        )
+        return [getattr(node.func, "attr", getattr(node.func, "id", "")) for node in found]
+
+    rl_step_calls = [node for node in ast.walk(functions["rl_step"]) if isinstance(node, ast.Call)]
+    line = next(node.lineno for node in rl_step_calls if getattr(node.func, "id", "") == "generate")
+    return calls(functions["generate"]) + calls(functions["rl_step"], after=line)
+
+
+def test_the_maps_rl_step_is_in_step_pys_order():
+    """docs/architecture.md's "One RL step" names each stage (`STEP_STAGES`) in the order step.py
+    runs them (the reference log-probs before the advantages, which may need them)."""
+    section = MAP.read_text().split("### One RL step")[1].split("\n## ")[0]
+    named = [ref.rpartition(".")[2] for ref in re.findall(r"`([\w.]+)`", section)]
+    named = [name for name in named if name in STEP_STAGES]
+    calls = step_calls()
+    assert STEP_STAGES <= set(calls), f"step.py no longer calls {STEP_STAGES - set(calls)}"
+    assert set(named) == STEP_STAGES, f"the map's RL step does not name {STEP_STAGES - set(named)}"
+    remaining = iter(calls)
+    in_order = all(name in remaining for name in named)  # `named` is a subsequence of `calls`
+    assert in_order, f"the map's order {named} is not step.py's {[c for c in calls if c in STEP_STAGES]}"

@@ -8,7 +8,7 @@ per training process, as in the official SAGE code
   engine does not sleep between generate calls, so the weights are pushed at most once for all of them;
 - weights are pushed after every optimizer step in buckets of about `sync_bucket_mb`: one
   ZeRO-3 gather per bucket (`deepspeed.zero.GatheredParameters`), then
-  `model.load_weights` on vLLM's model; a LoRA policy is pushed merged, W + BA computed out of
+  vLLM's own `load_weights` on its model; a LoRA policy is pushed merged, W + BA computed out of
   place (the base weights are never modified; under ZeRO-3 the whole model is gathered once,
   since a merge needs a weight and its factors together); the prefix cache is reset after a
   push. `pushes` counts them; `last_sync_s` is the time of every push since the previous

@@ -1,4 +1,4 @@
-"""Math word problems with LaTeX gold answers, graded by math-verify (`rewards.math_reward`).
+"""Math word problems with LaTeX gold answers, graded by math-verify (`grading.math_reward`).
 
 `MathTask(source)` reads one of:
   - a benchmark name: math500, aime24, aime25, amc23, minerva, or aime (AIME 2024 and 2025 pooled
