@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import folder_written_atomically
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .context import RunContext
+from .errors import ConfigError
 from .inputs import RunPlan, evaluation_sets, run_prompts
 from .micro_batches import padding_free
 from .models.loading import load_folder, model_for

@@ -39,11 +39,10 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 
-from .config import ConfigError
 from .config_files import save_yaml
-from .distributed import RunError
+from .errors import ConfigError, NotAFileError, RunError
 from .run_files import RUN_FILES
-from .safe_files import NotAFileError, fresh_dir, read_json, read_text, remove, write_file
+from .safe_files import fresh_dir, read_json, read_text, remove, write_file
 
 TAG_PREFIX = "step"
 PARTIAL = ".partial"  # the staging folder of a save in progress (or killed)

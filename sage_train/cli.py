@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import sys
 
-from .config import DEFAULT_CONFIG, ConfigError, parse_args
+from .config import DEFAULT_CONFIG, parse_args
 from .config_files import packaged_config_names
+from .errors import ConfigError, RunError
 
 
 def train_main(argv=None) -> int:
@@ -31,7 +32,6 @@ def train_main(argv=None) -> int:
 
         print(dump(cfg.to_dict()), end="")
         return 0
-    from .distributed import RunError
     from .run import train
 
     try:
@@ -58,7 +58,6 @@ def train_usage() -> str:
 
 def eval_main(argv=None) -> int:
     """`sage-eval --model PATH_OR_RUN_DIR ... --tasks ...`; returns the exit status."""
-    from .distributed import RunError
     from .eval.command import main
 
     try:

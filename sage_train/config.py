@@ -24,7 +24,8 @@ from pathlib import Path
 from sage_kernels import LossConfig
 
 from . import config_files
-from .config_rules import ConfigError, validate
+from .config_rules import validate
+from .errors import ConfigError
 from .presets import LOSS_KEYS, GuideSettings, PresetError, apply_preset
 
 DEFAULT_CONFIG = "tiny-cpu"

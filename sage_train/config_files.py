@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from .config_rules import ConfigError
+from .errors import ConfigError
 from .safe_files import write_file
 
 #: the deepest nesting of lists and mappings accepted (a config nests a few levels)

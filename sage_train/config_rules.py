@@ -1,5 +1,5 @@
-"""The rules a `TrainConfig` must follow beyond its types: ranges, choices and cross-key rules, and
-the error that names the key a config breaks (`ConfigError`)."""
+"""The rules a `TrainConfig` must follow beyond its types: ranges, choices and cross-key rules; a
+config that breaks one is a `ConfigError` naming the key."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import os
 from pathlib import Path
 
+from .errors import ConfigError
 from .presets import LOSS_KEYS
 from .rl_maths import IS_MODES, parse_rejection
 
@@ -39,10 +40,6 @@ CHOICES = {
     "chat_template": ("", "tokenizer", "official"),
     "hf_rollout_dtype": ("", "bfloat16", "float16", "float32"),
 }
-
-
-class ConfigError(ValueError):
-    """A config key is unknown or its value has the wrong type or range."""
 
 
 def check_rollout_correction(cfg, require) -> None:

@@ -16,10 +16,7 @@ import torch.distributed as dist
 
 from sage_kernels.metrics import EXTREME_METRICS
 
-
-class RunError(RuntimeError):
-    """The run cannot go on (a full disk, steps that stay non-finite); the message says why and what is
-    kept. `sage-train` prints it as one line and exits 1."""
+from .errors import RunError
 
 
 def on_rank0(rank: int, action: Callable[[], object], error: type[Exception] = RunError) -> None:

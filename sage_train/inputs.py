@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .config_files import read_mapping
+from .errors import ConfigError
 from .models.files import ModelFilesError, check_model
 from .models.loading import load_skeleton, model_directory, tokenizer_for
 from .run_files import FRESH_RUN_CLEARS, RUN_ENTRIES

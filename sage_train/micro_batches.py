@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from sage_kernels.packing import TokenLayout
 
-from .config import ConfigError
+from .errors import ConfigError
 from .models.loading import packs_sequences
 
 

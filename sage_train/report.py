@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sage_kernels.metrics import METRIC_NAME
 
-from .distributed import RunError
+from .errors import RunError
 from .run_files import RUN_FILES
 from .safe_files import make_dir, open_append, remove, save_figure, write_file
 from .step_metrics import STEP_METRICS, WALL_CLOCK

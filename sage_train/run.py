@@ -58,7 +58,8 @@ from . import checkpoint, report
 from .build import build_context
 from .config import TrainConfig
 from .context import RunContext
-from .distributed import InterruptFlag, RunError, init_distributed, on_rank0, reduce_rows, seed_everything
+from .distributed import InterruptFlag, init_distributed, on_rank0, reduce_rows, seed_everything
+from .errors import RunError
 from .eval.evaluate import evaluate_engine, mean_pass_at_k
 from .inputs import check_inputs
 from .models.lora import base_lm, is_lora, merged_named_weights

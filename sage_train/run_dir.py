@@ -16,8 +16,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from . import checkpoint, config_files
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
 from .distributed import on_rank0
+from .errors import ConfigError
 from .presets import is_scheduled
 from .run_files import FRESH_RUN_CLEARS, RUN_FILES
 from .safe_files import make_dir, open_lock, own_copy, refused, remove

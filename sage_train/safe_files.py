@@ -36,20 +36,10 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from .config_rules import ConfigError
+from .errors import NotAFileError, RunDirError
 
 #: the folder W&B keeps its own files in (under a run's wandb/): its relative links are its own
 WANDB_OWN = ("wandb", "wandb")
-
-
-class RunDirError(ConfigError):
-    """A path in a run (or output) directory that sage refuses to open: a link, a folder where a
-    file belongs, a FIFO, a name too long for the filesystem."""
-
-
-class NotAFileError(RunDirError):
-    """A file sage would read that is not a regular one (a FIFO, a device, a folder, a dangling link),
-    or larger than any file of its kind may be."""
 
 
 def refused(path: Path, error: OSError) -> RunDirError:

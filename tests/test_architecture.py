@@ -312,3 +312,15 @@ def test_the_maps_rl_step_is_in_step_pys_order():
     remaining = iter(calls)
     in_order = all(name in remaining for name in named)  # `named` is a subsequence of `calls`
     assert in_order, f"the map's order {named} is not step.py's {[c for c in calls if c in STEP_STAGES]}"
+
+
+def test_the_shared_errors_are_a_leaf():
+    """`sage_train/errors.py` imports nothing of ours, so the lowest module may raise its errors;
+    `safe_files` takes its errors from there, not from the config rules (with the tower of modules
+    they stand on)."""
+    ours = {name: list(imports_of(name, ALL_MODULES[name], ALL_MODULES)) for name in ("sage_train.errors",)}
+    assert ours == {"sage_train.errors": []}
+    safe_files = {
+        target for target, *_ in imports_of("sage_train.safe_files", ALL_MODULES["sage_train.safe_files"], ALL_MODULES)
+    }
+    assert safe_files == {"sage_train.errors"}

@@ -21,7 +21,8 @@ import os
 import struct
 from pathlib import Path
 
-from ..safe_files import NotAFileError, check_regular, parse_json, read_bytes
+from ..errors import NotAFileError
+from ..safe_files import check_regular, parse_json, read_bytes
 
 #: weight files transformers loads (safetensors, or a PyTorch pickle, checked by `pickle_problem`)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")

@@ -49,7 +49,7 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .files import ModelFilesError
 from .lora import base_lm
 

@@ -10,8 +10,9 @@ import json
 import shlex
 from pathlib import Path
 
-from ..config import ConfigError, TrainConfig, command_line_value, decimal_int, load
+from ..config import TrainConfig, command_line_value, decimal_int, load
 from ..config_files import read_mapping
+from ..errors import ConfigError
 from ..run_files import RUN_FILES
 
 START = "start"  # the arm name of the starting point (the warm-started model, no RL)

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..run_files import RUN_FILES
 from ..safe_files import make_dir, open_append, refuse_links
 from .design import START, Arm, Study, StudyError, parse_study
