@@ -1,7 +1,7 @@
 """The token-local fast path: three matmuls in all (6 N D V FLOP), the logits never [N, V].
 
 When dloss/dlogp_t and dloss/dH_t depend only on token t's own logp and H (token-level
-ratios, the token-sum or per-sequence-mean loss types, no entropy quantile), a token's
+ratios, a loss type without a sequence weight, no entropy quantile or off-policy mask), a token's
 gradient is known as soon as its row of logits is, so the logits need not be recomputed
 in a backward sweep (the two-pass path's fourth matmul). The valid tokens (compacted,
 valid first) are walked in chunks of T rows; per chunk:
@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..loss_types import LOSS_TYPES, LossType, per_token_grad_is_local
+from ..loss_types import per_token_grad_is_local
 from ..packing import layout_of
 from ..spec import LossConfig
 from . import token_stage
@@ -80,16 +80,11 @@ _DZ_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 def exact_for(config: LossConfig) -> bool:
-    """True when the three-matmul path is exact for `config`: a per-token gradient that is local
-    (`loss_types.per_token_grad_is_local`) of a loss type this path is shown exact for."""
-    return per_token_grad_is_local(config) and _kernels_support(LOSS_TYPES[config.loss_type])
-
-
-def _kernels_support(kind: LossType) -> bool:
-    """The loss types this path is shown exact for (new ones join once shown): the clipped
-    surrogate, averaged per row or summed over tokens with a normaliser that depends on the mask
-    alone. luspo stays out: its luspo_include_padding form needs the padded rows this path skips."""
-    return kind.clipped and kind.aggregation != "sequence_sum"
+    """True when the three-matmul path is exact for `config`: every configuration whose per-token
+    gradient is local (`loss_types.per_token_grad_is_local`: a token's g and c are final once its own
+    row of logits is), whatever the loss type, except luspo_include_padding, whose padded rows enter
+    the loss while this path covers only the valid ones."""
+    return per_token_grad_is_local(config) and not config.luspo_include_padding
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
