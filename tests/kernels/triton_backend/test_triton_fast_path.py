@@ -316,6 +316,69 @@ def test_fp32_output_products(dtype):
     assert gemm.has_fp32_output(dtype, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("slices", [4, 6, 8])
+def test_sliced_product_is_exact(slices, dtype):
+    # d(hidden)'s operand as the path holds it: a 16-bit view of an fp32 row (row stride twice V);
+    # K = 1003 leaves a remainder past the equal slices
+    gen = torch.Generator().manual_seed(slices)
+    m, k, n = 9, 1003, 40
+    rows = torch.randn(m, k, generator=gen, dtype=torch.float64)
+    a = torch.zeros(m, k, dtype=torch.float32).view(dtype)[:, :k] if dtype != torch.float32 else rows.float()
+    if dtype != torch.float32:
+        a.copy_(rows.to(dtype))
+        assert a.stride(0) == 2 * k
+    b = torch.randn(k, n, generator=gen, dtype=torch.float64).to(dtype)
+    exact = a.double() @ b.double()
+    outs = []
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"))
+        partials = torch.full((slices, m, n), float("nan"))
+        outs.append(gemm.sliced_mm_f32(a, b, out, partials))
+        assert outs[-1].data_ptr() == out.data_ptr() and out.dtype == torch.float32
+    # within fp32 summation's rounding of the products' magnitudes (the float64 product: no rounding)
+    scale = a.double().abs() @ b.double().abs()
+    assert bool(((outs[0].double() - exact).abs() <= 2**-16 * scale).all())
+    assert torch.equal(outs[0], outs[1])  # the same bits for the same shape
+
+
+@pytest.mark.parametrize(
+    "rows, cols, inner, sms",
+    [(640, 3584, 152_064, 132), (640, 1536, 151_936, 132), (640, 896, 151_936, 132), (512, 4096, 128_256, 78)],
+    ids=["7b-h100", "1.5b-h100", "0.5b-h100", "8b-small-gpu"],
+)
+def test_vocab_slices_fill_the_last_wave(rows, cols, inner, sms):
+    slices = gemm.slice_count(rows, cols, inner, sms)
+    tiles = -(-rows // 128) * -(-cols // 128)
+    assert tiles < gemm.FULL_WAVES * sms  # a shape that needs it: every one here splits
+
+    def filled(s):
+        return tiles * s / (-(-tiles * s // sms) * sms)
+
+    assert gemm.MIN_SLICES <= slices <= gemm.MAX_SLICES
+    assert slices * rows * cols * 4 <= gemm.PARTIAL_BYTES
+    assert filled(slices) > filled(1)
+    assert all(filled(slices) >= filled(s) for s in range(gemm.MIN_SLICES, slices))
+    assert gemm.slice_count(rows, cols, inner, sms) == slices  # the shape and the SM count decide
+
+
+def test_vocab_slices_leave_full_or_short_products_whole():
+    assert gemm.slice_count(16_384, 3584, 152_064, 132) == 1  # 3584 tiles: 27 full waves
+    assert gemm.slice_count(640, 3584, 6000, 132) == 1  # K too short for 4 slices of 2048
+    assert gemm.slice_count(0, 3584, 152_064, 132) == 1
+    assert gemm.vocab_slices(torch.device("cpu"), torch.bfloat16, 640, 3584, 152_064) == 1  # CPU: one product
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask", ["tail", "all"])
+def test_three_matmul_with_a_sliced_d_hidden(dtype, mask, small_chunks, monkeypatch):
+    # 5 slices of V = 1271 (a remainder of 1 column) in every chunk, the last one short
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "dh_slices", 5)
+    problem = make_problem(B=3, L=9, V=1271, D=40, dtype=dtype, seed=21, mask=mask)
+    config = LossConfig(entropy_coef=0.01)
+    assert path_of(lambda: check_against_reference(problem, config, dtype)) == THREE
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_launches_follow_the_tensors_device():
