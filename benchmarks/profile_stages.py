@@ -12,7 +12,8 @@ number of vocabulary slices d(hidden) was split into, and the peak memory above 
 A further part (named, not run by default), ``three-matmul-1280``, runs the three-matmul path
 at token chunks of 1280 rows instead of the ones its fp32 logits workspace budget gives
 (`three_matmul.chunk_rows`: 640 at V 152k): the chunk-height lever (a taller d(hidden) GEMM and
-half the roundings of a 16-bit weight gradient, for twice the workspace).
+half the roundings of a 16-bit weight gradient, for twice the workspace), and ``three-matmul-unsplit``
+the path with d(hidden) as one product instead of its vocabulary slices (`gemm.sliced_mm_f32`).
 
 Each part (a path, the floor) runs in a process of its own (`isolated.py`), at most
 --part-timeout-s seconds: a part that fails or is cut short is reported as failed and the
@@ -49,8 +50,11 @@ TALL = f"three-matmul-{TALL_CHUNK_ROWS}"
 #: the stages that are one N_valid x D x V product (2 N_valid D V FLOP each): their TFLOP/s is printed,
 #: so the device run shows which product falls short of the others (d(hidden)'s few output tiles).
 PRODUCT_STAGES = ("logits GEMM", "forward sweep", "backward d(logits)", "grad_hidden GEMM", "grad_weight GEMM")
-#: what one process measures: a path, the path at tall chunks, or the floor; the default ones.
-PARTS = (*PATHS, TALL, FLOOR)
+#: the three-matmul path with d(hidden) as one product (`tiles.SweepTiles.dh_slices` = 1): against the
+#: default part, what the vocabulary split (`gemm.sliced_mm_f32`) gains on this device.
+UNSPLIT = "three-matmul-unsplit"
+#: what one process measures: a path, the path at tall chunks or unsplit, or the floor; the default ones.
+PARTS = (*PATHS, TALL, UNSPLIT, FLOOR)
 DEFAULT_PARTS = (*PATHS, FLOOR)
 
 
@@ -114,7 +118,9 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
 
     if name == TALL:
         tiles.TILE_OVERRIDE["chunk_n"] = TALL_CHUNK_ROWS
-    options = PATHS["three-matmul" if name == TALL else name]
+    if name == UNSPLIT:
+        tiles.TILE_OVERRIDE["dh_slices"] = 1
+    options = PATHS["three-matmul" if name in (TALL, UNSPLIT) else name]
 
     def loss_fn(hidden, weight):
         return fused_linear_sage_loss(
@@ -157,7 +163,11 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
         "path": name,
         "path_taken": sorted(taken),
         "chunk_rows": chunk,
-        "dh_slices": gemm.vocab_slices(device, dtype, min(chunk, valid), point.d, point.v) if chunk else None,
+        "dh_slices": (
+            tiles.tiles_for(dtype).dh_slices or gemm.vocab_slices(device, dtype, min(chunk, valid), point.d, point.v)
+        )
+        if chunk
+        else None,
         "valid_rows": valid,
         "ms_total": statistics.median(totals),
         "stages_ms": stage_ms,
