@@ -369,10 +369,12 @@ def test_vocab_slices_leave_full_or_short_products_whole():
     assert gemm.vocab_slices(torch.device("cpu"), torch.bfloat16, 640, 3584, 152_064) == 1  # CPU: one product
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("mask", ["tail", "all"])
+@pytest.mark.parametrize(
+    "dtype, mask", [(torch.float32, "all"), (torch.bfloat16, "tail")], ids=["fp32-into-the-gradient", "bf16-masked"]
+)
 def test_three_matmul_with_a_sliced_d_hidden(dtype, mask, small_chunks, monkeypatch):
-    # 5 slices of V = 1271 (a remainder of 1 column) in every chunk, the last one short
+    # 5 slices of V = 1271 (a remainder of 1 column) in every chunk, the last one short; fp32 with nothing
+    # masked sums the partials straight into the gradient, bf16 with a mask through the fp32 chunk buffer
     monkeypatch.setitem(tiles.TILE_OVERRIDE, "dh_slices", 5)
     problem = make_problem(B=3, L=9, V=1271, D=40, dtype=dtype, seed=21, mask=mask)
     config = LossConfig(entropy_coef=0.01)
