@@ -67,8 +67,10 @@ def _probe_batched(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``bmm`` with ``out_dtype=float32`` runs on `device` for `dtype` operands (`_probe`'s
     check for the batched product)."""
     try:
-        a = torch.ones((2, 2, 4), dtype=dtype, device=device)
-        out = torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32)
+        # the call as `sliced_mm_f32` makes it: into an fp32 `out`, the first operand's rows strided
+        a = torch.ones((2, 8), dtype=dtype, device=device).as_strided((2, 2, 4), (4, 8, 1))
+        out = torch.zeros((2, 2, 2), dtype=torch.float32, device=device)
+        torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32, out=out)
         return out.dtype == torch.float32 and bool((out == 4.0).all())
     except (TypeError, RuntimeError, NotImplementedError, AssertionError):
         return False
