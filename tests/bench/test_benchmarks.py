@@ -167,3 +167,13 @@ def test_the_default_plan_runs_ours_and_the_floor_first_and_stops_starting_rows_
     assert cpu.time_limit_s + 60 <= 600
     assert bench.parse_args(["--device", "cpu", "--shapes", "tiny"]).time_limit_s is None  # a chosen plan: no limit
     assert bench.parse_args(["--device", "cpu", "--time-limit-s", "30"]).time_limit_s == 30
+    # CPU: ours and the floor at every point before any peer's worker starts
+    points = bench.plan(cpu)
+    groups = bench.worker_groups(points, cpu.providers, "cpu")
+    ours = [name for name in order if ALL_PROVIDERS[name].ours or name == "gemm-floor"]
+    assert [names for _, names in groups] == [ours] * len(points) + [[n for n in order if n not in ours]] * len(points)
+    assert [group[0] for group, _ in groups] == points * 2
+    assert bench.worker_groups(points, ["sage-triton", "naive"], "cuda") == [
+        (points, ["sage-triton"]),
+        (points, ["naive"]),
+    ]
