@@ -259,6 +259,7 @@ def discard_previous(run_dir: Path) -> None:
     previous = _aside(run_dir, RUN_FILES.previous_run)
     if previous is None:
         return
+    _kill_point("first_step")
     discarded = run_dir / RUN_FILES.discarded
     os.rename(previous, discarded)
     _kill_point("discarding")

@@ -296,6 +296,14 @@ def load_folder(path: str):
     return load_weights(path, tokenizer), tokenizer
 
 
+def _named(key) -> str:
+    """A load report's entry as a refusal names it: the key, and for a mismatch both shapes."""
+    if isinstance(key, tuple):
+        name, found, expected = (list(key) + [None, None])[:3]
+        return f"{name} (the file's {tuple(found or ())}, the config's {tuple(expected or ())})"
+    return str(key)
+
+
 def pretrained_tokenizer(path: str):
     """The tokenizer of a hub name or an HF-format directory, with left padding and a pad token,
     for batched generation."""
@@ -318,14 +326,17 @@ def load_weights(path: str, tokenizer):
     weights that would not be the folder's: a weight the model needs that the files lack (transformers
     would start it from random values; a tied weight its config declares is not missing), a weight
     the model does not have, or a weight that is not finite."""
-    model, report = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, trust_remote_code=False, output_loading_info=True
+    model, report = AutoModelForCausalLM.from_pretrained(  # mismatches reported (and refused below), not raised
+        path, dtype=torch.float32, trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True
     )
-    for kind, what in (
-        ("missing_keys", "lacks weight(s) the model needs"),
-        ("unexpected_keys", "holds weight(s) the model does not have"),
-    ):
-        keys = sorted(report.get(kind) or ())
+    problems = {
+        "missing_keys": "lacks weight(s) the model needs",
+        "unexpected_keys": "holds weight(s) the model does not have",
+        "mismatched_keys": "holds weight(s) of another shape than its config.json gives",
+    }
+    for kind, what in problems.items():
+        # a mismatch is (key, the file's shape, the model's): transformers would start it from random values
+        keys = sorted(_named(key) for key in report.get(kind) or ())
         if keys:
             more = f" and {len(keys) - KEYS_NAMED} more" if len(keys) > KEYS_NAMED else ""
             raise ModelFilesError(f"model {path!r}: its weight files {what}: {', '.join(keys[:KEYS_NAMED])}{more}")
