@@ -100,8 +100,10 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict], None] | None = None) 
 def until_first_step(cfg: TrainConfig, rank: int):
     """Until the run's first step has run (the model, tokenizer and chat template loaded and used),
     the run an ``overwrite`` replaces is kept aside (`run_dir.move_previous_aside`). Yields the call
-    that says the first step ran, which deletes it; a failure before then puts it back whole, and one
-    that is not already a one-line error (`ConfigError`, `RunError`) becomes one naming the model."""
+    that says the first step ran, which deletes it; a failure before then puts it back whole. A model
+    refused on loading (`ModelFilesError`) is one line in any run; with ``overwrite`` any failure that is
+    not already one line (`ConfigError`, `RunError`) becomes one naming the model (the traceback of
+    another run is kept: a resume's checkpoint, say, is no fault of the model)."""
     ran = []
 
     def first_step_ran() -> None:
@@ -117,10 +119,10 @@ def until_first_step(cfg: TrainConfig, rank: int):
             raise
         if rank == 0:
             put_previous_back(cfg.run_dir)
-        if isinstance(error, (ConfigError, RunError)) or not isinstance(error, Exception):
-            raise
         if isinstance(error, ModelFilesError):  # its message names the model and the file
             raise ConfigError(f"config key 'model': {error}") from error
+        if isinstance(error, (ConfigError, RunError)) or not isinstance(error, Exception) or not cfg.overwrite:
+            raise
         first = (str(error).strip().splitlines() or [""])[0][:300]
         raise ConfigError(
             f"config key 'model': the run with model {cfg.model!r} failed before its first step ended "
