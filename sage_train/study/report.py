@@ -26,7 +26,7 @@ from ..environment import LIBRARIES, package_commit
 from ..report import read_metrics
 from ..run_files import RUN_FILES
 from ..safe_files import save_figure, write_file
-from .design import START
+from .design import START, reused_arms, reused_study
 from .endpoints import (
     GUIDE_COLUMNS,
     SHOWN_CURVES,
@@ -68,6 +68,32 @@ def collect_counts(study, arm_names: list) -> tuple:
                 raise ValueError(f"{arm} seed {seed}: problems were sampled with different n {sorted(n)}")
             counts[arm][str(seed)] = {"n": n.pop(), "correct": [r["c"] for r in records]}
     return problems or [], counts
+
+
+def reuse_counts(study, problems: list, counts: dict) -> dict:
+    """Adds the reused arms' stored counts (`Study.reuse`) for the study's seeds to `counts` (after
+    the start, before the arms that ran) and returns what the report records of the reuse: the
+    stored study, its arms, and per seed whether the freshly evaluated start's counts equal the
+    stored ones (the pairing of new and reused arms rests on it). Raises ValueError when the
+    stored problems are not the ones evaluated here."""
+    if not study.reuse:
+        return {}
+    stored = reused_study(study)
+    if problems and problems != stored["problems"]:
+        raise ValueError(f"reuse: {study.reuse['study']} was evaluated on other problems than this study")
+    fresh_start = counts.get(START, {})
+    start_identical = {seed: entry == stored["counts"][START].get(seed) for seed, entry in fresh_start.items()}
+    reused = {arm: {str(s): stored["counts"][arm][str(s)] for s in study.seeds} for arm in reused_arms(study)}
+    ordered = {START: reused.pop(START, fresh_start), **reused}
+    ordered.update((arm, entry) for arm, entry in counts.items() if arm != START)
+    counts.clear()
+    counts.update(ordered)
+    return {
+        "study": study.reuse["study"],
+        "arms": reused_arms(study),
+        "problems": stored["problems"],
+        "start_counts_identical": start_identical,
+    }
 
 
 def aggregate(counts: dict, baseline: str, ks: list) -> dict:
@@ -162,6 +188,23 @@ def curves(study) -> dict:
     return result
 
 
+def reused_specs(study) -> dict:
+    """The reused arms' specs as the stored study ran them (`Study.reuse`; the start has none),
+    each marked with the study it comes from."""
+    if not study.reuse:
+        return {}
+    stored = reused_study(study)["study"]["arms"]
+    return {arm: {**stored[arm], "reused_from": study.reuse["study"]} for arm in reused_arms(study) if arm in stored}
+
+
+def reused_curves(study) -> dict:
+    """The stored training curves of the reused arms (`Study.reuse`; their runs are not here)."""
+    if not study.reuse:
+        return {}
+    stored = reused_study(study).get("curves", {})
+    return {arm: stored[arm] for arm in reused_arms(study) if arm in stored}
+
+
 def window_mean(curve: dict, last: bool, fraction: float = 0.1) -> float:
     """The mean over seeds of the first or last `fraction` of the steps (at least one)."""
     count = max(1, int(len(curve["mean"]) * fraction))
@@ -177,6 +220,8 @@ def write_report(study, argv: list, wall_time_s) -> dict:
     report with a "summary" (the console's table). wall_time_s: None for --report-only."""
     arm_names = [START, *(arm.name for arm in study.arms)]
     problems, counts = collect_counts(study, arm_names)
+    reuse = reuse_counts(study, problems, counts)
+    problems = reuse.pop("problems", problems)
     report = {
         "command": "sage-study " + " ".join(argv),
         "report_commit": package_commit(),  # the code that computed the numbers below from the counts
@@ -184,7 +229,10 @@ def write_report(study, argv: list, wall_time_s) -> dict:
         "wall_time_s": wall_time_s,
         "run_time_s": _run_times(study),
         "study": {
-            "arms": {arm.name: {"algorithm": arm.algorithm, **arm.overrides} for arm in study.arms},
+            "arms": {
+                **reused_specs(study),
+                **{arm.name: {"algorithm": arm.algorithm, **arm.overrides} for arm in study.arms},
+            },
             "seeds": study.seeds,
             "baseline": study.baseline,
             "eval_n": study.eval_n,
@@ -192,11 +240,13 @@ def write_report(study, argv: list, wall_time_s) -> dict:
             "train_config": study.train_config,
             "train": study.train,
             "endpoints": study.endpoints,
+            **({"reuse": study.reuse} if study.reuse else {}),
         },
+        **({"reuse": reuse} if reuse else {}),
         "warm_starts": warm_starts(study, counts),
         "endpoints": endpoint_rows(counts, study.endpoints),
         "arms": aggregate(counts, study.baseline, list(range(1, study.eval_n + 1))),
-        "curves": curves(study),
+        "curves": {**reused_curves(study), **curves(study)},
         "problems": problems,
         "counts": counts,
     }
