@@ -26,6 +26,7 @@ from ..environment import LIBRARIES, package_commit
 from ..report import read_metrics
 from ..run_files import RUN_FILES
 from ..safe_files import save_figure, write_file
+from ..step_metrics import STEP_METRICS
 from .design import START, reused_arms, reused_study
 from .endpoints import (
     GUIDE_COLUMNS,
@@ -38,7 +39,13 @@ from .endpoints import (
 )
 from .intervals import crossed_interval, t_interval
 
-CURVE_METRICS = (*TRAINING_CURVES, *GUIDE_COLUMNS["loss"], *GUIDE_COLUMNS["reward"])
+CURVE_METRICS = (
+    *TRAINING_CURVES,
+    *GUIDE_COLUMNS["loss"],
+    *GUIDE_COLUMNS["reward"],
+    STEP_METRICS.anchor_pressure,
+    STEP_METRICS.guide_pressure,
+)
 SMOOTH_STEPS = 5  # the curves' plots average this many steps (the JSON keeps every step)
 
 
