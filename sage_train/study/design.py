@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="the study directory (required)")
     p.add_argument("--store", default=None, help="also write each finished run's counts here ({run}.json)")
     p.add_argument("--report-only", action="store_true", help="write the report from the runs finished so far")
+    p.add_argument("--frontier", default=None, help="a stored study (study.json or its folder): its frontier only")
     p.add_argument("--toy", action="store_true", help="the closed-form toy study instead (sage_train.study.toy)")
     return p
 

@@ -292,6 +292,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--toy" in argv:
         return toy_main(argv)
+    if any(arg.split("=")[0] == "--frontier" for arg in argv):
+        from .frontier import main as frontier_main
+
+        return frontier_main(argv)
     study = parse_study(argv)
     with _one_study_at_a_time(study.out):
         return run_study(study, argv)

@@ -27,6 +27,7 @@ from ..report import read_metrics
 from ..run_files import RUN_FILES
 from ..safe_files import save_figure, write_file
 from ..step_metrics import STEP_METRICS
+from . import frontier
 from .design import START, reused_arms, reused_study
 from .endpoints import (
     GUIDE_COLUMNS,
@@ -254,6 +255,7 @@ def write_report(study, argv: list, wall_time_s) -> dict:
         "endpoints": endpoint_rows(counts, study.endpoints),
         "arms": aggregate(counts, study.baseline, list(range(1, study.eval_n + 1))),
         "curves": {**reused_curves(study), **curves(study)},
+        "frontier": _frontier_verdicts(study, counts),
         "problems": problems,
         "counts": counts,
     }
@@ -261,9 +263,25 @@ def write_report(study, argv: list, wall_time_s) -> dict:
     report = json.loads((study.out / "study.json").read_text())  # string keys, as a reader sees them
     plot_pass_at_k(report, study.out / "pass_at_k.png")
     plot_curves(shown_curves(report), study.out / "training_curves.png")
+    if report["frontier"]:
+        frontier.plot(
+            frontier.frontier(counts, study.baseline, report["frontier"]["k"]),
+            report["frontier"]["k"],
+            study.out / "frontier.png",
+        )
     report["summary"] = summary_table(report, study)
     write_file(study.out / "study.md", markdown(report, study) + "\n")
     return report
+
+
+def _frontier_verdicts(study, counts: dict) -> dict | None:
+    """{"k", "baseline", "verdicts": {arm: verdict}} of the frontier view (`frontier`), None until the
+    baseline has counts."""
+    if not counts.get(study.baseline):
+        return None
+    k = study.frontier_k or study.eval_n
+    rows = frontier.frontier(counts, study.baseline, k)
+    return {"k": k, "baseline": study.baseline, "verdicts": {r["arm"]: r["verdict"] for r in rows if "verdict" in r}}
 
 
 def _run_times(study) -> float:
@@ -404,6 +422,10 @@ def markdown(report: dict, study) -> str:
         for arm, r in paired.items()
     ]
     lines += _k_table(f"## Seeds above / below {study.baseline} (paired difference > 0 / < 0)", rows, ks)
+    if report.get("frontier"):
+        spec = report["frontier"]
+        rows = frontier.frontier(report["counts"], spec["baseline"], spec["k"])
+        lines += ["", *frontier.markdown_lines(rows, spec["baseline"], spec["k"])]
     lines += [
         "",
         "## Training (mean over seeds; first and last 10% of steps)",
