@@ -99,6 +99,13 @@ def plot(rows: list, k: int, path: Path, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 5), constrained_layout=True)
+    draw(ax, rows, k, title)
+    save_figure(fig, path, dpi=100)
+    plt.close(fig)
+
+
+def draw(ax, rows: list, k: int, title: str = "") -> None:
+    """`plot`'s panel on the matplotlib axes `ax` (the README's figure draws it beside the primaries)."""
     for i, row in enumerate(rows):
         x, y = row["pass_at_1"], row["pass_at_k"]
         errors = [_error(x), _error(y)]
@@ -117,8 +124,6 @@ def plot(rows: list, k: int, path: Path, title: str = "") -> None:
     ax.set_title(title or f"pass@1 against pass@{k} (95% crossed intervals)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    save_figure(fig, path, dpi=100)
-    plt.close(fig)
 
 
 def _error(entry: dict):
