@@ -239,6 +239,8 @@ def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp,
     cfg = ctx.cfg
     loss_cfg, row_share = step_loss_config(ctx, batch)
     micro_batches, totals = step_micro_batches(ctx, batch), LossTotals()
+    # each token's advantage on the step's grid, so a packed micro-batch takes its tokens' (`add_pressure`)
+    token_advantages = advantages[:, None].expand(batch.completion_mask.shape) if advantages.dim() == 1 else advantages
     for _ in range(cfg.num_iterations):
         step_loss, why = 0.0, None
         for index, micro in enumerate(micro_batches):
@@ -262,7 +264,7 @@ def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp,
             with skipped_update(ctx.engine, why is not None):
                 ctx.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
             totals.add(loss, out, loss_inputs["mask"])
-            totals.add_pressure(out, loss_inputs, loss_cfg)
+            totals.add_pressure(out, {**loss_inputs, "advantages": micro.tokens(token_advantages)}, loss_cfg)
         if not ctx.engine.was_step_applied():
             totals.skipped.append(why or "non-finite gradient (DeepSpeed's overflow check)")
         if ctx.guide is not None:
@@ -428,14 +430,15 @@ class LossTotals:
             return
         from sage_kernels.reference import kl_estimate
 
-        mask, advantages = inputs["mask"], inputs["advantages"].float()
-        advantages = advantages if advantages.dim() == 2 else advantages[:, None]
-        to_ref = inputs["ref_logp"].float() - out.logp.float()  # log pi_ref / pi
-        with torch.enable_grad():
-            deltas = torch.stack([to_ref + out.q.float().log(), to_ref]).requires_grad_()
+        mask = inputs["mask"]  # [rows, L] padded, [N] packed: every per-token value is read in its shape
+        advantages = inputs["advantages"].float()
+        advantages = (advantages[:, None] if advantages.dim() < mask.dim() else advantages).expand(mask.shape)
+        to_ref = inputs["ref_logp"].float().reshape(mask.shape) - out.logp.float().reshape(mask.shape)
+        with torch.enable_grad():  # log pi_ref / pi with and without the guide's log q
+            deltas = torch.stack([to_ref + out.q.float().reshape(mask.shape).log(), to_ref]).requires_grad_()
             (slopes,) = torch.autograd.grad(kl_estimate(deltas, config.kl).sum(), deltas)
         parts = {
-            "task": advantages * out.ratio.float(),
+            "task": advantages * out.ratio.float().reshape(mask.shape),
             "anchor": config.beta * slopes[0],  # d/dlog pi = -d/ddelta; the sign drops under |.|
             "guide": config.beta * (slopes[0] - slopes[1]),
         }
