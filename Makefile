@@ -39,7 +39,7 @@ $(NEWEST_STAMP): pyproject.toml
 	python3 -m venv $(NEWEST_VENV)
 	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
 	$(NEWEST_VENV)/bin/python -m pip install -q "$(TORCH_NEWEST)"
-	$(NEWEST_VENV)/bin/python -m pip install -q --no-build-isolation -e '.[dev]'
+	$(NEWEST_VENV)/bin/python -m pip install -q --no-build-isolation -e '.[train,bench,dev]'
 	touch $(NEWEST_STAMP)
 
 test-newest-torch: $(NEWEST_STAMP)
