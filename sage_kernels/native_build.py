@@ -59,11 +59,9 @@ def build_directory(name: str) -> Path:
     """The folder the extension `name` is built in, namespaced by this package's and torch's versions
     (torch's own default layout separates Python versions but not torch versions, and nothing at all
     under TORCH_EXTENSIONS_DIR)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
     from . import __version__
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or default_build_root()
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     return Path(root) / f"sage_kernels-{__version__}-torch{torch.__version__}-{python}" / name
 
@@ -84,6 +82,16 @@ def load_finished(directory: Path, name: str, record: str) -> bool:
     if finished:
         torch.ops.load_library(str(library))
     return finished
+
+
+def default_build_root() -> str:
+    """torch's default root for extension builds (`get_default_build_root`'s answer) without importing
+    torch.utils.cpp_extension: with a CUDA build of torch on a machine without a GPU (torch 2.14 from
+    PyPI on a CPU machine) that import logs "No CUDA runtime is found" in every process, including those
+    that only load a finished build."""
+    from torch import _appdirs
+
+    return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
 
 
 def build_wait_seconds() -> float:

@@ -248,6 +248,13 @@ print(time.perf_counter() - start)
     done = subprocess.run([sys.executable, "-c", program], cwd=_REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout) < 2.0
+    assert done.stderr == ""  # nor torch's log lines ("No CUDA runtime is found" from its extension loader)
+
+
+def test_the_default_build_root_is_torchs():
+    from torch.utils.cpp_extension import get_default_build_root
+
+    assert native_build.default_build_root() == get_default_build_root()
 
 
 def test_a_live_build_is_waited_on_then_the_build_proceeds(tmp_path):
