@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 
 LINTED := sage_kernels sage_train benchmarks tests
 
-.PHONY: setup setup-real test test-newest-torch pip-route trl-suite liger-suite verl-suite openrlhf-suite demo demo-real bench lint format clean
+.PHONY: setup setup-real test test-newest-torch pip-route trl-suite liger-suite verl-suite demo demo-real bench lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
