@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 
 LINTED := sage_kernels sage_train benchmarks tests
 
-.PHONY: setup setup-real test trl-suite liger-suite verl-suite demo demo-real bench lint format clean
+.PHONY: setup setup-real test test-newest-torch pip-route trl-suite liger-suite verl-suite demo demo-real bench lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,28 @@ setup-real: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The newest torch pip resolves here (issue 47), in a venv of its own: the kernel suite, the native
+# operator's build and the packaging tests again. No CPU build of torch 2.14 is on PyPI: its Linux wheel
+# brings CUDA's libraries (installed, unused: the tests run on the CPU).
+NEWEST_VENV  ?= .venv-newest-torch
+TORCH_NEWEST ?= torch==2.14.1
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
+
+$(NEWEST_STAMP): pyproject.toml
+	python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(NEWEST_VENV)/bin/python -m pip install -q "$(TORCH_NEWEST)"
+	$(NEWEST_VENV)/bin/python -m pip install -q --no-build-isolation -e '.[train,bench,dev]'
+	touch $(NEWEST_STAMP)
+
+test-newest-torch: $(NEWEST_STAMP)
+	$(NEWEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(NEWEST_VENV)/bin/python -m pytest -q tests/kernels tests/test_packaging.py
+
+# README's "Installing with pip", its lines as pasted, in a fresh venv (scripts/pip_route.sh)
+pip-route:
+	bash scripts/pip_route.sh
 
 # TRL's own GRPO tests on SAGEGRPOTrainer (docs/integrations.md, TRL): long, not part of `make test`.
 # TRL_GIT: a git clone of huggingface/trl holding the pinned commit (without it, GitHub's raw files).
@@ -67,4 +89,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format $(LINTED)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) build *.egg-info

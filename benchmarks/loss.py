@@ -7,7 +7,9 @@ format) and a markdown report with the ratio of ours to each peer are written to
 worker ends, and a plot of time and memory against N at the end. A provider that cannot run
 here (its package or device absent) and rows past --time-limit-s are reported as skipped by this
 process, with no worker started for them. Without --shapes, the device's default plan of
-`shapes.DEFAULT_PLANS` runs (about 10 minutes on a 2-core CPU).
+`shapes.DEFAULT_PLANS` runs; on CPU it starts no row after `DEFAULT_PLAN_LIMIT_S` (unless
+--time-limit-s says otherwise), so it ends within 10 minutes on a 2-core CPU, and since ours and the
+GEMM floor run first at every point (`worker_groups`), a row the limit skips is a peer's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from .shapes import DEFAULT_PLANS, DTYPES, SHAPES, Point, check_point
 from .worker import base_row
 
 MODES = ("fwd", "fwd+bwd")
+#: seconds after which the default plan starts no row, per device (None: no limit): on CPU the last row
+#: started (a qwen2.5-0.5b peer's, up to a minute) ends within 10 minutes.
+DEFAULT_PLAN_LIMIT_S = {"cpu": 510.0, "cuda": None}
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -58,7 +63,7 @@ def parse_args(argv) -> argparse.Namespace:
         "--providers",
         type=_csv(str),
         default=list(PROVIDERS),
-        help=f"comma-separated, from {list(PROVIDERS)}; default: all",
+        help=f"comma-separated, from {list(PROVIDERS)}; default: all, in that order (ours and the floor first)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row at most (default 3)")
     parser.add_argument(
@@ -68,7 +73,10 @@ def parse_args(argv) -> argparse.Namespace:
         help="seconds of runs per row before stopping early, at least one run (default 60)",
     )
     parser.add_argument(
-        "--time-limit-s", type=float, help="rows not started within this many seconds are reported as skipped"
+        "--time-limit-s",
+        type=float,
+        help="rows not started within this many seconds are reported as skipped (default plan on CPU: "
+        f"{DEFAULT_PLAN_LIMIT_S['cpu']:.0f})",
     )
     parser.add_argument(
         "--out", default="benchmarks/results", help="output directory (relative to the working directory)"
@@ -86,6 +94,8 @@ def parse_args(argv) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    if args.time_limit_s is None and not args.shapes:
+        args.time_limit_s = DEFAULT_PLAN_LIMIT_S[args.device]
     return args
 
 
@@ -142,6 +152,18 @@ def run_worker(points: list[tuple[Point, list[str]]], providers: list[str], args
     return rows
 
 
+def worker_groups(points: list, providers: list[str], device: str) -> list[tuple[list, list[str]]]:
+    """(points, providers) of each worker, in the order they run. CUDA: one worker per provider, at every
+    point (a CUDA fault poisons only its own process, and each peer compiles once). CPU: a worker per
+    point (a clean heap for the memory measurement), first ours and the GEMM floor at every point, then
+    the peers at every point, so that a time limit cuts a peer's row before any of ours."""
+    if device == "cuda":
+        return [(points, [name]) for name in providers]
+    first = [name for name in providers if PROVIDERS[name].ours or name == "gemm-floor"]
+    rest = [name for name in providers if name not in first]
+    return [([p], names) for names in (first, rest) if names for p in points]
+
+
 def skipped_rows(points: list[tuple[Point, list[str]]], provider: str, reason: str) -> list[dict]:
     """The rows of `provider` at `points`, reported as skipped for `reason` without measuring."""
     rows = [{**base_row(p, provider, mode), "status": f"skipped: {reason}"} for p, modes in points for mode in modes]
@@ -179,13 +201,7 @@ def main(argv=None) -> int:
     rows_path.write_text("")
     points = plan(args)
     missing = {name: PROVIDERS[name].unavailable(args.device) for name in args.providers}
-    if args.device == "cuda":
-        # one worker per provider, at every point: a CUDA fault poisons only its own process (the
-        # providers after it still run), and each peer compiles once
-        groups = [(points, [name]) for name in args.providers]
-    else:
-        groups = [([p], args.providers) for p in points]  # a clean heap per point for the memory measurement
-    for group, providers in groups:
+    for group, providers in worker_groups(points, args.providers, args.device):
         for name in providers:
             if missing[name]:
                 rows += skipped_rows(group, name, missing[name])

@@ -6,11 +6,14 @@ both of its paths, the three-matmul path (the default configuration) and the two
 stage (logits GEMM, row stats, token stage, d(logits), each gradient GEMM; forward sweep,
 backward d(logits), ...), and the bare GEMM floor (`providers.gemm-floor`: the three products
 and nothing else). Per path: the median over the timed runs of every stage, the whole call,
-the share of the whole and the ratio to the floor, and the peak memory above the inputs.
+the share of the whole, the TFLOP/s of each stage that is one N x D x V product (so a GEMM that
+falls short, such as d(hidden) with its few output tiles, shows), the ratio to the floor, the
+number of vocabulary slices d(hidden) was split into, and the peak memory above the inputs.
 A further part (named, not run by default), ``three-matmul-1280``, runs the three-matmul path
 at token chunks of 1280 rows instead of the ones its fp32 logits workspace budget gives
 (`three_matmul.chunk_rows`: 640 at V 152k): the chunk-height lever (a taller d(hidden) GEMM and
-half the roundings of a 16-bit weight gradient, for twice the workspace).
+half the roundings of a 16-bit weight gradient, for twice the workspace), and ``three-matmul-unsplit``
+the path with d(hidden) as one product instead of its vocabulary slices (`gemm.sliced_mm_f32`).
 
 Each part (a path, the floor) runs in a process of its own (`isolated.py`), at most
 --part-timeout-s seconds: a part that fails or is cut short is reported as failed and the
@@ -44,8 +47,14 @@ FLOOR = "gemm-floor"
 #: token rows per logits chunk of the tall-chunk part (`tiles.SweepTiles.chunk_n`).
 TALL_CHUNK_ROWS = 1280
 TALL = f"three-matmul-{TALL_CHUNK_ROWS}"
-#: what one process measures: a path, the path at tall chunks, or the floor; the default ones.
-PARTS = (*PATHS, TALL, FLOOR)
+#: the stages that are one N_valid x D x V product (2 N_valid D V FLOP each): their TFLOP/s is printed,
+#: so the device run shows which product falls short of the others (d(hidden)'s few output tiles).
+PRODUCT_STAGES = ("logits GEMM", "forward sweep", "backward d(logits)", "grad_hidden GEMM", "grad_weight GEMM")
+#: the three-matmul path with d(hidden) as one product (`tiles.SweepTiles.dh_slices` = 1): against the
+#: default part, what the vocabulary split (`gemm.sliced_mm_f32`) gains on this device.
+UNSPLIT = "three-matmul-unsplit"
+#: what one process measures: a path, the path at tall chunks or unsplit, or the floor; the default ones.
+PARTS = (*PATHS, TALL, UNSPLIT, FLOOR)
 DEFAULT_PARTS = (*PATHS, FLOOR)
 
 
@@ -103,13 +112,15 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
     """Stage times (median ms over `repeats` runs), the whole call and the peak memory of one path
     (of the three-matmul path at `TALL_CHUNK_ROWS` for `TALL`: this process measures nothing else)."""
     from sage_kernels import fused_linear_sage_loss
-    from sage_kernels.triton import stage_timing, three_matmul, tiles
+    from sage_kernels.triton import gemm, stage_timing, three_matmul, tiles
 
     from .providers import SETTINGS
 
     if name == TALL:
         tiles.TILE_OVERRIDE["chunk_n"] = TALL_CHUNK_ROWS
-    options = PATHS["three-matmul" if name == TALL else name]
+    if name == UNSPLIT:
+        tiles.TILE_OVERRIDE["dh_slices"] = 1
+    options = PATHS["three-matmul" if name in (TALL, UNSPLIT) else name]
 
     def loss_fn(hidden, weight):
         return fused_linear_sage_loss(
@@ -146,10 +157,18 @@ def profile_path(name: str, inputs, point: Point, repeats: int) -> dict:
     stage_ms = {n: statistics.median(run.get(n, 0.0) for run in stage_runs) for n in names}
     grads = inputs.hidden.numel() * inputs.hidden.element_size() + inputs.weight.numel() * inputs.weight.element_size()
     valid = int(inputs.mask.sum())
+    chunk = three_matmul.chunk_rows(point.n, valid, point.v) if "three-matmul" in taken else None
+    dtype, device = inputs.hidden.dtype, torch.device(point.device)
     return {
         "path": name,
         "path_taken": sorted(taken),
-        "chunk_rows": three_matmul.chunk_rows(point.n, valid, point.v) if "three-matmul" in taken else None,
+        "chunk_rows": chunk,
+        "dh_slices": (
+            tiles.tiles_for(dtype).dh_slices or gemm.vocab_slices(device, dtype, min(chunk, valid), point.d, point.v)
+        )
+        if chunk
+        else None,
+        "valid_rows": valid,
         "ms_total": statistics.median(totals),
         "stages_ms": stage_ms,
         "peak_mem_mib": None if peak is None else peak / 2**20,
@@ -199,22 +218,30 @@ def markdown(point: Point, rows: list[dict], command: str) -> str:
             else "GEMM floor (three bare products): not measured."
         ),
         "",
-        "| path | stage | ms | share | × floor |",
-        "|---|---|---|---|---|",
+        "| path | stage | ms | share | TFLOP/s | × floor |",
+        "|---|---|---|---|---|---|",
     ]
     paths = [r for r in rows if r["path"] != FLOOR]
     for r in paths:
         if r["status"] != "ok":
-            lines.append(f"| {r['path']} | {r['status']} | — | — | — |")
+            lines.append(f"| {r['path']} | {r['status']} | — | — | — | — |")
             continue
+        product = 2 * r.get("valid_rows", point.n) * point.d * point.v  # one product over the valid rows
         for stage_name, ms in r["stages_ms"].items():
-            lines.append(f"| {r['path']} | {stage_name} | {ms:.2f} | {ms / r['ms_total']:.0%} | — |")
+            rate = f"{product / ms / 1e9:.3g}" if stage_name in PRODUCT_STAGES and ms > 0 else "—"
+            lines.append(f"| {r['path']} | {stage_name} | {ms:.2f} | {ms / r['ms_total']:.0%} | {rate} | — |")
         ratio = f"{r['ms_total'] / floor_ms:.2f}" if floor_ms else "—"
-        lines.append(f"| {r['path']} | **whole call** | {r['ms_total']:.2f} | 100% | {ratio} |")
+        rate = f"{flop / r['ms_total'] / 1e9:.3g}"
+        lines.append(f"| {r['path']} | **whole call** | {r['ms_total']:.2f} | 100% | {rate} (6NDV) | {ratio} |")
     lines += [
         "",
-        "| path | ran as | token chunk | peak MiB | extra MiB (without the gradients) | TFLOP/s (6NDV) |",
-        "|---|---|---|---|---|---|",
+        "TFLOP/s of a stage: 2·N_valid·D·V over its time where it is one such product (the GEMMs, the sweeps); "
+        "d(hidden) split over `d(hidden) slices` vocabulary slices (`gemm.sliced_mm_f32`) where its output "
+        "tiles alone would not fill the SMs.",
+        "",
+        "| path | ran as | token chunk | d(hidden) slices | peak MiB | extra MiB (without the gradients) | "
+        "TFLOP/s (6NDV) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in paths:
         if r["status"] != "ok":
@@ -222,8 +249,9 @@ def markdown(point: Point, rows: list[dict], command: str) -> str:
         peak = "—" if r["peak_mem_mib"] is None else f"{r['peak_mem_mib']:.0f}"
         extra = "—" if r["extra_mem_mib"] is None else f"{r['extra_mem_mib']:.0f}"
         chunk = f"{r['chunk_rows']} rows" if r.get("chunk_rows") else "—"
+        slices = r.get("dh_slices") or "—"
         lines.append(
-            f"| {r['path']} | {', '.join(r['path_taken'])} | {chunk} | {peak} | {extra} | "
+            f"| {r['path']} | {', '.join(r['path_taken'])} | {chunk} | {slices} | {peak} | {extra} | "
             f"{flop / r['ms_total'] / 1e9:.3g} |"
         )
     if floor is None:

@@ -35,6 +35,9 @@ class Provider:
     guide: str | None  # the guide of its loss, for the float64 check; None: no loss (gemm-floor)
     unavailable: Callable[[str], str | None]
     ours: bool = False
+    #: TF32 for fp32 matmuls on CUDA while it runs (`torch.backends.cuda.matmul.allow_tf32`; off by
+    #: default in PyTorch): Liger's backward multiplies in fp32, so its time with TF32 on is shown too.
+    tf32: bool = False
 
 
 def _sage(backend: str, guide: str):
@@ -147,24 +150,29 @@ def _always(device: str) -> str | None:
     return None
 
 
+def _liger_tf32_missing(device: str) -> str | None:
+    if device != "cuda":
+        return "TF32 is a CUDA setting (the liger-eager row is the same run here)"
+    return _liger_missing(device)
+
+
+#: in the order they run in each group: ours and the GEMM floor first, so that a time limit cuts a peer's
+#: row rather than ours; then the peers of the targets (Liger), the others last.
 PROVIDERS = {
     p.name: p
     for p in (
-        Provider("naive", _sage("reference", "none"), "none", _always),
-        Provider("torch-compile-chunked", _chunked, "none", _always),
-        Provider("liger-compiled", _liger(True), "none", _liger_missing),
-        Provider("liger-eager", _liger(False), "none", _liger_missing),
-        Provider("trl-full-logits", trl_head.full_logits(SETTINGS), "none", trl_head.missing),
-        Provider("trl-chunked", trl_head.chunked(SETTINGS), "none", trl_head.missing),
-        Provider("verl-fused-linear", verl_head.verl_fused_linear(SETTINGS), "none", verl_head.missing),
-        Provider("sage-verl-kernel", verl_head.sage_kernel(SETTINGS), "none", _always),
-        Provider("gemm-floor", _gemm_floor, None, _always),
         Provider("sage-cpu", _sage("cpu", "none"), "none", functools.partial(_backend_missing, "cpu"), ours=True),
         Provider(
-            "sage-cpu-branch", _sage("cpu", "branch"), "branch", functools.partial(_backend_missing, "cpu"), ours=True
-        ),
-        Provider(
             "sage-triton", _sage("triton", "none"), "none", functools.partial(_backend_missing, "triton"), ours=True
+        ),
+        Provider("gemm-floor", _gemm_floor, None, _always),
+        Provider("liger-compiled", _liger(True), "none", _liger_missing),
+        Provider("liger-eager", _liger(False), "none", _liger_missing),
+        Provider("liger-eager-tf32", _liger(False), "none", _liger_tf32_missing, tf32=True),
+        Provider("naive", _sage("reference", "none"), "none", _always),
+        Provider("torch-compile-chunked", _chunked, "none", _always),
+        Provider(
+            "sage-cpu-branch", _sage("cpu", "branch"), "branch", functools.partial(_backend_missing, "cpu"), ours=True
         ),
         Provider(
             "sage-triton-branch",
@@ -173,5 +181,9 @@ PROVIDERS = {
             functools.partial(_backend_missing, "triton"),
             ours=True,
         ),
+        Provider("trl-full-logits", trl_head.full_logits(SETTINGS), "none", trl_head.missing),
+        Provider("trl-chunked", trl_head.chunked(SETTINGS), "none", trl_head.missing),
+        Provider("verl-fused-linear", verl_head.verl_fused_linear(SETTINGS), "none", verl_head.missing),
+        Provider("sage-verl-kernel", verl_head.sage_kernel(SETTINGS), "none", _always),
     )
 }

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 PEERS = ("naive", "torch-compile-chunked", "liger (best)", "liger-compiled", "liger-eager", "gemm-floor")
+#: the rows `liger (best)` is the fastest of (TF32 on or off: each row records which)
+LIGERS = ("liger-compiled", "liger-eager", "liger-eager-tf32")
 
 #: The performance targets, all fwd+bwd with nothing masked: (shape, N, dtype, ours, peer, measure,
 #: bound on ours / peer). The CPU backend's memory bound against Liger is shown both with the
@@ -59,17 +61,18 @@ def _runs(row: dict) -> str:
 
 def results_table(rows: list[dict]) -> str:
     lines = [
-        "| shape | N | D | V | dtype | masked | mode | provider | p50 ms | p20–p80 ms | runs "
+        "| shape | N | D | V | dtype | masked | mode | provider | TF32 | p50 ms | p20–p80 ms | runs "
         "| peak MiB | extra MiB | TFLOP/s (6NDV) | TFLOP/s (8NDV) | err loss | err d(hidden) "
         "| err d(weight) | status |",
-        "|" + "---|" * 19,
+        "|" + "---|" * 20,
     ]
     for r in rows:
         ok = r["status"] == "ok"
         spread = f"{r['ms_p20']:.1f}–{r['ms_p80']:.1f}" if ok else "—"
+        tf32 = {True: "on", False: "off"}.get(r.get("tf32"), "—")  # None: CPU, where it does nothing
         lines.append(
             f"| {r['shape']} | {r['n']} | {r['d']} | {r['v']} | {r['dtype']} | {r['mask_fraction']:.0%} "
-            f"| {r['mode']} | {r['provider']} | {_fmt(r.get('ms_p50'), '.1f')} | {spread} "
+            f"| {r['mode']} | {r['provider']} | {tf32} | {_fmt(r.get('ms_p50'), '.1f')} | {spread} "
             f"| {_runs(r)} "
             f"| {_fmt(r.get('peak_mem_mib'), '.0f')} | {_fmt(r.get('extra_mem_mib'), '.0f')} "
             f"| {_fmt(r.get('tflops_6ndv'), '.3f')} "
@@ -86,7 +89,7 @@ def _by_point(rows: list[dict]) -> dict:
         if r["status"] == "ok":
             points[_point_key(r)][r["provider"]] = r
     for measured in points.values():
-        ligers = [measured[n] for n in ("liger-compiled", "liger-eager") if n in measured]
+        ligers = [measured[n] for n in LIGERS if n in measured]
         if ligers:
             measured["liger (best)"] = min(ligers, key=lambda r: r["ms_p50"])
     return points
@@ -135,7 +138,7 @@ def target_verdicts(rows: list[dict], targets=TARGETS) -> list[dict]:
         ratio = None if mine is None or not theirs else mine / theirs
         if ratio is None:
             missing = ours if mine is None else peer
-            names = ("liger-compiled", "liger-eager") if missing == "liger (best)" else (missing,)
+            names = LIGERS if missing == "liger (best)" else (missing,)
             why = "; ".join(f"{name}: {status.get((key, name), 'not in this run')}" for name in names)
             verdict = f"not measured ({why})"
         else:
@@ -173,7 +176,8 @@ def markdown(rows: list[dict], command: str, ours_names: list[str]) -> str:
                 else []
             ),
             "Ratios are ours / peer, time (p50) · peak memory above the inputs; below 1 means ours is faster or "
-            "lighter. `liger (best)` is the faster of liger-compiled and liger-eager at that point.",
+            "lighter. `liger (best)` is the fastest of liger-compiled, liger-eager and liger-eager-tf32 "
+            "(CUDA: TF32 on) at that point.",
             "",
             ratio_table(rows, ours_names),
             "",

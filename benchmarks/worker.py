@@ -19,6 +19,7 @@ compilations seen during its timed runs (`compiles_in_timing`, 0 when all is wel
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -193,7 +194,11 @@ def run_point(point: Point, modes: list[str], spec: dict, rows) -> None:
                 row["status"] = f"skipped: {reason}"
             else:
                 try:
-                    row.update(measure(provider, point, x, sliced, mode, reference, spec["repeats"], spec["budget_s"]))
+                    with matmul_tf32(provider.tf32):
+                        measured = measure(
+                            provider, point, x, sliced, mode, reference, spec["repeats"], spec["budget_s"]
+                        )
+                    row.update(measured)
                     row["status"] = "ok"
                 except Exception as error:  # a provider failing is a result to report, not a crash
                     first_line = (str(error).splitlines() or [""])[0][:200]
@@ -214,7 +219,8 @@ def main(spec: dict, rows_path: str) -> None:
 
 
 def base_row(point: Point, provider: str, mode: str) -> dict:
-    """The fields that name a row: op, provider, point (shape, N, D, V, dtype, mask, device), mode."""
+    """The fields that name a row: op, provider, point (shape, N, D, V, dtype, mask, device), mode, and
+    whether fp32 matmuls ran with TF32 (CUDA only; None on CPU, where the setting does nothing)."""
     return {
         "op": "sage_loss",
         "provider": provider,
@@ -222,7 +228,19 @@ def base_row(point: Point, provider: str, mode: str) -> dict:
         "d": point.d,
         "v": point.v,
         "mode": mode,
+        "tf32": PROVIDERS[provider].tf32 if point.device == "cuda" else None,
     }
+
+
+@contextlib.contextmanager
+def matmul_tf32(on: bool):
+    """fp32 matmuls with TF32 `on` (cuBLAS) while a provider runs, the previous setting restored after."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def describe(row: dict) -> str:

@@ -1,13 +1,17 @@
 """Building the CPU backend's native operator: where the build is cached and the lock around it.
 
-torch's extension loader guards a build with a file it creates and deletes when done, and waits on
-forever while that file exists: a build killed midway left it behind, and every later first use
-then hung without a word. Here the build runs under a lock of our own, an advisory ``flock`` that
-the kernel drops when its holder dies, so a file left behind proves nothing: a killed build is taken
-over (torch's leftover file removed, with a note), and a live holder, another process building the
-same operator, is waited on for at most `BUILD_WAIT_ENV` seconds, with a note naming the lock file.
-Past that bound, or when the build fails, the caller gets False after one warning line and runs the
-PyTorch block loop instead.
+torch's extension loader guards a build with a file ``lock`` in the build folder: torch 2.13 deletes
+it when done and waits forever while it exists (a build killed midway left it behind, and every later
+first use hung without a word); torch 2.14 leaves it behind after every build. Its existence proves
+nothing either way, so neither is read here. The build runs under a lock of our own, an advisory
+``flock`` that the kernel drops when its holder dies, and a finished build writes a record
+(`DONE_FILE`: a digest of the source, flags, name, torch and Python) beside its library. A later
+process that finds the record loads the library at once, without the lock or torch's loader. A build
+is interrupted only when its folder holds outputs without that record (or our lock file still names a
+holder that died): it is then taken over (the outputs removed, with a note). A live holder, another
+process building the same operator, is waited on for at most `BUILD_WAIT_ENV` seconds, with a note
+naming the lock file, after which the waiter loads the holder's build. Past that bound, or when the
+build fails, the caller gets False after one warning line and runs the PyTorch block loop instead.
 
 Builds live in ``<TORCH_EXTENSIONS_DIR, else torch's default>/sage_kernels-<version>-torch<version>-
 py<XY>/<name>``, the name carrying a digest of the source and the CPU capability (`extension_name`):
@@ -37,6 +41,8 @@ BUILD_WAIT_ENV = "SAGE_CPU_BUILD_WAIT"
 DEFAULT_BUILD_WAIT_S = 600.0
 #: our lock, beside torch's own ``lock`` in the build folder.
 LOCK_FILE = "sage_build.lock"
+#: written once the library is built and loaded: its content is `build_record`'s digest.
+DONE_FILE = "sage_build.done"
 _POLL_S = 0.1
 
 
@@ -53,13 +59,39 @@ def build_directory(name: str) -> Path:
     """The folder the extension `name` is built in, namespaced by this package's and torch's versions
     (torch's own default layout separates Python versions but not torch versions, and nothing at all
     under TORCH_EXTENSIONS_DIR)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
     from . import __version__
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or default_build_root()
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     return Path(root) / f"sage_kernels-{__version__}-torch{torch.__version__}-{python}" / name
+
+
+def build_record(source: Path, name: str, flags: list) -> str:
+    """What a finished build of `name` was made from: the source, flags, torch and Python, as a digest."""
+    parts = [name, *flags, torch.__version__, sys.version, source.read_bytes().hex()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def load_finished(directory: Path, name: str, record: str) -> bool:
+    """Load the library of a finished build whose `DONE_FILE` holds `record`; False when there is none."""
+    library = directory / f"{name}.so"
+    try:
+        finished = (directory / DONE_FILE).read_text() == record and library.is_file()
+    except OSError:
+        return False
+    if finished:
+        torch.ops.load_library(str(library))
+    return finished
+
+
+def default_build_root() -> str:
+    """torch's default root for extension builds (`get_default_build_root`'s answer) without importing
+    torch.utils.cpp_extension: with a CUDA build of torch on a machine without a GPU (torch 2.14 from
+    PyPI on a CPU machine) that import logs "No CUDA runtime is found" in every process, including those
+    that only load a finished build."""
+    from torch import _appdirs
+
+    return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
 
 
 def build_wait_seconds() -> float:
@@ -157,6 +189,9 @@ def build_extension(source: Path, name: str, flags: list, wait_s: float | None =
     directory = build_directory(name)
     lock = BuildLock(directory)
     try:
+        record = build_record(source, name, flags)
+        if load_finished(directory, name, record):  # the common case: built by an earlier process
+            return True
         if not lock.acquire(wait_s):
             _warn_fallback(
                 f"its build lock {lock.path} is still held after {wait_s:g} s by {lock.holder()}, a live "
@@ -164,7 +199,9 @@ def build_extension(source: Path, name: str, flags: list, wait_s: float | None =
             )
             return False
         try:
-            _load(source, name, flags, directory, lock)
+            if not load_finished(directory, name, record):  # else another process built it while we waited
+                _load(source, name, flags, directory, lock)
+                (directory / DONE_FILE).write_text(record)
         finally:
             lock.release()
         return True
@@ -196,14 +233,15 @@ def failure_cause(error: Exception) -> str:
 
 
 def _load(source: Path, name: str, flags: list, directory: Path, lock: BuildLock) -> None:
-    """torch's build and load, once `lock` is held: a torch lock file there, or a record in ours, is
-    a killed build's, whose outputs may be cut short (a truncated library that ninja deems current)."""
+    """torch's build and load, once `lock` is held and no finished build is there: outputs in the folder
+    (or a record in our lock) are a killed build's and may be cut short (a truncated library that ninja
+    deems current), so they go, torch's lock file with them (torch 2.13 would wait on it forever)."""
     from torch.utils.cpp_extension import load
 
-    torch_lock = directory / "lock"
-    if lock.previous or torch_lock.exists():
-        who = f"held by {lock.previous}" if lock.previous else "torch's lock file left behind"
-        for leftover in [torch_lock, *directory.glob("*.o"), *directory.glob("*.so")]:
+    outputs = [path for path in directory.iterdir() if path.name != LOCK_FILE]
+    if lock.previous or outputs:
+        who = f"held by {lock.previous}" if lock.previous else f"its outputs left without {DONE_FILE}"
+        for leftover in [directory / "lock", directory / DONE_FILE, *directory.glob("*.o"), *directory.glob("*.so")]:
             leftover.unlink(missing_ok=True)
         warnings.warn(
             f"sage_kernels: took over from an interrupted build of the native CPU operator ({who}) in "

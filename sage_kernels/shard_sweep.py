@@ -45,9 +45,15 @@ class FusedShardSweep(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         need_bias = bias is not None and ctx.needs_input_grad[2]
         zeros = torch.zeros(hidden2d.shape[0], dtype=torch.float32, device=hidden2d.device)
-        d_lse, d_logp, d_entropy = (zeros if d is None else d.float().contiguous() for d in (d_lse, d_logp, d_entropy))
-        grads = sweep.backward(d_logp - d_lse, d_entropy, need_hidden, need_weight, need_bias)
-        grads = _add_target_term(grads, d_lse / ctx.temperature, hidden2d, weight, token_ids)
+        d_logp, d_entropy = (zeros if d is None else d.float().contiguous() for d in (d_logp, d_entropy))
+        if d_lse is None:
+            # lse unused (verl's linear_cross_entropy returns logp and H only): the target term's
+            # coefficient is identically zero, and adding it would cost an fp32 copy of each gradient
+            grads = sweep.backward(d_logp, d_entropy, need_hidden, need_weight, need_bias)
+        else:
+            d_lse = d_lse.float().contiguous()
+            grads = sweep.backward(d_logp - d_lse, d_entropy, need_hidden, need_weight, need_bias)
+            grads = _add_target_term(grads, d_lse / ctx.temperature, hidden2d, weight, token_ids)
         out = tuple(None if g is None else g.to(like.dtype) for g, like in zip(grads, (hidden2d, weight, bias)))
         return (*out, None, None, None)
 

@@ -13,6 +13,9 @@ from .rl_maths import IS_MODES, parse_rejection
 
 #: the longest file name (in bytes) the filesystems sage writes to take
 NAME_MAX = 255
+#: the longest run directory path (in bytes, absolute): the kernel's PATH_MAX (4096) less room for
+#: the longest path a run writes inside it (a DeepSpeed checkpoint's files under a staging folder)
+RUN_DIR_MAX = 4096 - 512
 #: the experiment loggers ``report_to`` may name (`sage_train.report`)
 LOGGERS = ("tensorboard", "wandb", "trackio")
 
@@ -151,6 +154,12 @@ def validate(cfg) -> None:
     for key in ("output_dir", "name"):  # a longer folder name fails in the filesystem, not here
         fits = all(len(os.fsencode(part)) <= NAME_MAX for part in Path(getattr(cfg, key)).parts)
         require(fits and "\0" not in getattr(cfg, key), key, f"a path of names of at most {NAME_MAX} bytes")
+    run_dir = os.fsencode(Path(cfg.output_dir).expanduser().absolute() / cfg.name)
+    if len(run_dir) > RUN_DIR_MAX:  # the filesystem would refuse it with ENAMETOOLONG, deep inside the run
+        raise ConfigError(
+            f"config key 'output_dir' must make, absolute and with the run's name, a path of at most "
+            f"{RUN_DIR_MAX} bytes; it makes {len(run_dir)} ({cfg.output_dir[:40]!r}...)"
+        )
     plain = cfg.name not in ("", ".", "..") and "/" not in cfg.name and "\0" not in cfg.name  # and no link out:
     inside = plain and not cfg.run_dir.is_symlink() and cfg.run_dir.parent.resolve() == cfg.run_dir.resolve().parent
     require(inside, "name", "a plain folder name inside output_dir (not '.' or '..', nor a link)")

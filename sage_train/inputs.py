@@ -107,7 +107,10 @@ def _check_what_the_model_meets(cfg: TrainConfig, model: str, sft_task, sft_prob
     (no weights: `loading.load_skeleton`): the chat template, the LoRA target modules, and the warm
     start's examples (`sft_examples` refuses a set that leaves none). Returns (the tokenizer, the
     warm start's examples: [] without a warm start)."""
-    tokenizer = tokenizer_for(model)
+    try:
+        tokenizer = tokenizer_for(model)
+    except ModelFilesError as error:
+        raise ConfigError(f"config key 'model': {error}") from None
     try:
         prompted = chat_prompted(cfg, sft_task, tokenizer)
     except ValueError as error:  # the tasks/chat.py messages name the template

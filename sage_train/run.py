@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,12 +60,13 @@ from .build import build_context
 from .config import TrainConfig
 from .context import RunContext
 from .distributed import InterruptFlag, init_distributed, on_rank0, reduce_rows, seed_everything
-from .errors import RunError
+from .errors import ConfigError, RunError
 from .eval.evaluate import evaluate_engine, mean_pass_at_k
 from .inputs import check_inputs
+from .models.files import ModelFilesError
 from .models.lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
-from .run_dir import RunLock, prepare_run_dir
+from .run_dir import RunLock, discard_previous, prepare_run_dir, put_previous_back
 from .run_files import RUN_FILES
 from .step import rl_step
 
@@ -75,8 +77,9 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict], None] | None = None) 
 
     on_step(step, row) is called on rank 0 after each logged step (tests use it to interrupt).
     Bad input raises `ConfigError` before the run directory is touched (`sage_train.inputs`); the
-    directory is locked for the run's life (`sage_train.run_dir`).
-    """
+    directory is locked for the run's life (`sage_train.run_dir`); a failure before the first step
+    has run is one `ConfigError` naming the model, and leaves a run it would replace whole
+    (`until_first_step`)."""
     run_start = time.time()
     rank, world, device = init_distributed()
     plan = check_inputs(cfg, world, device)
@@ -84,18 +87,55 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict], None] | None = None) 
         if device.type == "cpu" and cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)  # tiny models run fastest on one thread per process
         resume_from, skipped = prepare_run_dir(cfg, cfg.run_dir, rank, world)
-        seed_everything(cfg.seed + rank)
-        ctx = build_context(plan, rank, device)
-        first_step = 1 + (checkpoint.load(ctx.engine, resume_from, skipped, ctx.guide) if resume_from else 0)
-        ctx.rollout.sync_weights(ctx.engine.module.lm)  # the engine starts from the policy being trained
-        eval_before = evaluate_once(ctx, cfg.run_dir / RUN_FILES.eval_before)
-        step, finished = step_loop(ctx, first_step, on_step)
+        with until_first_step(cfg, rank) as first_step_ran:
+            seed_everything(cfg.seed + rank)
+            ctx = build_context(plan, rank, device)
+            first_step = 1 + (checkpoint.load(ctx.engine, resume_from, skipped, ctx.guide) if resume_from else 0)
+            ctx.rollout.sync_weights(ctx.engine.module.lm)  # the engine starts from the policy being trained
+            eval_before = evaluate_once(ctx, cfg.run_dir / RUN_FILES.eval_before)
+            step, finished = step_loop(ctx, first_step, on_step, first_step_ran)
         return finish(ctx, step, finished, eval_before, run_start)
 
 
-def step_loop(ctx: RunContext, first_step: int, on_step) -> tuple[int, bool]:
+@contextmanager
+def until_first_step(cfg: TrainConfig, rank: int):
+    """Until the run's first step has run (the model, tokenizer and chat template loaded and used),
+    the run an ``overwrite`` replaces is kept aside (`run_dir.move_previous_aside`). Yields the call
+    that says the first step ran, which deletes it; a failure before then puts it back whole. A model
+    refused on loading (`ModelFilesError`) is one line in any run; with ``overwrite`` any failure that is
+    not already one line (`ConfigError`, `RunError`) becomes one naming the model (the traceback of
+    another run is kept: a resume's checkpoint, say, is no fault of the model)."""
+    ran = []
+
+    def first_step_ran() -> None:
+        if not ran:
+            ran.append(True)
+            if rank == 0:
+                discard_previous(cfg.run_dir)
+
+    try:
+        yield first_step_ran
+    except BaseException as error:
+        if ran:
+            raise
+        if rank == 0:
+            put_previous_back(cfg.run_dir)
+        if isinstance(error, ModelFilesError):  # its message names the model and the file
+            raise ConfigError(f"config key 'model': {error}") from error
+        if isinstance(error, (ConfigError, RunError)) or not isinstance(error, Exception) or not cfg.overwrite:
+            raise
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(
+            f"config key 'model': the run with model {cfg.model!r} failed before its first step ended "
+            f"({type(error).__name__}: {first})"
+        ) from error
+    first_step_ran()  # a run with no step left to run
+
+
+def step_loop(ctx: RunContext, first_step: int, on_step, first_step_ran: Callable[[], None] = lambda: None):
     """RL steps from `first_step` to the end, or to a stop signal agreed over ranks; metrics rows are
-    flushed before every checkpoint. Returns (the last step done, whether the run finished)."""
+    flushed before every checkpoint; `first_step_ran` is called once the first has run. Returns (the
+    last step done, whether the run finished)."""
     cfg, rank, run_dir = ctx.cfg, ctx.rank, ctx.cfg.run_dir
     log = None
     if rank == 0:
@@ -109,6 +149,7 @@ def step_loop(ctx: RunContext, first_step: int, on_step) -> tuple[int, bool]:
         with interrupted:
             for step in range(first_step, cfg.steps + 1):
                 pending.append((step, rl_step(ctx, step)))
+                first_step_ran()
                 bar.update(1)
                 save = step % cfg.save_every == 0 or step == cfg.steps
                 if step % cfg.log_every == 0 or save or ctx.stop:  # rows are flushed before any checkpoint

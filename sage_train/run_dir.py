@@ -1,13 +1,21 @@
 """The run directory, in the order a run touches it (after `sage_train.inputs.check_inputs`, before
 anything is built): `RunLock` (one run per directory), then `prepare_run_dir` (a fresh run, a resumed
-one, or an overwritten one; a previous run's checkpoints and final model are deleted only with
-``overwrite``)."""
+one, or an overwritten one).
+
+A previous run's checkpoints and final model are deleted only with ``overwrite``, and only once the
+new run has proved it can run: `move_previous_aside` keeps the previous run whole in
+``.previous_run/`` until the new run's first step has run (`discard_previous`); any failure before
+then puts it back whole (`put_previous_back`). Every move is a rename, ordered so that a kill -9
+anywhere leaves one run whole: the next run in the directory finishes the move
+(`recover_previous_run`)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -16,11 +24,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from . import checkpoint, config_files
-from .config import TrainConfig
+from .config import FIELDS, TrainConfig, build, resolve
 from .distributed import on_rank0
 from .errors import ConfigError
 from .presets import is_scheduled
-from .run_files import FRESH_RUN_CLEARS, RUN_FILES
+from .run_files import FRESH_RUN_CLEARS, REPLACED_BY_OVERWRITE, RUN_FILES
 from .safe_files import make_dir, open_lock, own_copy, refused, remove
 
 RESUME_MAY_CHANGE = (
@@ -148,7 +156,10 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
     A resume with other ``steps`` extends the run (`RESUME_MAY_EXTEND`): the end it had (its
     summary.json, eval_after.json) is no longer its end and is removed.
     Without: a directory holding any of a previous run's outputs (`FRESH_RUN_CLEARS`) is refused
-    unless ``overwrite``, which clears them (links among them removed, never followed)."""
+    unless ``overwrite``, which moves them aside (`move_previous_aside`; links among them moved, never
+    followed). First of all, what a run killed while replacing another left is put right
+    (`recover_previous_run`)."""
+    on_rank0(rank, lambda: recover_previous_run(run_dir), ConfigError)  # what a killed --overwrite run left
     usable, skipped = checkpoint.find(run_dir, world)
     damaged = [s for s in skipped if s.startswith(checkpoint.TAG_PREFIX)]  # not a save that never finished
     ended = []  # a previous end of the run, when this resume moves it
@@ -189,9 +200,13 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
             )
     if rank == 0:
         if not cfg.resume:
-            ended = [run_dir / name for name in FRESH_RUN_CLEARS if os.path.lexists(run_dir / name)]
-            if ended and cfg.overwrite:
-                print(f"sage-train: --overwrite: starting {run_dir} afresh", flush=True)
+            if cfg.overwrite and move_previous_aside(run_dir):
+                print(
+                    f"sage-train: --overwrite: starting {run_dir} afresh (the previous run is kept in "
+                    f"{RUN_FILES.previous_run}/ until this one's first step has run)",
+                    flush=True,
+                )
+            ended = [run_dir / name for name in FRESH_RUN_CLEARS if os.path.lexists(run_dir / name)]  # empty ones
         for path in ended:
             remove(path)
         make_dir(run_dir)
@@ -200,23 +215,118 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
     return (usable, skipped) if cfg.resume else ([], [])
 
 
+#: tests set it to a phase of `_kill_point` to kill -9 the run there
+KILL_AT_ENV = "SAGE_TRAIN_TEST_KILL_AT"
+
+
+def _kill_point(phase: str) -> None:
+    """Where a test kills the run with SIGKILL (`KILL_AT_ENV` = `phase`), to check that a kill at any
+    point of replacing a run leaves one run whole."""
+    if os.environ.get(KILL_AT_ENV) == phase:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def move_previous_aside(run_dir: Path) -> bool:
+    """``overwrite``'s first move (rank 0): the previous run's entries (`REPLACED_BY_OVERWRITE`) renamed
+    into ``.previous_run.moving/``, which is then renamed to ``.previous_run/``: until that one rename
+    the run directory holds nothing of the new run, and a kill leaves ``.moving``, whose entries
+    `recover_previous_run` renames back. Returns whether there was anything to move."""
+    names = [name for name in REPLACED_BY_OVERWRITE if os.path.lexists(run_dir / name)]
+    if not names:
+        return False
+    moving = make_dir(run_dir / RUN_FILES.moving)
+    for name in names:
+        os.rename(run_dir / name, moving / name)  # a link is moved, never followed
+        _kill_point("moving_aside")
+    os.rename(moving, run_dir / RUN_FILES.previous_run)
+    _kill_point("aside")
+    return True
+
+
+def put_previous_back(run_dir: Path) -> bool:
+    """The run `move_previous_aside` kept, back whole (rank 0): the new run's entries deleted, then
+    ``.previous_run/`` renamed to ``.previous_run.moving/`` and its entries renamed back (a kill
+    while deleting leaves ``.previous_run``, one while renaming back ``.moving``: `recover_previous_run`
+    finishes either). Returns whether there was one."""
+    previous = _aside(run_dir, RUN_FILES.previous_run)
+    if previous is None:
+        return False
+    for name in REPLACED_BY_OVERWRITE:
+        remove(run_dir / name)
+    os.rename(previous, run_dir / RUN_FILES.moving)
+    _kill_point("putting_back")
+    _move_back(run_dir)
+    return True
+
+
+def discard_previous(run_dir: Path) -> None:
+    """The run `move_previous_aside` kept, deleted once the new run has run its first step (rank 0):
+    renamed to ``.previous_run.discarded/`` first, so that a kill while deleting it leaves a name that
+    `recover_previous_run` deletes, not one it puts back."""
+    previous = _aside(run_dir, RUN_FILES.previous_run)
+    if previous is None:
+        return
+    _kill_point("first_step")
+    discarded = run_dir / RUN_FILES.discarded
+    os.rename(previous, discarded)
+    _kill_point("discarding")
+    remove(discarded, quiet=True)  # what a read-only file left is deleted by the next run here
+
+
+def recover_previous_run(run_dir: Path) -> None:
+    """What a run killed while replacing a previous one left, put right before anything else (rank 0,
+    under the run's lock): ``.discarded`` (killed after its first step) is deleted; ``.moving`` (killed
+    while moving the previous run aside or back) and ``.previous_run`` (killed before its first step)
+    are put back whole, the killed run's entries deleted."""
+    discarded = _aside(run_dir, RUN_FILES.discarded)
+    if discarded is not None:
+        remove(discarded)
+    if _aside(run_dir, RUN_FILES.moving) is not None:
+        _move_back(run_dir)
+    elif not put_previous_back(run_dir):
+        return
+    print(
+        f"sage-train: {run_dir}: a run with --overwrite was stopped before its first step ended; the run "
+        f"it was replacing is put back",
+        flush=True,
+    )
+
+
+def _aside(run_dir: Path, name: str) -> Path | None:
+    """``run_dir / name`` when it is a folder; None when absent; `RunDirError` when a link (never followed)."""
+    path = run_dir / name
+    if path.is_symlink():
+        raise refused(path, OSError(errno.ELOOP, "a link"))
+    return path if path.is_dir() else None
+
+
+def _move_back(run_dir: Path) -> None:
+    moving = run_dir / RUN_FILES.moving
+    for name in sorted(os.listdir(moving)):
+        os.rename(moving / name, run_dir / name)
+    os.rmdir(moving)
+
+
 def _has_content(path: Path) -> bool:
     return path.is_symlink() or path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
 def _check_unchanged(cfg: TrainConfig, saved_path: Path, done: int) -> int:
     """The resumed config must equal the checkpoint's but for `RESUME_MAY_CHANGE` (keys the saved
-    file has and this version no longer knows are ignored) and `RESUME_MAY_EXTEND` (``steps``, not
+    file has and this version no longer knows are ignored; a key it lacks, added since, is compared
+    with the value the run had: its default, `_defaults_of`) and `RESUME_MAY_EXTEND` (``steps``, not
     below `done`, the checkpoint's step). Returns the saved ``steps``."""
     saved = config_files.read(saved_path) or {}
     if not isinstance(saved, dict):
         raise ConfigError(f"resume: {saved_path} is not a run config (a mapping of config keys)")
     exempt = RESUME_MAY_CHANGE + RESUME_MAY_EXTEND
-    changed = sorted(k for k, v in cfg.to_dict().items() if k in saved and saved[k] != v and k not in exempt)
+    values = cfg.to_dict()
+    had = {**_defaults_of(saved, [k for k in values if k not in saved and k not in exempt]), **saved}
+    changed = sorted(k for k, v in values.items() if had[k] != v and k not in exempt)
     if changed:
         raise ConfigError(
             f"resume: config key(s) {changed} differ from the run's saved config "
-            f"({', '.join(f'{k}: {saved.get(k)!r} -> {getattr(cfg, k)!r}' for k in changed)})"
+            f"({', '.join(_change(k, had[k], getattr(cfg, k), k in saved) for k in changed)})"
         )
     if cfg.steps < done:
         raise ConfigError(
@@ -224,6 +334,23 @@ def _check_unchanged(cfg: TrainConfig, saved_path: Path, done: int) -> int:
             f"where it continues; set steps >= {done}"
         )
     return saved.get("steps", cfg.steps)
+
+
+def _defaults_of(saved: dict, keys: list[str]) -> dict:
+    """The values `keys`, absent from a saved run config (added since), had in that run: their
+    defaults, resolved with the saved keys as this version resolves a config (an algorithm preset
+    fills its loss options); the dataclass defaults where the saved keys no longer make a valid config."""
+    if not keys:
+        return {}
+    try:
+        made = resolve(build({k: v for k, v in saved.items() if k in FIELDS}))
+    except (ConfigError, TypeError, ValueError):
+        made = TrainConfig()
+    return {key: getattr(made, key) for key in keys}
+
+
+def _change(key: str, had, value, saved: bool) -> str:
+    return f"{key}: {had!r}{'' if saved else ' (absent: its default)'} -> {value!r}"
 
 
 def _extension_note(cfg: TrainConfig, saved_steps: int, done: int) -> str:

@@ -44,6 +44,13 @@ class RunFiles:
     study_env: str = field(default="study_env.json", metadata={"output": None})
     #: the openai engine's adapters when ``openai_shared_dir`` is unset (shared with its server)
     adapters: str = field(default="adapters", metadata={"output": None})
+    #: the run an ``overwrite`` replaces, kept whole until the new run has run its first step
+    #: (`run_dir.move_previous_aside`); then renamed to `discarded` and deleted
+    previous_run: str = field(default=".previous_run", metadata={"output": None})
+    #: a previous run's entries on their way into `previous_run` or back out of it: they all belong in
+    #: the run directory, which then holds nothing of the new run (`run_dir.recover_previous_run`)
+    moving: str = field(default=".previous_run.moving", metadata={"output": None})
+    discarded: str = field(default=".previous_run.discarded", metadata={"output": None})
 
 
 RUN_FILES = RunFiles()
@@ -52,3 +59,5 @@ RUN_FILES = RunFiles()
 FRESH_RUN_CLEARS = tuple(getattr(RUN_FILES, f.name) for f in fields(RunFiles) if f.metadata["output"])
 #: every entry of a run directory a run writes or reads (none may be a link: `safe_files`)
 RUN_ENTRIES = tuple(getattr(RUN_FILES, f.name) for f in fields(RunFiles) if f.metadata["output"] is not None)
+#: what ``overwrite`` moves aside: every entry of a run directory a run writes, but its lock
+REPLACED_BY_OVERWRITE = FRESH_RUN_CLEARS + (RUN_FILES.config, RUN_FILES.rollout_init)

@@ -243,6 +243,8 @@ def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp,
     cfg = ctx.cfg
     loss_cfg, row_share = step_loss_config(ctx, batch)
     micro_batches, totals = step_micro_batches(ctx, batch), LossTotals()
+    # each token's advantage on the step's grid, so a packed micro-batch takes its tokens' (`add_pressure`)
+    token_advantages = advantages[:, None].expand(batch.completion_mask.shape) if advantages.dim() == 1 else advantages
     for _ in range(cfg.num_iterations):
         step_loss, why = 0.0, None
         for index, micro in enumerate(micro_batches):
@@ -266,6 +268,7 @@ def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp,
             with skipped_update(ctx.engine, why is not None):
                 ctx.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
             totals.add(loss, out, loss_inputs["mask"])
+            totals.add_pressure(out, {**loss_inputs, "advantages": micro.tokens(token_advantages)}, loss_cfg)
         if not ctx.engine.was_step_applied():
             totals.skipped.append(why or "non-finite gradient (DeepSpeed's overflow check)")
         if ctx.guide is not None:
@@ -405,6 +408,7 @@ class LossTotals:
         self.extremes = dict.fromkeys(EXTREME_METRICS)  # None until a micro-batch
         self.skipped: list[str] = []  # why each skipped optimizer step was skipped
         self.q_above_one = 0.0
+        self.pull = None  # {"task", "anchor", "guide"}: summed |coefficients| (`add_pressure`); None without KL
 
     def add(self, loss: torch.Tensor, out, mask: torch.Tensor) -> None:
         tokens = mask.sum().float()
@@ -419,6 +423,32 @@ class LossTotals:
             keep = torch.fmin if reduction == "min" else torch.fmax  # fmin/fmax skip NaN
             self.extremes[name] = value if seen is None else keep(seen, value)
 
+    def add_pressure(self, out, inputs: dict, config) -> None:
+        """Sums over the micro-batch's tokens of each part of the loss's coefficient on log pi(token)
+        (its gradient with respect to it), in absolute value: the task's |A| ratio, the anchor's
+        beta |dKL/dlog pi| of the KL to q pi_ref (`config.kl`'s estimator; k3's is beta (1 - q
+        pi_ref / pi)), and the guide's part of that, beta |dKL/dlog pi at q - at q = 1|. Their
+        ratios (`metrics`) say how hard the anchor, and the guide within it, pulls against the task.
+        Nothing without a KL in the loss (beta 0, or the KL in the reward)."""
+        if config.beta == 0 or inputs["ref_logp"] is None:
+            return
+        from sage_kernels.reference import kl_estimate
+
+        mask = inputs["mask"]  # [rows, L] padded, [N] packed: every per-token value is read in its shape
+        advantages = inputs["advantages"].float()
+        advantages = (advantages[:, None] if advantages.dim() < mask.dim() else advantages).expand(mask.shape)
+        to_ref = inputs["ref_logp"].float().reshape(mask.shape) - out.logp.float().reshape(mask.shape)
+        with torch.enable_grad():  # log pi_ref / pi with and without the guide's log q
+            deltas = torch.stack([to_ref + out.q.float().reshape(mask.shape).log(), to_ref]).requires_grad_()
+            (slopes,) = torch.autograd.grad(kl_estimate(deltas, config.kl).sum(), deltas)
+        parts = {
+            "task": advantages * out.ratio.float().reshape(mask.shape),
+            "anchor": config.beta * slopes[0],  # d/dlog pi = -d/ddelta; the sign drops under |.|
+            "guide": config.beta * (slopes[0] - slopes[1]),
+        }
+        sums = {name: torch.where(mask, part.abs(), 0.0).sum() for name, part in parts.items()}
+        self.pull = sums if self.pull is None else {name: self.pull[name] + sums[name] for name in sums}
+
     def metrics(self, iterations: int) -> dict:
         """The step's metrics; the token means are NaN (no value, which the report leaves out) when
         the step had no completion token."""
@@ -432,4 +462,15 @@ class LossTotals:
             **self.extremes,
             STEP_METRICS.skipped_steps: float(len(self.skipped)),
             STEP_METRICS.q_above_one: torch.where(tokens > 0, self.q_above_one / tokens.clamp(min=1.0), torch.nan),
+            **self._pressure(),
+        }
+
+    def _pressure(self) -> dict:
+        """The anchor's and the guide's pull over the task's (NaN when no token had an advantage)."""
+        if self.pull is None:
+            return {}
+        task = self.pull["task"]
+        return {
+            name: torch.where(task > 0, self.pull[part] / task.clamp(min=1e-30), torch.nan)
+            for name, part in ((STEP_METRICS.anchor_pressure, "anchor"), (STEP_METRICS.guide_pressure, "guide"))
         }

@@ -225,7 +225,8 @@ def top_level_names(path: Path) -> set[str]:
 def unresolved_reference(ref: str, modules: dict[str, set[str]], defined: set[str]) -> bool:
     """Whether `ref` names a module of ours, or a name through a module, that is not there: a full
     path (``sage_train.x.y``) whose module is missing or lacks ``y``; ``x.Name`` (a class or table)
-    or ``x.function`` (the name of one of our functions) whose ``x`` is no module of ours holding it."""
+    that no module ``x`` of ours holds; ``x.function`` (the name of one of our functions) where no
+    module of ours is named ``x`` (a module of ours may also name a value: `LossConfig` ``config.kl``)."""
     parts = ref.split(".")
     if parts[0] in ("sage_train", "sage_kernels"):
         for end in range(len(parts), 0, -1):
@@ -239,7 +240,9 @@ def unresolved_reference(ref: str, modules: dict[str, set[str]], defined: set[st
     holders = [name for name in modules if name.rpartition(".")[2] == first]
     if any(second in modules[name] or f"{name}.{second}" in modules for name in holders):
         return False
-    return first not in PEERS and importlib.util.find_spec(first) is None
+    if first in PEERS or importlib.util.find_spec(first) is not None:
+        return False
+    return not holders or second[0].isupper()
 
 
 def test_docstrings_name_modules_that_exist():

@@ -121,6 +121,38 @@ def test_the_trl_extra_is_the_range_the_trainer_checks():
     assert f"trl>={TRL_SUPPORTED[0]},<{TRL_SUPPORTED[1]}" in extras["dev"]
 
 
+def _inside(ours, theirs) -> bool:
+    """Whether every version the specifier set `ours` allows, `theirs` allows, probed at both sets' bounds,
+    just past each (a post-release, a fourth part) and far out (0, 9999)."""
+    bounds = [spec.version for spec in [*ours, *theirs]]
+    probes = ["0", "9999", *bounds, *(f"{b}.post1" for b in bounds), *(f"{b}.0.1" for b in bounds)]
+    return all(theirs.contains(v, prereleases=True) for v in probes if ours.contains(v, prereleases=True))
+
+
+def test_the_extras_ranges_sit_inside_trls_own():
+    """Where TRL 1.16 (core or any extra) and one of ours name a package, ours is inside TRL's range:
+    `vllm>=0.10.2,<0.34` let pip pick a vllm TRL refuses, `deepspeed>=0.15` one below TRL's floor."""
+    from importlib.metadata import requires, version
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    pytest.importorskip("trl")
+    assert version("trl").startswith("1.16.")
+    theirs: dict = {}
+    for line in requires("trl"):
+        requirement = Requirement(line)
+        theirs[requirement.name.lower()] = theirs.get(requirement.name.lower(), SpecifierSet()) & requirement.specifier
+    project = _pyproject()["project"]
+    groups = [project["dependencies"], *project["optional-dependencies"].values()]
+    ours = [Requirement(line) for group in groups for line in group]
+    shared = [(r, theirs[r.name.lower()]) for r in ours if len(theirs.get(r.name.lower(), ""))]
+    assert [str(r) for r, bounds in shared if not _inside(r.specifier, bounds)] == []
+    assert {"vllm", "deepspeed", "transformers", "datasets", "liger-kernel", "numpy"} <= {r.name for r, _ in shared}
+    assert not _inside(SpecifierSet(">=0.10.2,<0.34"), theirs["vllm"])  # the ranges of issue 47 were outside
+    assert not _inside(SpecifierSet(">=0.15"), theirs["deepspeed"])
+
+
 def test_the_console_scripts_go_through_the_extra_check():
     """The trainer's commands are `sage_train.entry`'s; the benchmarks' own is in the benchmarks
     (`sage_bench.cli.main`, which goes through `entry.run_command`)."""

@@ -31,3 +31,17 @@ def test_readme_packed_example_runs():
     # rows outside the mask (the prompts) get no gradient; completion rows do
     mask = scope["mask"]
     assert bool((scope["hidden"].grad[~mask] == 0).all()) and bool((scope["hidden"].grad[mask] != 0).any())
+
+
+def test_readme_pip_route_installs_the_makefiles_torch_from_the_checkout():
+    """scripts/pip_route.sh (make pip-route, run by .ci/run) runs these blocks as pasted; here, that they
+    exist and install the torch the Makefile installs, first, then this checkout."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    torch_pin = re.search(r"^TORCH\s*\?=\s*(\S+)$", (root / "Makefile").read_text(), re.M).group(1)
+    for name, install in (("pip-route", "pip install ."), ("pip-route-wheel", "pip install dist/sage_rl-*.whl")):
+        block = re.search(rf"<!-- {name} -->\n```bash\n(.*?)```\n<!-- /{name} -->", readme, re.S)
+        assert block, name
+        commands = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+        assert f"pip install {torch_pin}" in commands and install in commands, commands
+        assert commands.index(f"pip install {torch_pin}") < commands.index(install)

@@ -1,7 +1,7 @@
 """The token-local fast path: three matmuls in all (6 N D V FLOP), the logits never [N, V].
 
 When dloss/dlogp_t and dloss/dH_t depend only on token t's own logp and H (token-level
-ratios, the token-sum or per-sequence-mean loss types, no entropy quantile), a token's
+ratios, a loss type without a sequence weight, no entropy quantile or off-policy mask), a token's
 gradient is known as soon as its row of logits is, so the logits need not be recomputed
 in a backward sweep (the two-pass path's fourth matmul). The valid tokens (compacted,
 valid first) are walked in chunks of T rows; per chunk:
@@ -14,8 +14,10 @@ valid first) are walked in chunks of T rows; per chunk:
    and its g, c of this chunk's tokens are exact because they are local);
 4. Triton, one program per token: d(logits) from g, c and the row, written over the row in
    place in the input dtype (`_dlogits_in_place_kernel`);
-5. cuBLAS: grad_h[chunk] = dz W (one GEMM with K = V, fp32 out), grad_W += dz^T h_chunk
-   (accumulated inside the GEMM, beta = 1), grad_b += column sums of dz (fp32).
+5. cuBLAS: grad_h[chunk] = dz W (K = V, fp32 out; where its [T, D] output tiles are too few for
+   the SMs, a batched product over 4-8 vocabulary slices into fp32 partials, then their sum:
+   `gemm.sliced_mm_f32`), grad_W += dz^T h_chunk (accumulated inside the GEMM, beta = 1),
+   grad_b += column sums of dz (fp32).
 
 The gradients are formed in the forward, as the CPU backend and Liger-Kernel's chunked
 losses do; the backward scales them by the upstream gradient in place. Masked tokens are
@@ -54,12 +56,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..loss_types import LOSS_TYPES, LossType, per_token_grad_is_local
+from ..loss_types import per_token_grad_is_local
 from ..packing import layout_of
 from ..spec import LossConfig
 from . import token_stage
 from .boundary import GradsWanted, LossTensors, RowOrder
-from .gemm import addmm_f32_, mm_f32, on_device
+from .gemm import addmm_f32_, mm_f32, on_device, sliced_mm_f32, vocab_slices
 from .stage_timing import stage
 from .sweep_fwd import NEG_START, head_logits
 from .tiles import new_buffer, tiles_for
@@ -80,16 +82,11 @@ _DZ_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}
 
 
 def exact_for(config: LossConfig) -> bool:
-    """True when the three-matmul path is exact for `config`: a per-token gradient that is local
-    (`loss_types.per_token_grad_is_local`) of a loss type this path is shown exact for."""
-    return per_token_grad_is_local(config) and _kernels_support(LOSS_TYPES[config.loss_type])
-
-
-def _kernels_support(kind: LossType) -> bool:
-    """The loss types this path is shown exact for (new ones join once shown): the clipped
-    surrogate, averaged per row or summed over tokens with a normaliser that depends on the mask
-    alone. luspo stays out: its luspo_include_padding form needs the padded rows this path skips."""
-    return kind.clipped and kind.aggregation != "sequence_sum"
+    """True when the three-matmul path is exact for `config`: every configuration whose per-token
+    gradient is local (`loss_types.per_token_grad_is_local`: a token's g and c are final once its own
+    row of logits is), whatever the loss type, except luspo_include_padding, whose padded rows enter
+    the loss while this path covers only the valid ones."""
+    return per_token_grad_is_local(config) and not config.luspo_include_padding
 
 
 @triton.heuristics({"HAS_BIAS": lambda args: args["bias_ptr"] is not None})
@@ -291,6 +288,9 @@ def _fused_loss(tensors: LossTensors, config: LossConfig, order: RowOrder, wante
     grad_h_chunk = None  # fp32 [T, D]: the GEMM's output before the cast or the scatter to masked order
     if need_hidden and rows_to_do and not (dtype == torch.float32 and rows_are_identity):
         grad_h_chunk = new_buffer((min(step, rows_to_do), D), torch.float32, device)
+    # d(hidden) over vocabulary slices where its [T, D] output tiles alone would not fill the SMs
+    slices = (tiles.dh_slices or vocab_slices(device, dtype, min(step, rows_to_do), D, V)) if need_hidden else 1
+    partial_space = new_buffer((slices * min(step, rows_to_do) * D,), torch.float32, device) if slices > 1 else None
     per_token = None
     logits = config.logit_map
     weight_t = weight.t()
@@ -348,12 +348,13 @@ def _fused_loss(tensors: LossTensors, config: LossConfig, order: RowOrder, wante
         dz = z.view(dtype)[:, :V]  # row stride 4V / itemsize elements: the fp32 row's bytes
         if need_hidden:
             with stage("grad_hidden GEMM"):
+                partials = None if partial_space is None else partial_space[: slices * t * D].view(slices, t, D)
                 if grad_h_chunk is None:  # fp32, nothing masked: straight into the gradient
-                    mm_f32(dz, weight, out=grad_hidden[begin : begin + t])
+                    sliced_mm_f32(dz, weight, grad_hidden[begin : begin + t], partials)
                 elif rows_are_identity:
-                    grad_hidden[begin : begin + t].copy_(mm_f32(dz, weight, out=grad_h_chunk[:t]))
+                    grad_hidden[begin : begin + t].copy_(sliced_mm_f32(dz, weight, grad_h_chunk[:t], partials))
                 else:
-                    block = mm_f32(dz, weight, out=grad_h_chunk[:t])
+                    block = sliced_mm_f32(dz, weight, grad_h_chunk[:t], partials)
                     grad_hidden.index_copy_(0, rows[begin : begin + t], block.to(dtype))
         if need_weight:
             with stage("grad_weight GEMM"):

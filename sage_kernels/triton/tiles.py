@@ -59,6 +59,9 @@ class SweepTiles:
     #: pass's vocab block (one program walks one token's row).
     chunk_n: int = 0
     row_block_v: int = 1024
+    #: three-matmul path: vocabulary slices of the d(hidden) product (0: from the SM count and the
+    #: shape, `gemm.vocab_slices`; 1: one product).
+    dh_slices: int = 0
     #: backward sweep: token blocks that sweep a chunk's vocab tiles together (launch order; see
     #: sweep_bwd.py). 16 blocks of 128 rows at D 3584 bf16 are 15 MB of hidden rows, which a wave
     #: of programs (one per SM) keeps in L2 with the ~8 weight tiles it reads.

@@ -296,6 +296,14 @@ def load_folder(path: str):
     return load_weights(path, tokenizer), tokenizer
 
 
+def _named(key) -> str:
+    """A load report's entry as a refusal names it: the key, and for a mismatch both shapes."""
+    if isinstance(key, tuple):
+        name, found, expected = (list(key) + [None, None])[:3]
+        return f"{name} (the file's {tuple(found or ())}, the config's {tuple(expected or ())})"
+    return str(key)
+
+
 def pretrained_tokenizer(path: str):
     """The tokenizer of a hub name or an HF-format directory, with left padding and a pad token,
     for batched generation."""
@@ -308,24 +316,59 @@ def pretrained_tokenizer(path: str):
     return tokenizer
 
 
+#: how many of a load report's keys a refusal names
+KEYS_NAMED = 4
+
+
 def load_weights(path: str, tokenizer):
     """The causal LM of a hub name or an HF-format directory, float32 (DeepSpeed casts it to bf16
-    on GPU), its generation padded with `tokenizer`'s pad token."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+    on GPU), its generation padded with `tokenizer`'s pad token. `ModelFilesError` in one line for
+    weights that would not be the folder's: a weight the model needs that the files lack (transformers
+    would start it from random values; a tied weight its config declares is not missing), a weight
+    the model does not have, or a weight that is not finite."""
+    model, report = AutoModelForCausalLM.from_pretrained(  # mismatches reported (and refused below), not raised
+        path, dtype=torch.float32, trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True
+    )
+    problems = {
+        "missing_keys": "lacks weight(s) the model needs",
+        "unexpected_keys": "holds weight(s) the model does not have",
+        "mismatched_keys": "holds weight(s) of another shape than its config.json gives",
+    }
+    for kind, what in problems.items():
+        # a mismatch is (key, the file's shape, the model's): transformers would start it from random values
+        keys = sorted(_named(key) for key in report.get(kind) or ())
+        if keys:
+            more = f" and {len(keys) - KEYS_NAMED} more" if len(keys) > KEYS_NAMED else ""
+            raise ModelFilesError(f"model {path!r}: its weight files {what}: {', '.join(keys[:KEYS_NAMED])}{more}")
+    with torch.no_grad():
+        bad = next((name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+    if bad is not None:
+        raise ModelFilesError(f"model {path!r}: weight {bad} holds NaN or infinite values")
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
+#: a text every tokenizer encodes to some tokens
+VOCABULARY_PROBE = "1 + 2 = 3"
+
+
 def load_tokenizer(path: str):
     """The tokenizer of a model directory or hub name, its folder's own code never run
     (``trust_remote_code=False``: a model folder is data); `ModelFilesError` in one line when it
-    cannot be loaded (a damaged tokenizer file, custom code it would need)."""
+    cannot be loaded (a damaged tokenizer file, custom code it would need) or has no vocabulary."""
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - tokenizers, transformers and the hub raise many kinds
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ModelFilesError(f"model {path!r}: its tokenizer cannot be loaded ({first})") from None
+    # a folder without tokenizer files still loads, as a tokenizer with no vocabulary
+    if not tokenizer(VOCABULARY_PROBE, add_special_tokens=False)["input_ids"]:
+        raise ModelFilesError(
+            f"model {path!r}: its tokenizer has no vocabulary (it encodes {VOCABULARY_PROBE!r} to no tokens): "
+            f"are its tokenizer files (tokenizer.json, tokenizer_config.json, ...) missing?"
+        )
+    return tokenizer
 
 
 def decoder_of(model) -> torch.nn.Module:

@@ -16,7 +16,18 @@ from ..errors import ConfigError
 from ..run_files import RUN_FILES
 
 START = "start"  # the arm name of the starting point (the warm-started model, no RL)
-STUDY_KEYS = ("algorithms", "seeds", "baseline", "eval_n", "eval_problems", "train_config", "train", "endpoints")
+STUDY_KEYS = (
+    "algorithms",
+    "seeds",
+    "baseline",
+    "eval_n",
+    "eval_problems",
+    "train_config",
+    "train",
+    "endpoints",
+    "reuse",
+    "frontier_k",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +52,12 @@ class Study:
     jobs: int = 1
     # pre-registered paired differences, [{"arm", "versus", "k": [...]}], reported first
     endpoints: list = dataclasses.field(default_factory=list)
+    # arms whose counts come from a committed study.json of the same setting and seeds rather than
+    # from runs: {"study": path, "arms": [names]} (`reused_counts`); the seeds' starts still run, as
+    # the new arms start from them, and their fresh counts are checked against the stored ones
+    reuse: dict = dataclasses.field(default_factory=dict)
+    frontier_k: int | None = None  # the frontier view's pass@k against pass@1 (None: eval_n)
+    store: Path | None = None  # where each finished run's counts are also written (`grid.store_counts`)
 
     def run_dir(self, arm: str, seed: int) -> Path:
         return self.out / "runs" / f"{arm}-s{seed}"
@@ -93,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-problems", type=decimal_int, default=None, help="held-out problems (default 64)")
     p.add_argument("--jobs", type=decimal_int, default=1, help="runs at once, each its own process")
     p.add_argument("--out", default=None, help="the study directory (required)")
+    p.add_argument("--store", default=None, help="also write each finished run's counts here ({run}.json)")
     p.add_argument("--report-only", action="store_true", help="write the report from the runs finished so far")
+    p.add_argument("--frontier", default=None, help="a stored study (study.json or its folder): its frontier only")
     p.add_argument("--toy", action="store_true", help="the closed-form toy study instead (sage_train.study.toy)")
     return p
 
@@ -133,6 +152,9 @@ def parse_study(argv: list) -> Study:
         out=Path(args.out),
         jobs=args.jobs,
         endpoints=values.get("endpoints") or [],
+        reuse=values.get("reuse") or {},
+        frontier_k=values.get("frontier_k"),
+        store=Path(args.store) if args.store else None,
     )
     check_study(study)
     return study
@@ -178,7 +200,12 @@ def check_study(study: Study) -> None:
         value = getattr(study, key)
         if not isinstance(value, int) or value < 1:
             raise StudyError(f"{key.replace('_', '-')} must be an integer >= 1, got {value!r}")
-    if study.baseline not in [arm.name for arm in study.arms] + [START]:
+    if study.frontier_k is not None and (
+        type(study.frontier_k) is not int or not 1 <= study.frontier_k <= study.eval_n
+    ):
+        raise StudyError(f"frontier_k must be an integer in 1..eval_n={study.eval_n}, got {study.frontier_k!r}")
+    check_reuse(study)
+    if study.baseline not in [arm.name for arm in study.arms] + [START] + reused_arms(study):
         raise StudyError(f"baseline {study.baseline!r} is not one of the algorithms {[a.name for a in study.arms]}")
     check_endpoints(study)
     for arm in [None, *study.arms]:
@@ -188,8 +215,44 @@ def check_study(study: Study) -> None:
             raise StudyError(f"{arm.name if arm else 'the starting-point run'}: {error}") from None
 
 
+def reused_arms(study: Study) -> list:
+    """The names of the arms whose counts the study reuses (`Study.reuse`), in the study file's order."""
+    return list(study.reuse.get("arms", []))
+
+
+def reused_study(study: Study) -> dict:
+    """The committed study.json that `Study.reuse` names (a path from the working directory)."""
+    path = Path(study.reuse["study"])
+    if not path.is_file():
+        raise StudyError(f"reuse: study {str(path)!r} is not a file (paths are from the working directory)")
+    return json.loads(path.read_text())
+
+
+def check_reuse(study: Study) -> None:
+    """A reused arm comes from a study of the same setting (train block, evaluation size) that
+    holds every seed of this one, and its name is not also an arm to run."""
+    if not study.reuse:
+        return
+    if not isinstance(study.reuse, dict) or set(study.reuse) != {"study", "arms"}:
+        raise StudyError(f"reuse: expected {{study: path, arms: [names]}}, got {study.reuse!r}")
+    stored, arms = reused_study(study), reused_arms(study)
+    if not isinstance(arms, list) or not arms or len(set(arms)) < len(arms):
+        raise StudyError(f"reuse: arms must be a list of distinct names, got {arms!r}")
+    clash = sorted(set(arms) & {arm.name for arm in study.arms})
+    if clash:
+        raise StudyError(f"reuse: arms {clash} are also algorithms to run")
+    setting = stored["study"]
+    for key in ("eval_n", "eval_problems", "train", "train_config"):
+        if setting[key] != getattr(study, key):
+            raise StudyError(f"reuse: the stored study's {key} differs from this study's: {setting[key]!r}")
+    for arm in arms:
+        missing = sorted(set(map(str, study.seeds)) - set(stored["counts"].get(arm, {})))
+        if missing:
+            raise StudyError(f"reuse: arm {arm!r} has no stored counts for seeds {missing}")
+
+
 def check_endpoints(study: Study) -> None:
-    names = [START, *(arm.name for arm in study.arms)]
+    names = [START, *(arm.name for arm in study.arms), *reused_arms(study)]
     for entry in study.endpoints:
         if not isinstance(entry, dict) or not {"arm", "versus", "k"} <= set(entry) <= {"arm", "versus", "k", "primary"}:
             raise StudyError(f"endpoints: expected {{arm, versus, k: [...], primary: true (optional)}}, got {entry!r}")

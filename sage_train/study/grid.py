@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -228,6 +229,31 @@ def eval_done(out: Path, study: Study) -> bool:
     return config["n"] == study.eval_n and config["limit"] == study.eval_problems
 
 
+def store_counts(study: Study, arm: str, seed: int) -> None:
+    """{store}/{arm}-s{seed}.json: the run's per-problem correct counts as study.json stores them
+    (with the problem ids, the run's metrics file's last row and its environment), written as each
+    run finishes so a study's counts are kept (e.g. committed) while it is still running."""
+    from ..checkpoint import write_atomically
+    from ..report import read_metrics
+    from .report import collect_counts
+
+    single = dataclasses.replace(study, seeds=[seed])
+    problems, counts = collect_counts(single, [arm])
+    run_dir = study.run_dir(arm, seed)
+    metrics = read_metrics(run_dir / RUN_FILES.metrics) if (run_dir / RUN_FILES.metrics).is_file() else []
+    env = run_dir / RUN_FILES.study_env
+    record = {
+        "arm": arm,
+        "seed": seed,
+        **counts[arm][str(seed)],
+        "problems": problems,
+        "last_metrics": metrics[-1] if metrics else None,
+        "environment": json.loads(env.read_text()) if env.is_file() else None,
+    }
+    make_dir(study.store)
+    write_atomically(study.store / f"{arm}-s{seed}.json", json.dumps(record) + "\n")
+
+
 def run_grid(study: Study, state: dict, log=print) -> dict:
     """Every start, then every (arm, seed) once its start is done, in `study.jobs` worker processes
     (each imports torch once); returns {run name: status}."""
@@ -253,6 +279,8 @@ def run_grid(study: Study, state: dict, log=print) -> dict:
                 except (Exception, KeyboardInterrupt) as error:  # a task unwound by the stop signal, or a crash
                     statuses[name] = f"{'stopped' if state['stopping'] else 'failed'}: {type(error).__name__}"
                 log(f"sage-study: [{len(statuses)}/{total}] {name}: {statuses[name]} ({time.time() - started:.0f} s)")
+                if study.store is not None and statuses[name].startswith("ok"):
+                    store_counts(study, arm.name if arm else START, seed)
                 if arm is None and statuses[name].startswith("ok") and not state["stopping"]:
                     for each in study.arms:
                         pending[pool.submit(run_task, study, each, seed)] = (each, seed)
@@ -264,6 +292,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--toy" in argv:
         return toy_main(argv)
+    if any(arg.split("=")[0] == "--frontier" for arg in argv):
+        from .frontier import main as frontier_main
+
+        return frontier_main(argv)
     study = parse_study(argv)
     with _one_study_at_a_time(study.out):
         return run_study(study, argv)

@@ -26,7 +26,9 @@ from ..environment import LIBRARIES, package_commit
 from ..report import read_metrics
 from ..run_files import RUN_FILES
 from ..safe_files import save_figure, write_file
-from .design import START
+from ..step_metrics import STEP_METRICS
+from . import frontier
+from .design import START, reused_arms, reused_study
 from .endpoints import (
     GUIDE_COLUMNS,
     SHOWN_CURVES,
@@ -38,7 +40,13 @@ from .endpoints import (
 )
 from .intervals import crossed_interval, t_interval
 
-CURVE_METRICS = (*TRAINING_CURVES, *GUIDE_COLUMNS["loss"], *GUIDE_COLUMNS["reward"])
+CURVE_METRICS = (
+    *TRAINING_CURVES,
+    *GUIDE_COLUMNS["loss"],
+    *GUIDE_COLUMNS["reward"],
+    STEP_METRICS.anchor_pressure,
+    STEP_METRICS.guide_pressure,
+)
 SMOOTH_STEPS = 5  # the curves' plots average this many steps (the JSON keeps every step)
 
 
@@ -68,6 +76,32 @@ def collect_counts(study, arm_names: list) -> tuple:
                 raise ValueError(f"{arm} seed {seed}: problems were sampled with different n {sorted(n)}")
             counts[arm][str(seed)] = {"n": n.pop(), "correct": [r["c"] for r in records]}
     return problems or [], counts
+
+
+def reuse_counts(study, problems: list, counts: dict) -> dict:
+    """Adds the reused arms' stored counts (`Study.reuse`) for the study's seeds to `counts` (after
+    the start, before the arms that ran) and returns what the report records of the reuse: the
+    stored study, its arms, and per seed whether the freshly evaluated start's counts equal the
+    stored ones (the pairing of new and reused arms rests on it). Raises ValueError when the
+    stored problems are not the ones evaluated here."""
+    if not study.reuse:
+        return {}
+    stored = reused_study(study)
+    if problems and problems != stored["problems"]:
+        raise ValueError(f"reuse: {study.reuse['study']} was evaluated on other problems than this study")
+    fresh_start = counts.get(START, {})
+    start_identical = {seed: entry == stored["counts"][START].get(seed) for seed, entry in fresh_start.items()}
+    reused = {arm: {str(s): stored["counts"][arm][str(s)] for s in study.seeds} for arm in reused_arms(study)}
+    ordered = {START: reused.pop(START, fresh_start), **reused}
+    ordered.update((arm, entry) for arm, entry in counts.items() if arm != START)
+    counts.clear()
+    counts.update(ordered)
+    return {
+        "study": study.reuse["study"],
+        "arms": reused_arms(study),
+        "problems": stored["problems"],
+        "start_counts_identical": start_identical,
+    }
 
 
 def aggregate(counts: dict, baseline: str, ks: list) -> dict:
@@ -162,6 +196,23 @@ def curves(study) -> dict:
     return result
 
 
+def reused_specs(study) -> dict:
+    """The reused arms' specs as the stored study ran them (`Study.reuse`; the start has none),
+    each marked with the study it comes from."""
+    if not study.reuse:
+        return {}
+    stored = reused_study(study)["study"]["arms"]
+    return {arm: {**stored[arm], "reused_from": study.reuse["study"]} for arm in reused_arms(study) if arm in stored}
+
+
+def reused_curves(study) -> dict:
+    """The stored training curves of the reused arms (`Study.reuse`; their runs are not here)."""
+    if not study.reuse:
+        return {}
+    stored = reused_study(study).get("curves", {})
+    return {arm: stored[arm] for arm in reused_arms(study) if arm in stored}
+
+
 def window_mean(curve: dict, last: bool, fraction: float = 0.1) -> float:
     """The mean over seeds of the first or last `fraction` of the steps (at least one)."""
     count = max(1, int(len(curve["mean"]) * fraction))
@@ -177,6 +228,8 @@ def write_report(study, argv: list, wall_time_s) -> dict:
     report with a "summary" (the console's table). wall_time_s: None for --report-only."""
     arm_names = [START, *(arm.name for arm in study.arms)]
     problems, counts = collect_counts(study, arm_names)
+    reuse = reuse_counts(study, problems, counts)
+    problems = reuse.pop("problems", problems)
     report = {
         "command": "sage-study " + " ".join(argv),
         "report_commit": package_commit(),  # the code that computed the numbers below from the counts
@@ -184,7 +237,10 @@ def write_report(study, argv: list, wall_time_s) -> dict:
         "wall_time_s": wall_time_s,
         "run_time_s": _run_times(study),
         "study": {
-            "arms": {arm.name: {"algorithm": arm.algorithm, **arm.overrides} for arm in study.arms},
+            "arms": {
+                **reused_specs(study),
+                **{arm.name: {"algorithm": arm.algorithm, **arm.overrides} for arm in study.arms},
+            },
             "seeds": study.seeds,
             "baseline": study.baseline,
             "eval_n": study.eval_n,
@@ -192,11 +248,14 @@ def write_report(study, argv: list, wall_time_s) -> dict:
             "train_config": study.train_config,
             "train": study.train,
             "endpoints": study.endpoints,
+            **({"reuse": study.reuse} if study.reuse else {}),
         },
+        **({"reuse": reuse} if reuse else {}),
         "warm_starts": warm_starts(study, counts),
         "endpoints": endpoint_rows(counts, study.endpoints),
         "arms": aggregate(counts, study.baseline, list(range(1, study.eval_n + 1))),
-        "curves": curves(study),
+        "curves": {**reused_curves(study), **curves(study)},
+        "frontier": _frontier_verdicts(study, counts),
         "problems": problems,
         "counts": counts,
     }
@@ -204,9 +263,25 @@ def write_report(study, argv: list, wall_time_s) -> dict:
     report = json.loads((study.out / "study.json").read_text())  # string keys, as a reader sees them
     plot_pass_at_k(report, study.out / "pass_at_k.png")
     plot_curves(shown_curves(report), study.out / "training_curves.png")
+    if report["frontier"]:
+        frontier.plot(
+            frontier.frontier(counts, study.baseline, report["frontier"]["k"]),
+            report["frontier"]["k"],
+            study.out / "frontier.png",
+        )
     report["summary"] = summary_table(report, study)
     write_file(study.out / "study.md", markdown(report, study) + "\n")
     return report
+
+
+def _frontier_verdicts(study, counts: dict) -> dict | None:
+    """{"k", "baseline", "verdicts": {arm: verdict}} of the frontier view (`frontier`), None until the
+    baseline has counts."""
+    if not counts.get(study.baseline):
+        return None
+    k = study.frontier_k or study.eval_n
+    rows = frontier.frontier(counts, study.baseline, k)
+    return {"k": k, "baseline": study.baseline, "verdicts": {r["arm"]: r["verdict"] for r in rows if "verdict" in r}}
 
 
 def _run_times(study) -> float:
@@ -347,6 +422,10 @@ def markdown(report: dict, study) -> str:
         for arm, r in paired.items()
     ]
     lines += _k_table(f"## Seeds above / below {study.baseline} (paired difference > 0 / < 0)", rows, ks)
+    if report.get("frontier"):
+        spec = report["frontier"]
+        rows = frontier.frontier(report["counts"], spec["baseline"], spec["k"])
+        lines += ["", *frontier.markdown_lines(rows, spec["baseline"], spec["k"])]
     lines += [
         "",
         "## Training (mean over seeds; first and last 10% of steps)",

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 from sage_bench import loss as bench
-from sage_bench import report
+from sage_bench import report, worker
 from sage_bench.chunked_loss import chunked_grpo_loss
+from sage_bench.providers import PROVIDERS as ALL_PROVIDERS
 from sage_bench.shapes import Point, make_inputs
 
 from sage_kernels import fused_linear_sage_loss
@@ -14,6 +15,7 @@ from sage_kernels import fused_linear_sage_loss
 PROVIDERS = [
     "naive",
     "liger-eager",
+    "liger-eager-tf32",
     "trl-full-logits",
     "trl-chunked",
     "sage-verl-kernel",
@@ -63,6 +65,11 @@ def test_every_provider_and_mode_has_a_row(run):
         assert point == ("tiny", 64, 64, 1000, "fp32", 0.5)
         assert r["torch"] and r["cpu"] and "commit" in r
     assert {r["status"] for r in rows if r["provider"] == "sage-triton"} == {"skipped: needs a CUDA device"}
+    # TF32 is a CUDA setting: no CPU row claims it either way, and the TF32 Liger row is not run twice
+    assert {r["tf32"] for r in rows} == {None}
+    assert {r["status"] for r in rows if r["provider"] == "liger-eager-tf32"} == {
+        "skipped: TF32 is a CUDA setting (the liger-eager row is the same run here)"
+    }
 
 
 def test_measured_rows_have_sane_fields_and_small_errors(run):
@@ -85,7 +92,7 @@ def test_measured_rows_have_sane_fields_and_small_errors(run):
 def test_reports_are_written(run):
     _, _, out = run
     text = (out / "loss.md").read_text()
-    assert "| provider |" in text and "Machine:" in text and "skipped: needs a CUDA device" in text
+    assert "| provider | TF32 |" in text and "Machine:" in text and "skipped: needs a CUDA device" in text
     pytest.importorskip("matplotlib")
     assert (out / "loss.png").stat().st_size > 0
 
@@ -125,3 +132,48 @@ def test_targets_table_uses_the_faster_liger_and_names_missing_peers():
     verdicts = [line.split(" | ")[-1] for line in lines]
     assert verdicts == ["not met |", "not met |", "not met |", "not measured (gemm-floor: skipped: test) |"]
     assert "| 1.125 |" in lines[0] and "| 0.571 |" in lines[1]  # against liger-eager, the faster one
+
+
+def test_cuda_rows_record_tf32_and_run_with_it():
+    point = Point("qwen2.5-7b", 16384, "bf16", 0.0, "cuda")
+    assert worker.base_row(point, "liger-eager-tf32", "fwd+bwd")["tf32"] is True
+    assert worker.base_row(point, "liger-eager", "fwd+bwd")["tf32"] is False
+    assert worker.base_row(point, "sage-triton", "fwd+bwd")["tf32"] is False
+    before = torch.backends.cuda.matmul.allow_tf32
+    for on in (True, False):
+        with worker.matmul_tf32(on):
+            assert torch.backends.cuda.matmul.allow_tf32 is on
+        assert torch.backends.cuda.matmul.allow_tf32 is before
+
+
+def test_liger_best_includes_the_tf32_row():
+    point = {"shape": "qwen2.5-7b", "n": 16384, "dtype": "bf16", "mask_fraction": 0.0, "mode": "fwd+bwd"}
+    rows = [
+        {**point, "provider": name, "status": "ok", "ms_p50": ms, "peak_mem_mib": 10.0, "extra_mem_mib": 5.0}
+        for name, ms in (("sage-triton", 100.0), ("liger-eager", 900.0), ("liger-eager-tf32", 400.0))
+    ]
+    line = next(line for line in report.targets_table(rows).splitlines() if "liger (best) | time" in line)
+    assert "| 0.250 |" in line  # 100 / 400: against the TF32 row, the fastest Liger
+
+
+def test_the_default_plan_runs_ours_and_the_floor_first_and_stops_starting_rows_in_time():
+    order = list(ALL_PROVIDERS)
+    peers = [i for i, name in enumerate(order) if not ALL_PROVIDERS[name].ours and name != "gemm-floor"]
+    assert order.index("sage-cpu") < order.index("gemm-floor") < min(peers)
+    assert order.index("sage-triton") < min(peers)
+    cpu = bench.parse_args(["--device", "cpu"])
+    assert list(cpu.providers) == order and cpu.time_limit_s == bench.DEFAULT_PLAN_LIMIT_S["cpu"]
+    # the last row it starts (a qwen2.5-0.5b peer's, up to a minute) still ends within 10 minutes
+    assert cpu.time_limit_s + 60 <= 600
+    assert bench.parse_args(["--device", "cpu", "--shapes", "tiny"]).time_limit_s is None  # a chosen plan: no limit
+    assert bench.parse_args(["--device", "cpu", "--time-limit-s", "30"]).time_limit_s == 30
+    # CPU: ours and the floor at every point before any peer's worker starts
+    points = bench.plan(cpu)
+    groups = bench.worker_groups(points, cpu.providers, "cpu")
+    ours = [name for name in order if ALL_PROVIDERS[name].ours or name == "gemm-floor"]
+    assert [names for _, names in groups] == [ours] * len(points) + [[n for n in order if n not in ours]] * len(points)
+    assert [group[0] for group, _ in groups] == points * 2
+    assert bench.worker_groups(points, ["sage-triton", "naive"], "cuda") == [
+        (points, ["sage-triton"]),
+        (points, ["naive"]),
+    ]

@@ -22,8 +22,21 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "run_device.sh"
 TEST = "tests/kernels/triton_backend/test_triton_ops.py::test_boundary_records_round_trip_their_flat_form"
 VARIANT_TEST = "tests/kernels/test_off_policy_mask.py::test_a_bad_threshold_raises"
-#: the device tool's limit on one call, in seconds
+PACKED_TEST = "tests/kernels/test_dppo.py::test_dppo_options_that_do_not_apply_raise"
+#: the device tool's limit on one call, in seconds, and the wall time the whole run must fit (packed):
+#: 9 minutes, which leaves a cold start and a retry's start inside the lease's 15 minutes
 CALL_LIMIT_S = 600
+RUN_LIMIT_S = 540
+#: the parts, in the order the script runs them: correctness on the device, the benchmark, the profile
+PARTS = (
+    "environment",
+    "kernel tests",
+    "variant tests",
+    "packed tests",
+    "float64 parity",
+    "benchmark",
+    "stage profile",
+)
 
 
 def probe_wheel(folder: Path) -> Path:
@@ -54,6 +67,7 @@ def small_plan(tmp_path: Path, **changes) -> dict:
         "SAGE_REPEATS": "1",
         "SAGE_TESTS": TEST,
         "SAGE_VARIANT_TESTS": VARIANT_TEST,
+        "SAGE_PACKED_TESTS": PACKED_TEST,
         "SAGE_PROVIDERS": "sage-triton,gemm-floor,naive",
         "SAGE_BUDGET_SCALE": "4",  # the interpreter on a shared 2-core machine
         **changes,
@@ -80,27 +94,27 @@ def test_run_device_with_a_small_plan(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["results.tar.gz", "run.log", "summary.txt"]  # at most 8 return
     assert summary in proc.stdout  # the tool's output tail shows it
     plan, stop = map(int, re.search(r"^plan: (\d+) s of part budgets, stopping by (\d+) s", summary, re.M).groups())
-    assert plan < stop <= CALL_LIMIT_S - 15  # the device plan at scale 1: one call, with time left to pack
-    for name in ("environment", "kernel tests", "variant tests", "stage profile", "float64 parity", "benchmark"):
+    assert plan < stop <= RUN_LIMIT_S < CALL_LIMIT_S  # the device plan at scale 1, its last pack included
+    for name in PARTS:
         assert re.search(rf"^{name}: exit 0, \d+ s \(budget \d+ s\)", summary, re.M), summary
+    assert [line.split(":")[0] for line in summary.splitlines() if line.split(":")[0] in PARTS] == list(PARTS)
     assert re.search(r"^kernel tests: exit 0.*: 1 passed", summary, re.M)
     log = (out / "run.log").read_text()
     assert f"{TEST} PASSED" in log  # -v: one line per test, streamed
     assert "sage-triton: skipped: needs a CUDA device (no worker started)" in log
     files = packed(out)
     assert set(files) == {
-        *("gpu.txt", "kernel-tests.log", "variant-tests.log", "stages.md", "stages.jsonl", "parity.md"),
+        *("gpu.txt", "kernel-tests.log", "variant-tests.log", "packed-tests.log", "stages.md", "stages.jsonl"),
+        "parity.md",
         *("parity.jsonl", "loss.md", "loss.jsonl", "loss.png"),
     }
     assert "from wheels: sage_probe-0.1" in files["gpu.txt"]
     assert f"{TEST} PASSED" in files["kernel-tests.log"] and "passed" in files["variant-tests.log"]
     stages = {r["path"]: r for r in rows(files["stages.jsonl"])}
-    assert list(stages) == ["three-matmul", "gemm-floor", "two-pass", "three-matmul-1280"]
+    assert list(stages) == ["three-matmul", "gemm-floor", "three-matmul-unsplit", "two-pass"]
     assert all(r["status"] == "ok" for r in stages.values())
-    assert stages["three-matmul-1280"]["chunk_rows"] == 1280 and stages["three-matmul-1280"]["path_taken"] == [
-        "three-matmul"
-    ]
-    assert stages["three-matmul"]["chunk_rows"] < 1280
+    assert stages["three-matmul-unsplit"]["dh_slices"] == 1
+    assert stages["three-matmul-unsplit"]["path_taken"] == ["three-matmul"]
     checks = {r["path"]: r for r in rows(files["parity.jsonl"])}
     assert list(checks) == ["three-matmul", "two-pass", "two-pass-softcap"]
     assert [r["verdict"] for r in checks.values()] == ["pass"] * 3
@@ -116,7 +130,7 @@ def test_run_device_with_a_small_plan(tmp_path):
         r", extra \d+ MiB \(target <= 1.3: (not met|met; goal 1.2: (met|not met))\)",
         verdicts,
     ), verdicts
-    assert "chunk-height lever: 1280-row chunks" in verdicts
+    assert re.search(r"d\(hidden\) split: 1 vocabulary slices [\d.]+ ms vs one product [\d.]+ ms", verdicts)
     assert (
         "benchmark tiny N 64 fp32: sage-triton / gemm-floor time: not measured (sage-triton: skipped: needs a CUDA "
         "device)" in verdicts
@@ -130,6 +144,7 @@ def test_run_device_with_a_small_plan(tmp_path):
         ), verdicts
     assert "kernel-tests: tests/kernels/triton_backend/test_triton_ops.py: 1 passed" in verdicts
     assert re.search(r"variant-tests: tests/kernels/test_off_policy_mask.py: \d+ passed", verdicts)
+    assert re.search(r"packed-tests: tests/kernels/test_dppo.py: \d+ passed", verdicts)
 
 
 @pytest.mark.slow
@@ -158,6 +173,44 @@ def test_run_device_cut_short_packs_what_was_written(tmp_path):
     files = packed(out)
     assert "gpu.txt" in files and f"{TEST} PASSED" in files["kernel-tests.log"]
     assert f"{slow} PASSED" not in files["kernel-tests.log"]  # stopped while it ran
+
+
+def test_the_device_plan_fits_nine_minutes_in_its_order(tmp_path):
+    # budgets scaled to zero: no part starts, and the summary states the plan at scale 1 and each part
+    # in the order the script would run it (the device's default tests and providers, as on the GPU)
+    env = {k: v for k, v in small_plan(tmp_path, SAGE_BUDGET_SCALE="0").items() if not k.startswith("SAGE_")}
+    env["SAGE_BUDGET_SCALE"] = "0"
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert proc.returncode == 1, summary
+    plan, stop = map(int, re.search(r"^plan: (\d+) s of part budgets, stopping by (\d+) s", summary, re.M).groups())
+    assert plan < stop <= RUN_LIMIT_S
+    started = [line.split(":")[0] for line in summary.splitlines() if ": not started" in line]
+    assert started == list(PARTS)
+    script = SCRIPT.read_text()
+    # the packed and DPPO Triton tests, and ours and the floor first among the providers, Liger with TF32 on
+    assert "tests/kernels/test_packed.py\ntests/kernels/test_dppo.py\n-k\ntriton" in script
+    providers = re.search(r'PROVIDERS="\$\{SAGE_PROVIDERS:-([^}]+)\}"', script).group(1).split(",")
+    assert providers[:2] == ["sage-triton", "gemm-floor"] and "liger-eager-tf32" in providers
+    assert 'pytest_call variant VARIANT_TESTS 8"' in script and 'pytest_call packed PACKED_TESTS 8"' in script
+
+
+def test_the_memory_verdict_without_naive_bounds_ours_by_one_logits_tensor():
+    point = {"shape": "qwen2.5-7b", "n": 16384, "d": 3584, "v": 152064, "dtype": "bf16", "mask_fraction": 0.0}
+    point["mode"] = "fwd+bwd"
+    logits_mib = 16384 * 152064 * 4 / 2**20
+    for extra, verdict in ((0.004 * logits_mib, "met"), (0.04 * logits_mib, "not shown by this bound")):
+        rows = [
+            {**point, "provider": "sage-triton", "status": "ok", "ms_p50": 100.0, "extra_mem_mib": extra},
+            {**point, "provider": "naive", "status": "skipped: needs ~56 GiB"},
+        ]
+        line = next(line for line in device_summary.benchmark_lines(rows) if "naive extra memory" in line)
+        share = extra / logits_mib
+        assert "not measured (naive: skipped: needs ~56 GiB)" in line
+        assert f"ours {extra:.1f} MiB / N·V·4 {logits_mib:.1f} MiB (one fp32 logits tensor) = {share:.2%}" in line
+        assert verdict in line
+        if verdict == "met":
+            assert f"so ours / naive <= {share:.2%} (target <= 1%: met)" in line
 
 
 def test_the_summary_counts_both_pytest_progress_formats():

@@ -28,6 +28,12 @@ def test_profile_stages_reports_every_stage_of_both_paths(tmp_path):
         assert sum(row["stages_ms"].values()) <= row["ms_total"] * 1.01
     text = (tmp_path / "stages.md").read_text()
     assert "| three-matmul | logits GEMM |" in text and "GEMM floor (three" in text and "peak MiB" in text
+    # each product stage with its rate, from its own time: 2 N_valid D V FLOP
+    row = rows["three-matmul"]
+    ms = row["stages_ms"]["grad_hidden GEMM"]
+    rate = f"{2 * row['valid_rows'] * row['d'] * row['v'] / ms / 1e9:.3g}"
+    assert f"| three-matmul | grad_hidden GEMM | {ms:.2f} | {ms / row['ms_total']:.0%} | {rate} | — |" in text
+    assert row["valid_rows"] == int(64 * 0.75) and row["dh_slices"] == 1  # 25% of 64 masked; CPU: one product
 
 
 def test_a_part_cut_short_is_reported_and_the_others_still_run(tmp_path):

@@ -215,8 +215,12 @@ def test_a_changed_config_is_refused_on_resume_before_the_first_checkpoint(tmp_p
 
 def test_overwrite_clears_the_previous_runs_evaluations_too(finished_run, distributed):
     """sage-eval's default --out is <run>/eval: the new model must not inherit the old one's samples."""
-    from sage_train.run_dir import prepare_run_dir
+    from sage_train.run_dir import discard_previous, prepare_run_dir
 
     cfg = resolve(build({**TINY_RUN, "output_dir": str(finished_run.parent), "name": "done", "overwrite": True}))
     prepare_run_dir(cfg, finished_run, 0, 1)
+    # kept aside, out of the new run's way, until its first step has run
+    assert sorted(p.name for p in finished_run.iterdir()) == [".previous_run", "config.yaml"]
+    assert (finished_run / ".previous_run" / "eval").is_dir()
+    discard_previous(finished_run)
     assert sorted(p.name for p in finished_run.iterdir()) == ["config.yaml"]

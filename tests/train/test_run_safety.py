@@ -133,6 +133,7 @@ def test_overwrite_replaces_the_previous_run(runs, tmp_path, capsys):
     status = train_main(["--config", str(runs.yaml), f"--output_dir={tmp_path}", "--name=stopped", "--overwrite"])
     assert status == 0 and "--overwrite: starting" in capsys.readouterr().out
     assert_same_metrics(metrics(run_dir), runs.whole)
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".previous_run")]  # deleted after step 1
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "latest",
         "step000002",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from parity import DEVICE, make_problem, run
-from tolerances import TOLERANCES, assert_grad_close  # noqa: E402
+from tolerances import TOLERANCES, assert_close, assert_grad_close  # noqa: E402
 from triton_harness import KernelMemoryRecorder, check_against_reference, checked_inputs, loss_op_args
 
 from sage_kernels import LossConfig, fused_linear_sage_loss  # noqa: E402
@@ -180,6 +180,76 @@ def test_three_matmul_everything_masked(small_chunks):
         assert torch.equal(grad, torch.zeros_like(grad)), name
 
 
+#: the loss types the three-matmul path took on once `exact_for` asked only for a local per-token gradient,
+#: each with its own options away from their defaults (a trust region, a temperature, a cap)
+TOKEN_LOCAL_TYPES = {
+    "cispo": dict(loss_type="cispo", eps_high=0.3, num_items_in_batch=17),
+    "sapo": dict(loss_type="sapo", sapo_temperature_neg=0.7, entropy_coef=0.02),
+    "dppo_tv": dict(loss_type="dppo_tv", eps_low=0.1, eps_high=0.15, dppo_ratio_cap=1.5, kl="k1+", beta=0.1),
+    "dppo_kl": dict(loss_type="dppo_kl", eps_low=0.05, eps_high=0.08, guide="branch", tau=0.5, gamma=1.0),
+    "luspo": dict(loss_type="luspo", delta_clip=1.5, temperature=0.8),
+}
+
+
+def packed_problem(dtype, seed):
+    """Three packed sequences (one empty, prompts masked) with every optional input: hidden [N, D]."""
+    lengths, D, V = [5, 0, 7, 4], 24, 157
+    gen = torch.Generator().manual_seed(seed)
+    N = sum(lengths)
+    hidden = torch.randn(N, D, generator=gen, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(V, D, generator=gen, dtype=torch.float64) / D**0.5).to(dtype)
+    mask = torch.rand(N, generator=gen) > 0.3
+    logp = torch.randn(N, generator=gen) - 5.0
+    cu = torch.tensor([0, 5, 5, 12, 16])
+    return dict(
+        hidden=hidden,
+        weight=weight,
+        bias=(0.5 * torch.randn(V, generator=gen)).to(dtype),
+        token_ids=torch.randint(0, V, (N,), generator=gen),
+        mask=mask,
+        advantages=torch.randn(len(lengths), generator=gen),
+        old_logp=logp + 0.3 * torch.randn(N, generator=gen),
+        ref_logp=logp + 0.5 * torch.randn(N, generator=gen),
+        cu_seqlens=cu,
+    )
+
+
+def run_packed(problem, config, backend, dtype, upstream):
+    leaves = {k: problem[k].detach().to(dtype).clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+    rest = {k: v for k, v in problem.items() if k not in leaves}
+    out = fused_linear_sage_loss(**leaves, **rest, config=config, backend=backend)
+    (out.loss * upstream).backward()
+    return out, {k: v.grad for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("loss_type", sorted(TOKEN_LOCAL_TYPES))
+def test_every_token_local_loss_type_takes_the_three_matmul_path(loss_type, dtype, small_chunks):
+    # padded: against the float64 reference on everything (`check_against_reference`)
+    config = LossConfig(**TOKEN_LOCAL_TYPES[loss_type])
+    assert three_matmul.exact_for(config)
+    problem = make_problem(B=3, L=7, V=157, D=24, dtype=dtype, seed=len(loss_type), mask="tail")
+    assert path_of(lambda: check_against_reference(problem, config, dtype, seed=3)) == THREE
+    # packed: the same loss, logp and gradients as the float64 reference on the same packed call
+    packed = packed_problem(dtype, seed=len(loss_type) + 1)
+    out, grads = path_of_result(lambda: run_packed(packed, config, "triton", dtype, 1.3), THREE)
+    ref, ref_grads = run_packed(packed, config, "reference", torch.float64, 1.3)
+    assert_close(out.loss, ref.loss, dtype, "loss", "loss")
+    assert_close(out.logp, ref.logp, dtype, "token", "logp")
+    for name, grad in grads.items():
+        assert grad.dtype == dtype
+        assert_grad_close(grad, ref_grads[name], dtype, f"grad {name}")
+    assert bool((grads["hidden"][~packed["mask"]] == 0).all())
+
+
+def test_luspo_include_padding_keeps_the_two_pass_path():
+    # its padded rows enter the loss; the three-matmul path covers only the valid ones
+    config = LossConfig(loss_type="luspo", luspo_include_padding=True)
+    assert not three_matmul.exact_for(config) and three_matmul.exact_for(LossConfig(loss_type="luspo"))
+    problem = make_problem(B=2, L=5, V=200, D=32, seed=4, mask="tail")
+    assert path_of(lambda: check_against_reference(problem, config, torch.float32)) == TWO
+
+
 # ---------------------------------------------------------------- the two-pass path, compacted
 
 
@@ -244,6 +314,71 @@ def test_fp32_output_products(dtype):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     assert gemm.has_fp32_output(dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("slices", [4, 6, 8])
+def test_sliced_product_is_exact(slices, dtype):
+    # d(hidden)'s operand as the path holds it: a 16-bit view of an fp32 row (row stride twice V);
+    # K = 1003 leaves a remainder past the equal slices
+    gen = torch.Generator().manual_seed(slices)
+    m, k, n = 9, 1003, 40
+    rows = torch.randn(m, k, generator=gen, dtype=torch.float64)
+    a = torch.zeros(m, k, dtype=torch.float32).view(dtype)[:, :k] if dtype != torch.float32 else rows.float()
+    if dtype != torch.float32:
+        a.copy_(rows.to(dtype))
+        assert a.stride(0) == 2 * k
+    b = torch.randn(k, n, generator=gen, dtype=torch.float64).to(dtype)
+    exact = a.double() @ b.double()
+    outs = []
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"))
+        partials = torch.full((slices, m, n), float("nan"))
+        outs.append(gemm.sliced_mm_f32(a, b, out, partials))
+        assert outs[-1].data_ptr() == out.data_ptr() and out.dtype == torch.float32
+    # within fp32 summation's rounding of the products' magnitudes (the float64 product: no rounding)
+    scale = a.double().abs() @ b.double().abs()
+    assert bool(((outs[0].double() - exact).abs() <= 2**-16 * scale).all())
+    assert torch.equal(outs[0], outs[1])  # the same bits for the same shape
+
+
+@pytest.mark.parametrize(
+    "rows, cols, inner, sms",
+    [(640, 3584, 152_064, 132), (640, 1536, 151_936, 132), (640, 896, 151_936, 132), (512, 4096, 128_256, 78)],
+    ids=["7b-h100", "1.5b-h100", "0.5b-h100", "8b-small-gpu"],
+)
+def test_vocab_slices_fill_the_last_wave(rows, cols, inner, sms):
+    slices = gemm.slice_count(rows, cols, inner, sms)
+    tiles = -(-rows // 128) * -(-cols // 128)
+    assert tiles < gemm.FULL_WAVES * sms  # a shape that needs it: every one here splits
+
+    def filled(s):
+        return tiles * s / (-(-tiles * s // sms) * sms)
+
+    assert gemm.MIN_SLICES <= slices <= gemm.MAX_SLICES
+    assert slices * rows * cols * 4 <= gemm.PARTIAL_BYTES
+    assert filled(slices) > filled(1)
+    assert all(filled(slices) >= filled(s) for s in range(gemm.MIN_SLICES, slices))
+    assert gemm.slice_count(rows, cols, inner, sms) == slices  # the shape and the SM count decide
+
+
+def test_vocab_slices_leave_full_or_short_products_whole():
+    assert gemm.slice_count(16_384, 3584, 152_064, 132) == 1  # 3584 tiles: 27 full waves
+    assert gemm.slice_count(640, 3584, 6000, 132) == 1  # K too short for 4 slices of 2048
+    assert gemm.slice_count(0, 3584, 152_064, 132) == 1
+    assert gemm.vocab_slices(torch.device("cpu"), torch.bfloat16, 640, 3584, 152_064) == 1  # CPU: one product
+
+
+@pytest.mark.parametrize(
+    "dtype, mask", [(torch.float32, "all"), (torch.bfloat16, "tail")], ids=["fp32-into-the-gradient", "bf16-masked"]
+)
+def test_three_matmul_with_a_sliced_d_hidden(dtype, mask, small_chunks, monkeypatch):
+    # 5 slices of V = 1271 (a remainder of 1 column) in every chunk, the last one short; fp32 with nothing
+    # masked sums the partials straight into the gradient, bf16 with a mask through the fp32 chunk buffer
+    monkeypatch.setitem(tiles.TILE_OVERRIDE, "dh_slices", 5)
+    problem = make_problem(B=3, L=9, V=1271, D=40, dtype=dtype, seed=21, mask=mask)
+    config = LossConfig(entropy_coef=0.01)
+    assert path_of(lambda: check_against_reference(problem, config, dtype)) == THREE
 
 
 @pytest.mark.cuda

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from alloc import NewStorageRecorder
 from parity import DEVICE, make_problem
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from triton_harness import KernelMemoryRecorder, checked_inputs
 
 from sage_kernels import LossConfig, fused_linear_sage_loss, logprobs_and_entropy
@@ -73,26 +72,6 @@ def test_the_recorder_catches_materialised_logits():
         recorder.check()
 
 
-class NewStorageRecorder(TorchDispatchMode):
-    """The (operator, shape) of every tensor an ATen operator returns in storage of its own (not a
-    view, not an in-place result) with at least `limit` elements."""
-
-    def __init__(self, limit: int):
-        super().__init__()
-        self.limit = limit
-        self.allocated = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.numel() >= self.limit and t.untyped_storage().data_ptr() not in inputs:
-                self.allocated.append((str(func), tuple(t.shape)))
-        return out
-
-
 @pytest.mark.parametrize("options", [{}, {"importance_sampling": "sequence"}], ids=["three-matmul", "two-pass"])
 def test_backward_allocates_no_gradient_sized_zeros(options):
     # autograd fills every operator output that gets no gradient with zeros unless told not to: the
@@ -110,5 +89,5 @@ def test_backward_allocates_no_gradient_sized_zeros(options):
     if options:
         op = "sage_kernels.triton_sage_loss_backward.default"
         expected = [(op, (b * length, d)), (op, (v, d))]
-    assert sorted(recorder.allocated) == expected
+    assert sorted((op, shape) for op, shape, _ in recorder.allocated) == expected
     assert all(leaves[k].grad is not None and torch.isfinite(leaves[k].grad).all() for k in leaves)

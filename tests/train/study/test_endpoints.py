@@ -36,7 +36,14 @@ def test_the_guide_is_read_where_it_acts():
 
 @pytest.mark.parametrize(
     "study",
-    ["study.json", "arithmetic/study.json", "decisive/study.json", "kl-in-reward/study.json", "enrichment/study.json"],
+    [
+        "study.json",
+        "arithmetic/study.json",
+        "decisive/study.json",
+        "kl-in-reward/study.json",
+        "enrichment/study.json",
+        "confirmatory/study.json",
+    ],
 )
 def test_committed_studies_recompute_exactly(study):
     stored = json.loads((RESULTS / study).read_text())

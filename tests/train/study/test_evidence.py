@@ -2,6 +2,7 @@
 registered primaries, read from files in each stage's own format, in order; a missing stage left out."""
 
 import json
+from pathlib import Path
 
 from sage_train.study import evidence
 
@@ -28,10 +29,30 @@ def test_primaries_of_each_stage_in_order(tmp_path):
         ]
     }
     (tmp_path / "confirmatory" / "study.json").write_text(json.dumps(study))
+    (tmp_path / "frontier").mkdir()
+    stage3 = {"endpoints": [row(0.08, arm="grpo-beta0.2", versus="grpo", k=64, primary=True)]}
+    (tmp_path / "frontier" / "study.json").write_text(json.dumps(stage3))
     rows = evidence.primaries(tmp_path)
     assert [(r[0].split(":")[0], r[1], r[2]) for r in rows] == [
         ("stage 0", "a - b @256", 0.03),
         ("stage 2", "grpo - start @64", -0.05),
+        ("stage 3", "grpo-beta0.2 - grpo @64", 0.08),
     ]
     assert evidence.main([str(tmp_path)]) == 0 and (tmp_path / "primaries.png").stat().st_size > 1000
     assert evidence.main([str(tmp_path / "nothing")]) == 1
+
+
+def test_the_frontier_panel_is_the_latest_stage_with_counts():
+    results = Path(__file__).resolve().parents[3] / "docs" / "results"
+    stage, rows = evidence.latest_frontier(results)
+    stored = json.loads((results / "confirmatory" / "study.json").read_text())["arms"]
+    if (results / "frontier" / "study.json").is_file():  # stage 3, once committed
+        assert stage.startswith("stage 3")
+        return
+    assert stage.startswith("stage 2") and [r["arm"] for r in rows] == list(stored)
+    for r in rows:  # the stored intervals, at pass@1 and pass@64
+        assert (r["pass_at_1"], r["pass_at_k"]) == (
+            stored[r["arm"]]["pass_at_k"]["1"],
+            stored[r["arm"]]["pass_at_k"]["64"],
+        )
+    assert {r["arm"]: r.get("verdict") for r in rows}["grpo-beta1.4x"] == "better"
