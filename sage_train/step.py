@@ -31,7 +31,7 @@ import torch.distributed as dist
 from sage_kernels.loss_types import LOSS_TYPES
 from sage_kernels.metrics import EXTREME_METRICS, MEAN_METRICS
 
-from . import rl_maths
+from . import pressure, rl_maths
 from .config import TrainConfig
 from .context import Generation, RunContext
 from .distributed import all_ranks
@@ -424,30 +424,10 @@ class LossTotals:
             self.extremes[name] = value if seen is None else keep(seen, value)
 
     def add_pressure(self, out, inputs: dict, config) -> None:
-        """Sums over the micro-batch's tokens of each part of the loss's coefficient on log pi(token)
-        (its gradient with respect to it), in absolute value: the task's |A| ratio, the anchor's
-        beta |dKL/dlog pi| of the KL to q pi_ref (`config.kl`'s estimator; k3's is beta (1 - q
-        pi_ref / pi)), and the guide's part of that, beta |dKL/dlog pi at q - at q = 1|. Their
-        ratios (`metrics`) say how hard the anchor, and the guide within it, pulls against the task.
-        Nothing without a KL in the loss (beta 0, or the KL in the reward)."""
-        if config.beta == 0 or inputs["ref_logp"] is None:
-            return
-        from sage_kernels.reference import kl_estimate
-
-        mask = inputs["mask"]  # [rows, L] padded, [N] packed: every per-token value is read in its shape
-        advantages = inputs["advantages"].float()
-        advantages = (advantages[:, None] if advantages.dim() < mask.dim() else advantages).expand(mask.shape)
-        to_ref = inputs["ref_logp"].float().reshape(mask.shape) - out.logp.float().reshape(mask.shape)
-        with torch.enable_grad():  # log pi_ref / pi with and without the guide's log q
-            deltas = torch.stack([to_ref + out.q.float().reshape(mask.shape).log(), to_ref]).requires_grad_()
-            (slopes,) = torch.autograd.grad(kl_estimate(deltas, config.kl).sum(), deltas)
-        parts = {
-            "task": advantages * out.ratio.float().reshape(mask.shape),
-            "anchor": config.beta * slopes[0],  # d/dlog pi = -d/ddelta; the sign drops under |.|
-            "guide": config.beta * (slopes[0] - slopes[1]),
-        }
-        sums = {name: torch.where(mask, part.abs(), 0.0).sum() for name, part in parts.items()}
-        self.pull = sums if self.pull is None else {name: self.pull[name] + sums[name] for name in sums}
+        """Adds the micro-batch's `pressure.pull_sums` (the task's, the anchor's and the guide's pull)."""
+        sums = pressure.pull_sums(out, inputs, config)
+        if sums is not None:
+            self.pull = sums if self.pull is None else {name: self.pull[name] + sums[name] for name in sums}
 
     def metrics(self, iterations: int) -> dict:
         """The step's metrics; the token means are NaN (no value, which the report leaves out) when
@@ -462,15 +442,5 @@ class LossTotals:
             **self.extremes,
             STEP_METRICS.skipped_steps: float(len(self.skipped)),
             STEP_METRICS.q_above_one: torch.where(tokens > 0, self.q_above_one / tokens.clamp(min=1.0), torch.nan),
-            **self._pressure(),
-        }
-
-    def _pressure(self) -> dict:
-        """The anchor's and the guide's pull over the task's (NaN when no token had an advantage)."""
-        if self.pull is None:
-            return {}
-        task = self.pull["task"]
-        return {
-            name: torch.where(task > 0, self.pull[part] / task.clamp(min=1e-30), torch.nan)
-            for name, part in ((STEP_METRICS.anchor_pressure, "anchor"), (STEP_METRICS.guide_pressure, "guide"))
+            **pressure.pressure_metrics(self.pull),
         }

@@ -44,7 +44,7 @@ class StepMetrics:
     num_tokens: str = "num_tokens"
     loss: str = "loss"
     q_above_one: str = "sage/frac_q_gt_1"  # the share of tokens whose anchor the loss's guide raises
-    # the anchor's pull on the tokens against the task's (`step.LossTotals.add_pressure`): how strong a dose of KL
+    # the anchor's pull on the tokens against the task's (`pressure.pull_sums`): how strong a dose of KL
     # (and of the guide's share of it) a run trained with, measured in the run
     anchor_pressure: str = "pressure/anchor_to_task"
     guide_pressure: str = "pressure/guide_to_task"

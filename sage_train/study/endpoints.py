@@ -1,6 +1,6 @@
 """A study's registered endpoints: each paired difference with its crossed interval and p, the
-primaries' Holm-adjusted p, the pass@k matrices they are taken from, and where each arm's guide is
-read from.
+primaries' Holm-adjusted p, the pass@k matrices they are taken from (and every arm's intervals from
+them: `aggregate`), and where each arm's guide is read from.
 
 An endpoint entry of a study file is {arm, versus, k: [...]} and may say ``primary: true``: the
 primaries form one family, over which Holm's step-down adjusts the p-values (`intervals.holm`), so
@@ -92,3 +92,35 @@ def shown_curves(report: dict) -> dict:
         sources = (*TRAINING_CURVES, *GUIDE_COLUMNS[guide_acts_in(report["study"]["arms"][arm])])
         shown[arm] = {name: metrics[m] for name, m in zip(SHOWN_CURVES, sources) if m in metrics}
     return shown
+
+
+def aggregate(counts: dict, baseline: str, ks: list) -> dict:
+    """{arm: {"seeds", "problems", "pass_at_k": {k: interval}, and for arms paired with the
+    baseline "paired_seeds", "diff_vs_baseline": {k: interval}}} from stored counts; an interval
+    is `intervals.crossed_interval`'s dict."""
+    arms = {}
+    for arm, entry in counts.items():
+        seeds = sorted(int(seed) for seed in entry)
+        if not seeds:
+            arms[arm] = {"seeds": [], "pass_at_k": {}}
+            continue
+        matrices = pass_at_k_matrices(entry, seeds, ks)
+        arms[arm] = {
+            "seeds": seeds,
+            "problems": len(entry[str(seeds[0])]["correct"]),
+            "pass_at_k": {k: crossed_interval(matrices[k]) for k in ks},
+        }
+        paired = sorted(set(seeds) & {int(seed) for seed in counts.get(baseline, {})})
+        if arm != baseline and paired:
+            own, base = pass_at_k_matrices(entry, paired, ks), pass_at_k_matrices(counts[baseline], paired, ks)
+            arms[arm]["paired_seeds"] = paired
+            arms[arm]["diff_vs_baseline"] = {k: crossed_interval(own[k] - base[k]) for k in ks}
+    return arms
+
+
+def interval_cell(entry: dict, sign: bool = False) -> str:
+    """A mean and its interval in percent ("-" for the interval when there is none: one seed)."""
+    fmt = "+.1f" if sign else ".1f"
+    if entry["ci_low"] is None:
+        return f"{100 * entry['mean']:{fmt}} [-]"
+    return f"{100 * entry['mean']:{fmt}} [{100 * entry['ci_low']:{fmt}}, {100 * entry['ci_high']:{fmt}}]"

@@ -11,7 +11,7 @@ zero; unadjusted, as every interval in study.md; a study's registered verdicts m
 - a trade: higher at pass@k and lower at pass@1, or the reverse;
 - no detected difference at pass@k otherwise (the pass@1 difference still shown).
 
-Every number comes from the study's counts (`report.aggregate`), so `report.recompute` covers them.
+Every number comes from the study's counts (`endpoints.aggregate`), so `report.recompute` covers them.
 
     sage-study --frontier docs/results/confirmatory --k 64 --out DIR    # a stored study's frontier.md/png
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..safe_files import make_dir, save_figure, write_file
 from .design import StudyError
+from .endpoints import aggregate, interval_cell
 
 VERDICTS = ("better", "worse", "a trade", "no detected difference")
 
@@ -48,7 +49,6 @@ def verdict(diff_k: dict, diff_1: dict) -> str:
 def frontier(counts: dict, baseline: str, k: int) -> list:
     """Per arm with counts: {"arm", "pass_at_1", "pass_at_k"} (crossed intervals), and for the other
     arms paired with the baseline "diff_1", "diff_k" and their "verdict"."""
-    from .report import aggregate
 
     if baseline not in counts:
         raise StudyError(f"frontier: baseline {baseline!r} is not one of the arms {list(counts)}")
@@ -64,12 +64,6 @@ def frontier(counts: dict, baseline: str, k: int) -> list:
     return rows
 
 
-def _cell(entry: dict, sign: bool = False) -> str:
-    from .report import _cell as cell
-
-    return cell(entry, sign)
-
-
 def markdown_lines(rows: list, baseline: str, k: int) -> list:
     """study.md's frontier section (a table; the plot is frontier.png)."""
     lines = [
@@ -82,9 +76,9 @@ def markdown_lines(rows: list, baseline: str, k: int) -> list:
         "|---|---:|---:|---:|---:|---|",
     ]
     for row in rows:
-        cells = [_cell(row["pass_at_1"]), _cell(row["pass_at_k"])]
+        cells = [interval_cell(row["pass_at_1"]), interval_cell(row["pass_at_k"])]
         if "verdict" in row:
-            cells += [_cell(row["diff_1"], True), _cell(row["diff_k"], True), row["verdict"]]
+            cells += [interval_cell(row["diff_1"], True), interval_cell(row["diff_k"], True), row["verdict"]]
         else:
             cells += ["-", "-", "(the baseline)" if row["arm"] == baseline else "(no paired seeds)"]
         lines.append(f"| {row['arm']} | " + " | ".join(cells) + " |")

@@ -25,7 +25,7 @@ from pathlib import Path
 from ..environment import LIBRARIES, package_commit
 from ..report import read_metrics
 from ..run_files import RUN_FILES
-from ..safe_files import save_figure, write_file
+from ..safe_files import write_file
 from ..step_metrics import STEP_METRICS
 from . import frontier
 from .design import START, reused_arms, reused_study
@@ -33,12 +33,15 @@ from .endpoints import (
     GUIDE_COLUMNS,
     SHOWN_CURVES,
     TRAINING_CURVES,
+    aggregate,
     endpoint_rows,
     format_p,
+    interval_cell,
     pass_at_k_matrices,
     shown_curves,
 )
-from .intervals import crossed_interval, t_interval
+from .intervals import t_interval
+from .plots import plot_curves, plot_pass_at_k
 
 CURVE_METRICS = (
     *TRAINING_CURVES,
@@ -47,7 +50,6 @@ CURVE_METRICS = (
     STEP_METRICS.anchor_pressure,
     STEP_METRICS.guide_pressure,
 )
-SMOOTH_STEPS = 5  # the curves' plots average this many steps (the JSON keeps every step)
 
 
 # ----------------------------------------------------------------------------- counts and intervals
@@ -102,30 +104,6 @@ def reuse_counts(study, problems: list, counts: dict) -> dict:
         "problems": stored["problems"],
         "start_counts_identical": start_identical,
     }
-
-
-def aggregate(counts: dict, baseline: str, ks: list) -> dict:
-    """{arm: {"seeds", "problems", "pass_at_k": {k: interval}, and for arms paired with the
-    baseline "paired_seeds", "diff_vs_baseline": {k: interval}}} from stored counts; an interval
-    is `intervals.crossed_interval`'s dict."""
-    arms = {}
-    for arm, entry in counts.items():
-        seeds = sorted(int(seed) for seed in entry)
-        if not seeds:
-            arms[arm] = {"seeds": [], "pass_at_k": {}}
-            continue
-        matrices = pass_at_k_matrices(entry, seeds, ks)
-        arms[arm] = {
-            "seeds": seeds,
-            "problems": len(entry[str(seeds[0])]["correct"]),
-            "pass_at_k": {k: crossed_interval(matrices[k]) for k in ks},
-        }
-        paired = sorted(set(seeds) & {int(seed) for seed in counts.get(baseline, {})})
-        if arm != baseline and paired:
-            own, base = pass_at_k_matrices(entry, paired, ks), pass_at_k_matrices(counts[baseline], paired, ks)
-            arms[arm]["paired_seeds"] = paired
-            arms[arm]["diff_vs_baseline"] = {k: crossed_interval(own[k] - base[k]) for k in ks}
-    return arms
 
 
 def recompute(path) -> dict:
@@ -300,14 +278,6 @@ def _ks_shown(n: int) -> list:
     return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
 
 
-def _cell(entry: dict, sign: bool = False) -> str:
-    """A mean and its interval in percent ("-" for the interval when there is none: one seed)."""
-    fmt = "+.1f" if sign else ".1f"
-    if entry["ci_low"] is None:
-        return f"{100 * entry['mean']:{fmt}} [-]"
-    return f"{100 * entry['mean']:{fmt}} [{100 * entry['ci_low']:{fmt}}, {100 * entry['ci_high']:{fmt}}]"
-
-
 def _directions(entry: dict) -> str:
     """How many seeds' paired differences are above / below zero ("3/2")."""
     per_seed = entry["per_seed"]
@@ -319,7 +289,7 @@ def summary_table(report: dict, study) -> str:
     n = str(study.eval_n)
     lines = [f"sage-study: held-out pass@k (%), mean [95% CI], {study.eval_problems} problems x {n} samples"]
     for row in report["endpoints"]:
-        cell = _cell(row, sign=True) if row["seeds"] else "(no paired seeds yet)"
+        cell = interval_cell(row, sign=True) if row["seeds"] else "(no paired seeds yet)"
         test = f", p {format_p(row.get('p'))}" + (f", Holm {format_p(row.get('p_holm'))}" if row.get("primary") else "")
         lines.append(
             f"  endpoint {row['arm']} - {row['versus']} at pass@{row['k']}: {cell}{test} ({len(row['seeds'])} seeds)"
@@ -328,10 +298,13 @@ def summary_table(report: dict, study) -> str:
         if not result["pass_at_k"]:
             lines.append(f"  {arm:24s} (no finished evaluation)")
             continue
-        line = f"  {arm:24s} pass@1 {_cell(result['pass_at_k']['1'])}  pass@{n} {_cell(result['pass_at_k'][n])}"
+        shown = result["pass_at_k"]
+        line = f"  {arm:24s} pass@1 {interval_cell(shown['1'])}  pass@{n} {interval_cell(shown[n])}"
         if "diff_vs_baseline" in result:
             diff = result["diff_vs_baseline"]
-            line += f"  vs {study.baseline}: {_cell(diff['1'], sign=True)} / {_cell(diff[n], sign=True)}"
+            line += (
+                f"  vs {study.baseline}: {interval_cell(diff['1'], sign=True)} / {interval_cell(diff[n], sign=True)}"
+            )
         lines.append(line + f"  ({len(result['seeds'])} seeds)")
     if any(len(result["seeds"]) == 1 for result in report["arms"].values()):
         lines.append("  [-]: one seed, so no interval (how much another seed would differ is unmeasured)")
@@ -354,7 +327,7 @@ def _endpoint_lines(rows: list) -> list:
     ]
     for row in rows:
         name = f"{row['arm']} - {row['versus']} at pass@{row['k']}" + (" *" if row.get("primary") else "")
-        cells = [_cell(row, sign=True), format_p(row.get("p")), format_p(row.get("p_holm")), _directions(row)]
+        cells = [interval_cell(row, sign=True), format_p(row.get("p")), format_p(row.get("p_holm")), _directions(row)]
         lines.append(f"| {name} | {len(row['seeds'])} | " + " | ".join(cells if row["seeds"] else ["-"] * 4) + " |")
     return lines + [""]
 
@@ -407,13 +380,13 @@ def markdown(report: dict, study) -> str:
         cells += [f"{100 * start[key]:.1f}" if key in start else "-" for key in ("pass_at_1", "pass_at_n")]
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     rows = [
-        [arm, str(len(r["seeds"])), *(_cell(r["pass_at_k"][k]) if r["pass_at_k"] else "-" for k in ks)]
+        [arm, str(len(r["seeds"])), *(interval_cell(r["pass_at_k"][k]) if r["pass_at_k"] else "-" for k in ks)]
         for arm, r in arms.items()
     ]
     lines += _k_table("## Held-out pass@k (%)", rows, ks)
     paired = {arm: r for arm, r in arms.items() if "diff_vs_baseline" in r}
     rows = [
-        [arm, str(len(r["paired_seeds"])), *(_cell(r["diff_vs_baseline"][k], True) for k in ks)]
+        [arm, str(len(r["paired_seeds"])), *(interval_cell(r["diff_vs_baseline"][k], True) for k in ks)]
         for arm, r in paired.items()
     ]
     lines += _k_table(f"## Difference from {study.baseline} (percentage points, paired)", rows, ks)
@@ -447,74 +420,3 @@ def markdown(report: dict, study) -> str:
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     lines += ["", "![pass@k](pass_at_k.png)", "", "![training curves](training_curves.png)"]
     return "\n".join(lines)
-
-
-def plot_pass_at_k(report: dict, path: Path) -> None:
-    """pass@k against k with bands (left) and the paired difference from the baseline (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    baseline, colors = report["study"]["baseline"], _colors(report["arms"])
-    for arm, result in report["arms"].items():
-        if not result["pass_at_k"]:
-            continue
-        ks = sorted(result["pass_at_k"], key=int)
-        for ax, key in ((left, "pass_at_k"), (right, "diff_vs_baseline")):
-            if key not in result:
-                continue
-            entries = [result[key][k] for k in ks]
-            x = [int(k) for k in ks]
-            ax.plot(x, [e["mean"] for e in entries], marker="o", markersize=3, label=arm, color=colors[arm])
-            if all(e["ci_low"] is not None for e in entries):  # one seed: no band
-                low, high = [e["ci_low"] for e in entries], [e["ci_high"] for e in entries]
-                ax.fill_between(x, low, high, color=colors[arm], alpha=0.12)
-    left.set_title("held-out pass@k (95% CI)")
-    right.set_title(f"difference from {baseline}, paired (95% CI)")
-    right.axhline(0.0, color="black", linewidth=0.8)
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("k")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save_figure(fig, path, dpi=100)
-    plt.close(fig)
-
-
-def plot_curves(all_curves: dict, path: Path) -> None:
-    """One panel per column of `SHOWN_CURVES` (`shown_curves`), a line per arm with its band,
-    smoothed over steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(SHOWN_CURVES), figsize=(4 * len(SHOWN_CURVES), 3.6), constrained_layout=True)
-    colors = _colors([START, *all_curves])
-    for ax, metric in zip(axes, SHOWN_CURVES):
-        for arm, metrics in all_curves.items():
-            if metric not in metrics:
-                continue
-            curve = metrics[metric]
-            smooth = [_smooth(curve[key]) for key in ("mean", "low", "high")]
-            ax.plot(curve["step"], smooth[0], label=arm, linewidth=1.2, color=colors[arm])
-            ax.fill_between(curve["step"], smooth[1], smooth[2], color=colors[arm], alpha=0.12)
-        ax.set_title(f"{metric} ({SMOOTH_STEPS}-step mean)")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8)
-    save_figure(fig, path, dpi=90)
-    plt.close(fig)
-
-
-def _colors(arms) -> dict:
-    """One colour per arm, the same in every plot (the starting point first)."""
-    return {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
-
-
-def _smooth(values: list) -> list:
-    """Trailing mean over `SMOOTH_STEPS` steps."""
-    return [statistics.fmean(values[max(0, i - SMOOTH_STEPS + 1) : i + 1]) for i in range(len(values))]
