@@ -5,14 +5,13 @@ for the filesystem. Each is refused in one line before anything is written, or (
 planted temporary name) removed or ignored without being followed; the files the links point at are
 left as they were."""
 
-import hashlib
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from run_copies import TINY_RUN
+from run_copies import TINY_RUN, snapshot
 from tiny_models import tiny_model
 
 from sage_train.cli import eval_main, study_main, train_main
@@ -22,22 +21,6 @@ from sage_train.models.loading import build_char_tokenizer
 from sage_train.run_dir import RunLock, prepare_run_dir
 from sage_train.run_files import RUN_FILES
 from sage_train.safe_files import RunDirError, write_file
-
-
-def snapshot(folder: Path) -> dict:
-    """Every entry under `folder` (links as links, never followed) with its content hash."""
-    entries = {}
-    for root, folders, files in os.walk(folder):
-        for name in folders + files:
-            path = Path(root, name)
-            key = str(path.relative_to(folder))
-            if path.is_symlink():
-                entries[key] = f"-> {os.readlink(path)}"
-            elif path.is_file():
-                entries[key] = hashlib.sha256(path.read_bytes()).hexdigest()
-            else:
-                entries[key] = "dir"
-    return entries
 
 
 def said(capsys) -> list[str]:
