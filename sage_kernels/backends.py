@@ -48,6 +48,8 @@ class Backend(Protocol):
 #: each backend's module, relative to this package.
 BACKEND_MODULES = {"reference": ".reference", "cpu": ".cpu", "triton": ".triton"}
 BACKENDS = tuple(BACKEND_MODULES)
+#: the names a caller may ask for: a backend, or "auto" (`resolve_backend` picks by device)
+BACKEND_CHOICES = ("auto", *BACKENDS)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

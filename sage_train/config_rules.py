@@ -7,17 +7,20 @@ import math
 import os
 from pathlib import Path
 
+from sage_kernels.backends import BACKEND_CHOICES
+
 from .errors import ConfigError
 from .presets import LOSS_KEYS
-from .rl_maths import IS_MODES, parse_rejection
+from .report import LOGGERS
+from .rl_maths import IS_MODES, TIS_LEVELS, parse_rejection
+from .rollout.base import ENGINES
+from .tasks.chat import CHAT_TEMPLATES
 
 #: the longest file name (in bytes) the filesystems sage writes to take
 NAME_MAX = 255
 #: the longest run directory path (in bytes, absolute): the kernel's PATH_MAX (4096) less room for
 #: the longest path a run writes inside it (a DeepSpeed checkpoint's files under a staging folder)
 RUN_DIR_MAX = 4096 - 512
-#: the experiment loggers ``report_to`` may name (`sage_train.report`)
-LOGGERS = ("tensorboard", "wandb", "trackio")
 
 #: integer keys that must be positive, and those that may also be 0 (0: off / all / none)
 POSITIVE_KEYS = (
@@ -29,18 +32,19 @@ NON_NEGATIVE_KEYS = (
     "sft_steps sft_max_tokens sft_epochs sft_warmup_steps sft_max_example_tokens cpu_threads train_problems "
     "warmup_steps eval_problems eval_max_new_tokens max_prompt_length keep_checkpoints log_completions"
 ).split()
-#: the keys that take one of a few values, and those values
+#: the keys that take one of a few values, and those values (each read from the table that defines
+#: it where one exists: a new engine, correction, backend or template is one entry there)
 CHOICES = {
     "zero_stage": (0, 1, 2, 3),
     "lr_schedule": ("constant", "cosine", "linear"),
-    "rollout_engine": ("hf", "vllm", "openai"),
+    "rollout_engine": tuple(ENGINES),
     "sft_adapter": ("merge", "continue"),
     "sft_lr_schedule": ("cosine", "linear"),
     "sft_format": ("raw", "official"),
-    "tis_level": ("token", "sequence", "off"),
+    "tis_level": TIS_LEVELS,
     "vllm_importance_sampling_mode": IS_MODES,
-    "loss_backend": ("auto", "reference", "cpu", "triton"),
-    "chat_template": ("", "tokenizer", "official"),
+    "loss_backend": BACKEND_CHOICES,
+    "chat_template": ("", *CHAT_TEMPLATES),  # "": none
     "hf_rollout_dtype": ("", "bfloat16", "float16", "float32"),
 }
 

@@ -134,8 +134,7 @@ def rows_up_to(path: Path, step: int) -> list[str]:
 def make_loggers(cfg, run_dir: Path, history: list[dict]) -> list:
     """The loggers named in ``cfg.report_to``, each left holding exactly the steps of `history` (the
     rows a resumed run keeps; empty for a fresh run), whatever an interrupted run had sent them."""
-    makers = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "trackio": TrackioLogger}
-    return [makers[name](cfg, Path(run_dir), history) for name in cfg.report_to]
+    return [LOGGERS[name](cfg, Path(run_dir), history) for name in cfg.report_to]
 
 
 class TensorBoardLogger:
@@ -228,6 +227,10 @@ class TrackioLogger:
 
     def close(self) -> None:
         self.run.finish()
+
+
+#: the experiment loggers ``report_to`` may name, and the class that writes to each
+LOGGERS = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger, "trackio": TrackioLogger}
 
 
 def without_timing(row: dict) -> dict:

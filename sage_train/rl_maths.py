@@ -120,7 +120,9 @@ def group_advantages(rewards: torch.Tensor, *, scale: bool = True) -> torch.Tens
     return torch.where(all_equal, torch.zeros_like(advantages), advantages)
 
 
-IS_LEVELS = ("token", "sequence")
+IS_LEVELS = rollout_corr.IS_LEVELS
+#: ``tis_level``'s values: the level its truncated weights are taken at, or "off"
+TIS_LEVELS = (*IS_LEVELS, "off")
 IS_MODES = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 REJECTION_OPTIONS = tuple(
     f"{level}_{kl}" for level in ("token", "seq_sum", "seq_mean") for kl in ("k1", "k2", "k3")

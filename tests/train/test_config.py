@@ -320,3 +320,66 @@ def test_the_study_and_eval_flags_take_numbers_in_plain_decimal_digits_only(tmp_
     with pytest.raises(ValueError, match="--seeds"):
         parse_ints(f"0,{value}", "--seeds")
     assert build_parser().parse_args(["--model", "m", "--tasks", "x", "--n", "16", "--temperature", ".3"]).n == 16
+
+
+def choice_tables() -> dict[str, set]:
+    """The names of every table a config choice is read from, by where the table lives."""
+    from sage_kernels.backends import BACKEND_CHOICES
+    from sage_kernels.guides import GUIDES
+    from sage_kernels.loss_types import LOSS_TYPES
+    from sage_train.report import LOGGERS
+    from sage_train.rl_maths import IS_MODES, TIS_LEVELS
+    from sage_train.rollout.base import ENGINES
+    from sage_train.tasks.chat import CHAT_TEMPLATES
+
+    tables = {
+        "rollout.base.ENGINES": ENGINES,
+        "rl_maths.TIS_LEVELS": TIS_LEVELS,
+        "rl_maths.IS_MODES": IS_MODES,
+        "backends.BACKEND_CHOICES": BACKEND_CHOICES,
+        "report.LOGGERS": LOGGERS,
+        "guides.GUIDES": GUIDES,
+        "loss_types.LOSS_TYPES": LOSS_TYPES,
+        "presets.PRESETS": PRESETS,
+        "tasks.chat.CHAT_TEMPLATES": CHAT_TEMPLATES,
+    }
+    return {where: set(names) for where, names in tables.items()}
+
+
+def test_config_rules_spell_no_tables_names():
+    """`config_rules` reads each choice list from the table that defines it: no list, tuple or set
+    literal of its source is made of a table's names (all of them or some, besides ""), so a new engine,
+    correction, backend or logger is one entry in its table."""
+    import ast
+    from pathlib import Path
+
+    import sage_train.config_rules as rules
+
+    tables = choice_tables()
+    found = []
+    for node in ast.walk(ast.parse(Path(rules.__file__).read_text())):
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)) and node.elts:
+            if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                names = {e.value for e in node.elts} - {""}  # "": a key's "none", in no table
+                found += [f"line {node.lineno}: {sorted(names)} re-spells {t}" for t, n in tables.items() if names <= n]
+    assert not found, found
+
+
+def test_config_choices_are_the_tables():
+    """The choices each key is checked against are the table's names in its order (the order the
+    error message lists them in)."""
+    from sage_train.config_rules import CHOICES
+
+    tables = choice_tables()
+    assert CHOICES["rollout_engine"] == ("hf", "vllm", "openai")
+    assert set(CHOICES["rollout_engine"]) == tables["rollout.base.ENGINES"]
+    assert CHOICES["tis_level"] == ("token", "sequence", "off")
+    assert CHOICES["vllm_importance_sampling_mode"][0] == "off"
+    assert set(CHOICES["vllm_importance_sampling_mode"]) == tables["rl_maths.IS_MODES"]
+    assert CHOICES["loss_backend"] == ("auto", "reference", "cpu", "triton")
+    assert CHOICES["chat_template"] == ("", "tokenizer", "official")
+    with pytest.raises(ConfigError) as error:
+        build({"report_to": ["tensorboard", "mlflow"]})
+    assert str(error.value).startswith(
+        "config key 'report_to' must be a list of 'tensorboard', 'wandb', 'trackio', got"
+    )
