@@ -14,7 +14,6 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .checkpoint import folder_written_atomically
 from .config import TrainConfig
 from .context import RunContext
 from .errors import ConfigError
@@ -26,6 +25,7 @@ from .policy import PolicyHead, lr_schedule
 from .presets import loss_config, make_guide
 from .rollout.base import make_engine
 from .run_files import RUN_FILES
+from .safe_files import folder_written_atomically
 from .sft import sft_warm_start
 from .tasks.chat import chat_prompted
 
