@@ -17,12 +17,13 @@ import torch.distributed as dist
 from .config import TrainConfig
 from .context import RunContext
 from .errors import ConfigError
+from .guide import make_guide
 from .inputs import RunPlan, evaluation_sets, run_prompts
 from .micro_batches import padding_free
 from .models.loading import load_folder, model_for
 from .models.lora import AdapterDisabled, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
 from .policy import PolicyHead, lr_schedule
-from .presets import loss_config, make_guide
+from .presets import loss_config
 from .rollout.base import make_engine
 from .run_files import RUN_FILES
 from .safe_files import folder_written_atomically
