@@ -11,6 +11,7 @@ from .function import fused_linear_sage_loss, logprobs_and_entropy
 from .inputs import SageLossOutput
 from .integrations.liger import FusedLinearSAGELoss, fused_linear_grpo
 from .spec import LossConfig
+from .version import __version__ as __version__  # re-exported: the package's version
 from .vocab_parallel import vocab_parallel_logprobs_and_entropy, vocab_parallel_sage_loss
 
 __all__ = [
@@ -23,4 +24,3 @@ __all__ = [
     "vocab_parallel_sage_loss",
     "vocab_parallel_logprobs_and_entropy",
 ]
-__version__ = "0.1.0"

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .version import __version__
+
 #: seconds a first use waits for another process's build of the operator before falling back.
 BUILD_WAIT_ENV = "SAGE_CPU_BUILD_WAIT"
 #: a build takes ~10 s of compiler CPU time (35-40 s of wall time at a load of 13 on two cores);
@@ -59,8 +61,6 @@ def build_directory(name: str) -> Path:
     """The folder the extension `name` is built in, namespaced by this package's and torch's versions
     (torch's own default layout separates Python versions but not torch versions, and nothing at all
     under TORCH_EXTENSIONS_DIR)."""
-    from . import __version__
-
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or default_build_root()
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     return Path(root) / f"sage_kernels-{__version__}-torch{torch.__version__}-{python}" / name

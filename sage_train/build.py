@@ -1,5 +1,5 @@
 """The one builder: `build_context` turns a checked `RunPlan` (`sage_train.inputs`) into the run's
-`RunContext`, in this order: the policy the run starts from (the warm start, `sft_warm_start`, or its
+`RunContext`, in this order: the policy the run starts from (the warm start, `sft.sft_warm_start`, or its
 saved result on resume), the reference, the DeepSpeed engine and optimiser of the policy, the run's prompted tasks and
 what it evaluates, the rollout engine and the guide computed outside the loss. It checks nothing
 `check_inputs` checked."""
@@ -9,24 +9,25 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import folder_written_atomically
 from .config import TrainConfig
 from .context import RunContext
 from .errors import ConfigError
+from .guide import make_guide
 from .inputs import RunPlan, evaluation_sets, run_prompts
 from .micro_batches import padding_free
 from .models.loading import load_folder, model_for
 from .models.lora import AdapterDisabled, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
 from .policy import PolicyHead, lr_schedule
-from .presets import loss_config, make_guide
+from .presets import loss_config
 from .rollout.base import make_engine
 from .run_files import RUN_FILES
+from .safe_files import folder_written_atomically
+from .sft import sft_warm_start
 from .tasks.chat import chat_prompted
 
 
@@ -68,7 +69,7 @@ def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
 
 def initial_policy(plan: RunPlan, rank: int, *, resumed: bool):
     """(model, tokenizer) RL starts from: the plan's model, warm-started by SFT when ``sft_steps``
-    or ``sft_epochs`` > 0 (`sft_warm_start`).
+    or ``sft_epochs`` > 0 (`sft.sft_warm_start`).
 
     With LoRA the warm start trains an adapter. ``sft_adapter: continue`` (the official SAGE way)
     returns that adapter on the raw base model, and RL goes on training it, so the reference (the
@@ -222,66 +223,3 @@ def derived_max_model_len(cfg: TrainConfig, tokenizer, prompts: Iterable[str]) -
         raise ConfigError("config key 'vllm_max_model_len' is 0 (derived) but no prompt was given to derive it from")
     longest = max(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
     return longest + max(cfg.max_new_tokens, cfg.eval_max_new_tokens)
-
-
-#: steps over which the warm start's loss is averaged for ``sft_target_loss``
-SFT_WINDOW = 50
-
-
-def sft_warm_start(model, tokenizer, examples: list[tuple[list[int], list[int]]], cfg: TrainConfig) -> int:
-    """The supervised warm start, the model RL starts from: a plain AdamW phase on the task's correct
-    completions, ``prompt + completion + EOS`` (`inputs.sft_examples`), the loss on completion tokens
-    only, run identically on every rank (it needs no communication) before the RL engine exists; it
-    computes the model's logits, which the RL phase never does. Deterministic in ``cfg.seed``.
-    ``sft_epochs > 0`` passes over the examples that many times, shuffled each epoch; otherwise
-    ``sft_steps`` batches are drawn with replacement. The learning rate warms up linearly over
-    ``sft_warmup_steps``, then decays to 0 (``sft_lr_schedule``).
-
-    With ``sft_target_loss`` it stops once the mean loss of the last `SFT_WINDOW` steps is below
-    it: how fast a tiny model learns arithmetic varies a lot with the seed (some seeds reach 95%
-    in the steps where others reach 15%), and RL needs a start that is neither. Returns the
-    number of steps taken."""
-    rng = random.Random(f"sft:{cfg.seed}")
-    if cfg.sft_epochs:
-        order = []
-        for _ in range(cfg.sft_epochs):
-            order += rng.sample(range(len(examples)), len(examples))
-        batches = [order[i : i + cfg.sft_batch_size] for i in range(0, len(order), cfg.sft_batch_size)]
-    else:
-        batches = [[rng.randrange(len(examples)) for _ in range(cfg.sft_batch_size)] for _ in range(cfg.sft_steps)]
-    total = len(batches)
-    device = next(model.parameters()).device
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.sft_lr, weight_decay=cfg.sft_weight_decay)
-
-    schedule = lr_schedule(optimizer, cfg.sft_lr_schedule, cfg.sft_warmup_steps, total)
-    model.train()
-    recent = []
-    for step, indices in enumerate(batches, 1):
-        chosen = [examples[i] for i in indices]
-        width = max(len(p) + len(a) for p, a in chosen)
-        input_ids = torch.full((len(chosen), width), tokenizer.pad_token_id, dtype=torch.long)
-        labels = torch.full_like(input_ids, -100)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, (p, a) in enumerate(chosen):
-            start = width - len(p) - len(a)  # left padding, as in generation
-            input_ids[row, start:] = torch.tensor(p + a)
-            labels[row, width - len(a) :] = torch.tensor(a)
-            attention_mask[row, start:] = 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        loss = model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            position_ids=position_ids.to(device),
-            labels=labels.to(device),
-        ).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cfg.sft_target_loss:
-            recent = (recent + [loss.detach()])[-SFT_WINDOW:]
-            if step % SFT_WINDOW == 0 and float(torch.stack(recent).mean()) < cfg.sft_target_loss:
-                break
-    return step

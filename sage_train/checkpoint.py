@@ -23,35 +23,38 @@ cannot run code on ``--resume``. A file holding anything else refuses the resume
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pickle
 import random
 import re
-import shutil
-from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 
 from .config_files import save_yaml
 from .errors import ConfigError, NotAFileError, RunError
 from .run_files import RUN_FILES
-from .safe_files import fresh_dir, read_json, read_text, remove, write_file
+from .safe_files import (
+    PARTIAL,
+    fresh_dir,
+    fsync_path,
+    full_disk,
+    read_json,
+    read_text,
+    remove,
+    replace_folder,
+    write_file,
+)
 
 TAG_PREFIX = "step"
-PARTIAL = ".partial"  # the staging folder of a save in progress (or killed)
 MANIFEST = "manifest.json"
 #: the most bytes read of `latest` (a step folder's name) and of a manifest (a size per file of a
 #: save): a received run's oversized or endless file is refused, not read
 LATEST_MAX, MANIFEST_MAX = 4096, 16 << 20
-#: free bytes under which a failed write is read as a full disk (torch reports ENOSPC as an iostream error)
-FULL_DISK_BYTES = 1 << 20
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -185,97 +188,21 @@ def _commit(root: Path, written: Path, world: int) -> None:
     """Manifest and fsync the staged checkpoint, rename it into place, then point `latest` at it."""
     sizes = {}
     for path in sorted(p for p in written.rglob("*") if p.is_file()):
-        _fsync(path)
+        fsync_path(path)
         sizes[str(path.relative_to(written))] = path.stat().st_size
     write_file(written / MANIFEST, json.dumps({"world_size": world, "files": sizes}, indent=1) + "\n", sync=True)
     for folder in {p.parent for p in written.rglob("*")} | {written}:
-        _fsync(folder)
+        fsync_path(folder)
     final = root / written.name
-    _replace_folder(final, written)  # an existing one: a checkpoint of a timeline abandoned by a resume
-    _fsync(root)
+    replace_folder(final, written)  # an existing one: a checkpoint of a timeline abandoned by a resume
+    fsync_path(root)
     write_file(root / "latest", final.name, sync=True)
-    _fsync(root)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """`path` holds `text` whole, or what it held before: staged beside it, fsynced, renamed over it.
-    For the files a resume or a study reads back (eval_before.json, summary.json). `RunError` when
-    it cannot be written (a full disk, a read-only folder), naming which."""
-    try:
-        write_file(path, text, sync=True)
-        _fsync(path.parent)
-    except OSError as error:
-        raise RunError(f"{path} could not be written: {_why_not_written(error, path)}") from None
-
-
-@contextmanager
-def folder_written_atomically(folder: Path) -> Iterator[Path]:
-    """Yields a staging folder to write `folder`'s files into; when the block ends without an error
-    they are fsynced and the staging folder replaces `folder`. A kill or an error leaves the
-    previous `folder` (or none), never a half-written one that loads as a model; a write that
-    fails (a full disk, a read-only folder) raises `RunError` naming why."""
-    staged = folder.with_name(f".{folder.name}{PARTIAL}")
-    try:
-        fresh_dir(staged)  # whatever a save killed earlier left (or a link put there)
-        yield staged
-        for path in staged.rglob("*"):
-            _fsync(path)
-        _fsync(staged)
-        _replace_folder(folder, staged)
-        _fsync(folder.parent)
-    except (OSError, RuntimeError, SafetensorError) as error:  # torch and safetensors report IO errors so
-        remove(staged, quiet=True)
-        if isinstance(error, RunError):
-            raise
-        raise RunError(f"{folder} could not be written: {_why_not_written(error, folder)}") from None
-
-
-def _replace_folder(folder: Path, staged: Path) -> None:
-    """Rename the complete `staged` folder to `folder`, moving an existing `folder` aside first and
-    deleting it after: at every moment `folder` is the old copy, absent, or the new one."""
-    if os.path.lexists(folder):
-        aside = staged.with_name(f"replaced-{staged.name}")
-        remove(aside, quiet=True)
-        folder.rename(aside)
-        staged.rename(folder)
-        remove(aside, quiet=True)
-    else:
-        staged.rename(folder)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _full_disk(error: BaseException, path: Path) -> int | None:
-    """The free bytes where `path` lies when `error` reads as a full disk (torch reports ENOSPC as an
-    iostream error, hence the free space too), else None."""
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
-    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < FULL_DISK_BYTES
-    return free if full else None
-
-
-def _why_not_written(error: BaseException, path: Path) -> str:
-    """Why `path` could not be written, in words, and what to do: a full disk, a read-only folder, or
-    the error itself."""
-    free = _full_disk(error, path)
-    if free is not None:
-        why = f"no space left on device ({free} bytes free)"
-    elif getattr(error, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):
-        why = f"{path.parent} is not writable"
-    else:
-        why = " ".join(str(error).split()) or type(error).__name__
-    return f"{why}; make room or make it writable and run the command again (sage-train with --resume)"
+    fsync_path(root)
 
 
 def _write_failure(error: Exception, root: Path, tag: str) -> str:
     """One line for a checkpoint that could not be written, naming a full disk as such."""
-    free = _full_disk(error, root)
+    free = full_disk(error, root)
     kept = latest_complete_name(root)
     previous = f"the previous checkpoint {kept} stays 'latest'" if kept else "no earlier checkpoint exists"
     if free is not None:

@@ -6,7 +6,7 @@ the name of a packaged config such as ``tiny-cpu``), then ``--key=value`` overri
 naming the key and the expected type; ranges and cross-key rules are `config_rules.validate`'s.
 The loss options are the fields of `sage_kernels.LossConfig` (`LOSS_KEYS`), so a new loss option
 is a trainer key without a line here; likewise the token and random guides' ``guide_*`` keys are the
-fields of `presets.GuideSettings` (`GUIDE_KEYS`). Keys left as None take the algorithm preset's value
+fields of `guide.GuideSettings` (`GUIDE_KEYS`). Keys left as None take the algorithm preset's value
 (`presets.py`); `resolve` fills them in, and the resolved config is what gets saved in
 ``runs/<name>/config.yaml`` and in every checkpoint.
 """
@@ -26,7 +26,8 @@ from sage_kernels import LossConfig
 from . import config_files
 from .config_rules import validate
 from .errors import ConfigError
-from .presets import LOSS_KEYS, GuideSettings, PresetError, apply_preset
+from .guide import GuideSettings
+from .presets import LOSS_KEYS, PresetError, apply_preset
 
 DEFAULT_CONFIG = "tiny-cpu"
 #: the packaged config a run without ``--config`` starts from when ``--model`` is not "tiny": a real

@@ -1,5 +1,5 @@
 """Algorithms as named presets over the loss options and the trainer's batch shaping, and what a
-resolved config trains: its `LossConfig` (`loss_config`) and its guide (`make_guide`).
+resolved config trains: its `LossConfig` (`loss_config`); its guide is `guide.make_guide`'s.
 
 A preset fills every config key left as None (`TrainConfig` loss options, the guide and
 its schedule, DAPO's batch shaping, reward scaling); keys set in the YAML or on the
@@ -44,13 +44,8 @@ The token and random guides' schedule keys (``guide_alpha_*``, ``guide_sigma_*``
 values of `sage_kernels.guides`; ``guide_sigma_*`` is the token guide's (0.25 -> 0.1) or the
 random guide's (0.15 -> 0.05) by the resolved ``guide``.
 
-The run's guide (``guide``: none, branch, token or random; `sage_kernels.guides`) is resolved here
-too. The branch guide's settings (gamma, tau, q_min, q_max) are loss options (`LOSS_KEYS`). The
-token and random guides' schedule is one frozen record, `GuideSettings`, whose defaults are the
-official values of `sage_kernels.guides`; the trainer's keys ``guide_<field>`` derive from its fields
-(`GUIDE_KEYS`: `TrainConfig` adds one key per field, as it adds one per loss option), and
-`make_guide` reads them back through it (`guide_settings`) and gives each guide the settings its
-row of `GUIDES` names.
+The run's guide (``guide``: none, branch, token or random) and the ``guide_*`` keys are resolved here too;
+the guides' settings (`GuideSettings`, `GUIDE_KEYS`) and `make_guide` live in `sage_train.guide`.
 
 The DPPO presets take verl's recipe thresholds (its examples/dppo_trainer: 0.15 for dppo_tv, 0.05
 for dppo_kl, on both sides; the ratio cap ``dppo_ratio_cap`` 20).
@@ -72,19 +67,11 @@ k2's that of the reverse KL; the presets follow TRL's value-estimator convention
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from sage_kernels import LossConfig
-from sage_kernels.guides import (
-    DECAY_RATE,
-    GUIDES,
-    NORMALIZATIONS,
-    NUM_CYCLES,
-    RANDOM_SCHEDULE,
-    TOKEN_SCHEDULE,
-    Guide,
-    ScheduledGuide,
-)
+from sage_kernels.guides import GUIDES, NORMALIZATIONS, RANDOM_SCHEDULE, TOKEN_SCHEDULE
+
+from .guide import GUIDE_KEYS, GuideSettings
 
 #: LossConfig fields the trainer sets itself: the sampling temperature, dr_grpo's normaliser
 #: (max_new_tokens), the per-step token count and the model's own logit scale and softcap (read from
@@ -92,27 +79,6 @@ from sage_kernels.guides import (
 TRAINER_SET = ("temperature", "max_completion_length", "num_items_in_batch", "logit_scale", "logit_softcap")
 LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name not in TRAINER_SET)
 
-
-@dataclass(frozen=True)
-class GuideSettings:
-    """The token and random guides' schedule: (alpha, sigma) of the token guide and (eps, sigma) of the
-    random one anneal from *_max to *_min within each of ``num_cycles`` cycles over the run's optimizer
-    steps, the *_max bounds times ``decay_rate`` per cycle. ``sigma_*`` default to the token guide's
-    official values; a preset takes the resolved guide's (`GUIDE_SIGMA`)."""
-
-    alpha_max: float = TOKEN_SCHEDULE["alpha"][0]
-    alpha_min: float = TOKEN_SCHEDULE["alpha"][1]
-    sigma_max: float = TOKEN_SCHEDULE["sigma"][0]
-    sigma_min: float = TOKEN_SCHEDULE["sigma"][1]
-    eps_max: float = RANDOM_SCHEDULE["eps"][0]
-    eps_min: float = RANDOM_SCHEDULE["eps"][1]
-    num_cycles: int = NUM_CYCLES
-    decay_rate: float = DECAY_RATE
-    normalization: str = NORMALIZATIONS[0]  # the token guide's: "minmax", "rank" or "zscore"
-
-
-#: the trainer's guide keys, one per field of `GuideSettings`
-GUIDE_KEYS = tuple(f"guide_{f.name}" for f in dataclasses.fields(GuideSettings))
 
 #: what every preset starts from: the loss's own defaults (the official SAGE values), the guide
 #: off with its settings' defaults (the sigma bounds follow the resolved guide: `apply_preset`), and
@@ -220,33 +186,3 @@ def loss_config(cfg) -> LossConfig:
     if cfg.kl_in_reward:
         options["beta"], options["guide"] = 0.0, "none"
     return LossConfig(**options, temperature=cfg.temperature, max_completion_length=cfg.max_new_tokens)
-
-
-def guide_settings(cfg) -> GuideSettings:
-    """The `GuideSettings` of a resolved TrainConfig (its ``guide_*`` keys)."""
-    return GuideSettings(**{f.name: getattr(cfg, f"guide_{f.name}") for f in dataclasses.fields(GuideSettings)})
-
-
-def is_scheduled(guide: str) -> bool:
-    """Whether the guide called `guide` anneals over the run's steps (its schedule follows ``steps``)."""
-    return guide in GUIDES and issubclass(GUIDES[guide].cls, ScheduledGuide)
-
-
-def make_guide(cfg, rank: int) -> Guide | None:
-    """The run's guide (`sage_kernels.guides.GUIDES[cfg.guide]`), or None for ``guide: none``, given
-    the settings its row names, drawn from: the loss options (gamma, tau, q_min, q_max), the
-    `GuideSettings`, the run's optimizer steps (``max_steps``: a scheduled guide's schedule runs over
-    them) and a per-rank ``seed`` for its noise."""
-    if cfg.guide not in GUIDES:
-        return None
-    available = {
-        "gamma": cfg.gamma,
-        "tau": cfg.tau,
-        "q_min": cfg.q_min,
-        "q_max": cfg.q_max,
-        "max_steps": cfg.steps,
-        "seed": cfg.seed * 1009 + rank,
-        **dataclasses.asdict(guide_settings(cfg)),
-    }
-    kind = GUIDES[cfg.guide]
-    return kind.cls(**{name: available[name] for name in kind.settings})

@@ -68,6 +68,7 @@ from .models.lora import base_lm, is_lora, merged_named_weights
 from .rollout import SamplingParams
 from .run_dir import RunLock, discard_previous, prepare_run_dir, put_previous_back
 from .run_files import RUN_FILES
+from .safe_files import folder_written_atomically, write_atomically
 from .step import rl_step
 
 
@@ -210,7 +211,7 @@ def evaluate_once(ctx: RunContext, path: Path) -> dict | None:
     with ctx.rollout.awake():
         for split, (split_task, problems) in ctx.evaluations.items():
             results[split] = pass_at_k_over_ranks(ctx, split_task, problems)
-    on_rank0(ctx.rank, lambda: checkpoint.write_atomically(path, json.dumps(results, indent=1) + "\n"))
+    on_rank0(ctx.rank, lambda: write_atomically(path, json.dumps(results, indent=1) + "\n"))
     return results
 
 
@@ -250,7 +251,7 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
     gather = deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None, enabled=cfg.zero_stage == 3)
 
     def write() -> None:
-        with checkpoint.folder_written_atomically(path) as staged:
+        with folder_written_atomically(path) as staged:
             if is_lora(lm):  # the adapter, and the merged model beside it
                 lm.save_pretrained(staged / "adapter")
                 base_lm(lm).save_pretrained(staged, state_dict=dict(merged_named_weights(lm)))
@@ -291,5 +292,5 @@ def write_summary(
         "final_model": None if interrupted else str(run_dir / RUN_FILES.final),
         "plot": str(plot) if plot else None,
     }
-    checkpoint.write_atomically(run_dir / RUN_FILES.summary, json.dumps(summary, indent=1) + "\n")
+    write_atomically(run_dir / RUN_FILES.summary, json.dumps(summary, indent=1) + "\n")
     return summary

@@ -27,7 +27,7 @@ from . import checkpoint, config_files
 from .config import FIELDS, TrainConfig, build, resolve
 from .distributed import on_rank0
 from .errors import ConfigError
-from .presets import is_scheduled
+from .guide import is_scheduled
 from .run_files import FRESH_RUN_CLEARS, REPLACED_BY_OVERWRITE, RUN_FILES
 from .safe_files import make_dir, open_lock, own_copy, refused, remove
 

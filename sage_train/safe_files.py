@@ -11,6 +11,8 @@ is ever opened through a symbolic link. This module is the one home of every wri
   replaced by a copy of its own (`own_copy`), so that what sage appends never reaches the other names;
 - `make_dir` makes a folder and refuses a link in its place; `fresh_dir` makes a staging folder
   anew, so that what a library saves into it (DeepSpeed, transformers) lands inside it;
+- `write_atomically` (a file) and `folder_written_atomically` (a folder: a model, a checkpoint's staging
+  via `replace_folder` and `fsync_path`) leave the old copy or the new one whole, never a half-written one;
 - `remove` deletes a file, link or tree, never following a link (a link goes, its target stays);
 - `refuse_links`: before a command touches such a folder, any link among the entries it will write
   or read (``eval/``, ``checkpoints/``, ``sft/``, ``final/``, ... at any depth) is refused by name.
@@ -33,13 +35,20 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import NotAFileError, RunDirError
+from safetensors import SafetensorError
+
+from .errors import NotAFileError, RunDirError, RunError
 
 #: the folder W&B keeps its own files in (under a run's wandb/): its relative links are its own
 WANDB_OWN = ("wandb", "wandb")
+#: the suffix of a staging folder: a save in progress (or killed)
+PARTIAL = ".partial"
+#: free bytes under which a failed write is read as a full disk (torch reports ENOSPC as an iostream error)
+FULL_DISK_BYTES = 1 << 20
 
 
 def refused(path: Path, error: OSError) -> RunDirError:
@@ -301,3 +310,80 @@ def save_figure(fig, path: Path, **savefig) -> Path:
     fig.savefig(buffer, format=Path(path).suffix.lstrip(".") or "png", **savefig)
     write_file(Path(path), buffer.getvalue())
     return Path(path)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`path` holds `text` whole, or what it held before: staged beside it, fsynced, renamed over it.
+    For the files a resume or a study reads back (eval_before.json, summary.json). `RunError` when
+    it cannot be written (a full disk, a read-only folder), naming which."""
+    try:
+        write_file(path, text, sync=True)
+        fsync_path(path.parent)
+    except OSError as error:
+        raise RunError(f"{path} could not be written: {why_not_written(error, path)}") from None
+
+
+@contextmanager
+def folder_written_atomically(folder: Path) -> Iterator[Path]:
+    """Yields a staging folder to write `folder`'s files into; when the block ends without an error
+    they are fsynced and the staging folder replaces `folder`. A kill or an error leaves the
+    previous `folder` (or none), never a half-written one that loads as a model; a write that
+    fails (a full disk, a read-only folder) raises `RunError` naming why."""
+    staged = folder.with_name(f".{folder.name}{PARTIAL}")
+    try:
+        fresh_dir(staged)  # whatever a save killed earlier left (or a link put there)
+        yield staged
+        for path in staged.rglob("*"):
+            fsync_path(path)
+        fsync_path(staged)
+        replace_folder(folder, staged)
+        fsync_path(folder.parent)
+    except (OSError, RuntimeError, SafetensorError) as error:  # torch and safetensors report IO errors so
+        remove(staged, quiet=True)
+        if isinstance(error, RunError):
+            raise
+        raise RunError(f"{folder} could not be written: {why_not_written(error, folder)}") from None
+
+
+def replace_folder(folder: Path, staged: Path) -> None:
+    """Rename the complete `staged` folder to `folder`, moving an existing `folder` aside first and
+    deleting it after: at every moment `folder` is the old copy, absent, or the new one."""
+    if os.path.lexists(folder):
+        aside = staged.with_name(f"replaced-{staged.name}")
+        remove(aside, quiet=True)
+        folder.rename(aside)
+        staged.rename(folder)
+        remove(aside, quiet=True)
+    else:
+        staged.rename(folder)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync the file or folder `path` (never through a link): what was written or renamed there survives a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def full_disk(error: BaseException, path: Path) -> int | None:
+    """The free bytes where `path` lies when `error` reads as a full disk (torch reports ENOSPC as an
+    iostream error, hence the free space too), else None."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < FULL_DISK_BYTES
+    return free if full else None
+
+
+def why_not_written(error: BaseException, path: Path) -> str:
+    """Why `path` could not be written, in words, and what to do: a full disk, a read-only folder, or
+    the error itself."""
+    free = full_disk(error, path)
+    if free is not None:
+        why = f"no space left on device ({free} bytes free)"
+    elif getattr(error, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = f"{path.parent} is not writable"
+    else:
+        why = " ".join(str(error).split()) or type(error).__name__
+    return f"{why}; make room or make it writable and run the command again (sage-train with --resume)"

@@ -28,9 +28,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ..checkpoint import write_atomically
 from ..rollout.base import RolloutEngine, SamplingParams, derive_seed
-from ..safe_files import save_figure, write_file
+from ..safe_files import save_figure, write_atomically, write_file
 from ..tasks import grade
 from ..tasks.base import Problem, Task
 

@@ -50,7 +50,7 @@ import yaml
 
 from ..errors import ConfigError
 from ..run_files import RUN_FILES
-from ..safe_files import make_dir, open_append, refuse_links
+from ..safe_files import make_dir, open_append, refuse_links, write_atomically
 from .design import START, Arm, Study, StudyError, parse_study
 from .report import write_report
 
@@ -86,7 +86,6 @@ def _run(study: Study, arm: Arm | None, seed: int) -> str:
 
 def record_environment(run_dir: Path, stage: str) -> None:
     """Adds {stage: environment} to run_dir/study_env.json: what trained (or evaluated) this run."""
-    from ..checkpoint import write_atomically
     from ..environment import environment
 
     path = run_dir / RUN_FILES.study_env
@@ -233,7 +232,6 @@ def store_counts(study: Study, arm: str, seed: int) -> None:
     """{store}/{arm}-s{seed}.json: the run's per-problem correct counts as study.json stores them
     (with the problem ids, the run's metrics file's last row and its environment), written as each
     run finishes so a study's counts are kept (e.g. committed) while it is still running."""
-    from ..checkpoint import write_atomically
     from ..report import read_metrics
     from .report import collect_counts
 

@@ -189,7 +189,7 @@ def test_train_problems_beyond_the_default_pool_draws_a_larger_pool_with_the_def
 
 def test_the_guide_keys_are_the_guide_settings_fields_and_read_back_through_them():
     from sage_train.config import FIELDS
-    from sage_train.presets import GUIDE_KEYS, GuideSettings, guide_settings, is_scheduled
+    from sage_train.guide import GUIDE_KEYS, GuideSettings, guide_settings, is_scheduled
 
     assert set(GUIDE_KEYS) <= set(FIELDS) and len(GUIDE_KEYS) == len(dataclasses.fields(GuideSettings))
     cfg = resolve(build({"algorithm": "sage-random", "guide_eps_max": 0.2, "guide_num_cycles": 3}))

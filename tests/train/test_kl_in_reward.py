@@ -48,7 +48,7 @@ def config(**keys):
 def test_generation_guides_are_the_guides_own():
     """Each run's guide (`make_guide`) gives the reward its q from the behaviour policy's log-probs
     and entropies: the branch guide with the run's gamma / tau / bounds, the scheduled ones their draws."""
-    from sage_train.presets import make_guide
+    from sage_train.guide import make_guide
 
     old, _, _, mask = tensors(1)
     entropy = torch.rand(old.shape, generator=torch.Generator().manual_seed(2)) * 3

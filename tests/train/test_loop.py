@@ -142,9 +142,9 @@ def test_resume_refuses_a_changed_config(tiny_config, distributed):
 
 
 def test_warm_start_stops_at_the_target_loss(tiny_config):
-    from sage_train.build import SFT_WINDOW, sft_warm_start
     from sage_train.inputs import sft_examples
     from sage_train.models.loading import load_model_and_tokenizer
+    from sage_train.sft import SFT_WINDOW, sft_warm_start
     from sage_train.tasks import get_task
 
     task = get_task("arithmetic", digits=1)

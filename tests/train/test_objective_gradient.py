@@ -11,7 +11,7 @@ import torch
 from run_copies import TINY_RUN
 
 from sage_train.config import build, resolve
-from sage_train.presets import make_guide
+from sage_train.guide import make_guide
 from sage_train.rl_maths import group_advantages, objective_advantages, sequence_kl
 from sage_train.study.toy import enumerable as E
 

@@ -19,12 +19,12 @@ from tiny_models import completions, step_context, tiny_model
 
 from sage_train.build import build_engines
 from sage_train.config import ConfigError
+from sage_train.guide import make_guide
 from sage_train.inputs import engine_config
 from sage_train.micro_batches import padding_free, split, token_budget_groups
 from sage_train.models.loading import build_char_tokenizer, load_pretrained
 from sage_train.models.lora import with_lora
 from sage_train.policy import PolicyHead, make_batch, score
-from sage_train.presets import make_guide
 from sage_train.rollout import Completion
 from sage_train.step import policy_update, step_micro_batches
 

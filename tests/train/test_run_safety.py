@@ -30,6 +30,7 @@ from sage_train.distributed import RunError
 from sage_train.run import train
 from sage_train.run_dir import RunLock
 from sage_train.run_files import RUN_FILES
+from sage_train.safe_files import folder_written_atomically, write_atomically
 
 REPO = Path(__file__).resolve().parents[2]
 #: the shared runs: 6 steps, checkpoints every 2 (all kept)
@@ -373,19 +374,19 @@ def test_a_failed_model_save_leaves_the_previous_folder_whole_and_a_finished_one
     final.mkdir()
     (final / "config.json").write_text("old")
     with pytest.raises(RunError, match="disk gone"):
-        with checkpoint.folder_written_atomically(final) as staged:
+        with folder_written_atomically(final) as staged:
             (staged / "config.json").write_text("new")
             raise OSError("disk gone")
     assert [p.name for p in final.iterdir()] == ["config.json"] and (final / "config.json").read_text() == "old"
-    with checkpoint.folder_written_atomically(final) as staged:
+    with folder_written_atomically(final) as staged:
         (staged / "config.json").write_text("new")
         (staged / "model.safetensors").write_bytes(b"weights")
     assert sorted(p.name for p in final.iterdir()) == ["config.json", "model.safetensors"]
     assert (final / "config.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no staging or replaced copy left
     summary = tmp_path / "summary.json"
-    checkpoint.write_atomically(summary, '{"steps_done": 1}\n')
-    checkpoint.write_atomically(summary, '{"steps_done": 2}\n')
+    write_atomically(summary, '{"steps_done": 1}\n')
+    write_atomically(summary, '{"steps_done": 2}\n')
     assert json.loads(summary.read_text()) == {"steps_done": 2} and sorted(p.name for p in tmp_path.iterdir()) == [
         "final",
         "summary.json",
