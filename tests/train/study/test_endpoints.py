@@ -43,6 +43,7 @@ def test_the_guide_is_read_where_it_acts():
         "kl-in-reward/study.json",
         "enrichment/study.json",
         "confirmatory/study.json",
+        "frontier/study.json",
     ],
 )
 def test_committed_studies_recompute_exactly(study):
