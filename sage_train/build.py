@@ -14,17 +14,15 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
-from .context import RunContext
+from .context import RunContext, RunSettings
 from .errors import ConfigError
 from .guide import make_guide
 from .inputs import RunPlan, evaluation_sets, run_prompts
 from .micro_batches import padding_free
 from .models.loading import load_folder, model_for
-from .models.lora import AdapterDisabled, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
-from .policy import PolicyHead, lr_schedule
-from .presets import loss_config
-from .rollout.base import make_engine
+from .models.lora import AdapterDisabled, LoraSettings, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
+from .policy import OptimSettings, PolicyHead, lr_schedule
+from .rollout.base import RolloutSettings, make_engine
 from .run_files import RUN_FILES
 from .safe_files import folder_written_atomically
 from .sft import sft_warm_start
@@ -35,22 +33,36 @@ def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
     """The run's models (the warm start, or its saved result on resume), engines, prompted tasks and
     evaluation sets, rollout engine and guide, in that order (the rollout engine's context length is derived from
     every prompt the run samples)."""
-    cfg = plan.cfg
-    model, tokenizer = initial_policy(plan, rank, resumed=cfg.resume)
+    settings = plan.settings
+    run, loss = settings.run, settings.loss
+    model, tokenizer = initial_policy(plan, rank, resumed=run.resume)
     rollout_init = rollout_model_path(plan, model, tokenizer, rank)
-    model, reference_lm = policy_and_reference(cfg, model)
-    packed, why_padded = padding_free(cfg, model)
-    if why_padded and cfg.padding_free is None and rank == 0:
+    with_reference = settings.reward.beta != 0
+    model, reference_lm = policy_and_reference(settings.lora, model, with_reference)
+    packed, why_padded = padding_free(settings.step, loss.luspo_include_padding, model)
+    if why_padded and settings.step.padding_free is None and rank == 0:
         print(f"sage-train: padded micro-batches: {why_padded}", flush=True)
-    engine, reference = build_engines(cfg, model, reference_lm, plan.deepspeed, device)
-    task = chat_prompted(cfg, plan.task, tokenizer)
-    held_out_task = chat_prompted(cfg, plan.eval_task, tokenizer) if plan.eval_task else task
-    evaluations = evaluation_sets(cfg, task, held_out_task, plan.train_problems, plan.held_out)
+    engine, reference = build_engines(settings.optim, model, reference_lm, plan.deepspeed, device, with_reference)
+    task = chat_prompted(settings.chat, plan.task, tokenizer)
+    held_out_task = chat_prompted(settings.chat, plan.eval_task, tokenizer) if plan.eval_task else task
+    evaluations = evaluation_sets(settings.evaluation, task, held_out_task, plan.train_problems, plan.held_out)
     prompts = run_prompts(task, plan.train_problems, evaluations)  # read only to derive vLLM's context length
-    rollout = build_rollout(cfg, engine.module.lm, tokenizer, rollout_init, device, rank, plan.world, prompts)
-    guide = make_guide(cfg, rank)
+    rollout = build_rollout(
+        settings.rollout,
+        run,
+        engine.module.lm,
+        tokenizer,
+        rollout_init,
+        device,
+        rank,
+        plan.world,
+        prompts,
+        synced_gpus=settings.optim.zero_stage == 3 and plan.world > 1,
+        max_rows=settings.step.prompts_per_step // plan.world * settings.step.group_size,  # a step's rows at most
+    )
+    guide = make_guide(run.guide, loss, settings.guide, steps=run.steps, seed=run.seed, rank=rank)
     return RunContext(
-        cfg,
+        settings,
         engine,
         reference,
         rollout,
@@ -61,7 +73,7 @@ def build_context(plan: RunPlan, rank: int, device: torch.device) -> RunContext:
         rank,
         plan.world,
         device,
-        loss=loss_config(cfg),
+        loss=loss,
         padding_free=packed,
         evaluations=evaluations,
     )
@@ -79,20 +91,21 @@ def initial_policy(plan: RunPlan, rank: int, *, resumed: bool):
     The warm-started model (or adapter) is saved to ``run_dir/sft``; a resumed run rebuilds the
     reference from there (with the tokenizer saved there), or for ``continue`` from the plan's
     model (its policy weights then come from the checkpoint)."""
-    cfg, tokenizer = plan.cfg, plan.tokenizer
-    sft_dir = cfg.run_dir / RUN_FILES.sft
-    continue_adapter = cfg.lora_rank > 0 and cfg.sft_adapter == "continue"
-    if cfg.warm_start and resumed and continue_adapter:
-        return with_lora(model_for(cfg, plan.model, tokenizer), cfg), tokenizer
-    if cfg.warm_start and resumed and (sft_dir / "config.json").is_file():
+    settings, tokenizer = plan.settings, plan.tokenizer
+    sft, lora = settings.sft, settings.lora
+    sft_dir = settings.run.run_dir / RUN_FILES.sft
+    continue_adapter = lora.lora_rank > 0 and sft.sft_adapter == "continue"
+    if sft.warm_start and resumed and continue_adapter:
+        return with_lora(model_for(settings.model, plan.model, tokenizer), lora), tokenizer
+    if sft.warm_start and resumed and (sft_dir / "config.json").is_file():
         return load_folder(str(sft_dir))  # the HF folder this run saved
-    model = model_for(cfg, plan.model, tokenizer)
-    if cfg.warm_start:
+    model = model_for(settings.model, plan.model, tokenizer)
+    if sft.warm_start:
         if torch.cuda.is_available():  # warm-start where RL will run, not on the host
             model.to(torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
-        if cfg.lora_rank:
-            model = with_lora(model, cfg)
-        steps = sft_warm_start(model, tokenizer, plan.sft_examples, cfg)
+        if lora.lora_rank:
+            model = with_lora(model, lora)
+        steps = sft_warm_start(model, tokenizer, plan.sft_examples, sft)
         if not continue_adapter:
             model = merge_lora(model)
         if rank == 0:
@@ -104,27 +117,30 @@ def initial_policy(plan: RunPlan, rank: int, *, resumed: bool):
     return model, tokenizer
 
 
-def build_engines(cfg: TrainConfig, model, reference_lm, ds_config: dict, device: torch.device):
+def build_engines(
+    optim: OptimSettings, model, reference_lm, ds_config: dict, device: torch.device, with_reference: bool
+):
     """The DeepSpeed engine of the policy and the reference scorer (ZeRO-3-partitioned under stage 3),
-    configured by `ds_config` (the plan's, `inputs.deepspeed_config`)."""
+    configured by `ds_config` (the plan's, `inputs.deepspeed_config`). A LoRA policy's reference is the
+    policy with its adapter off, when `with_reference` (beta != 0)."""
     import deepspeed
 
-    policy = PolicyHead(model.to(device), cfg.loss_backend, cfg.gradient_checkpointing)
+    policy = PolicyHead(model.to(device), optim.loss_backend, optim.gradient_checkpointing)
     trainable = [p for p in policy.parameters() if p.requires_grad]  # the adapter only under LoRA
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    total = cfg.steps * cfg.num_iterations
+    optimizer = torch.optim.AdamW(trainable, lr=optim.lr, weight_decay=optim.weight_decay)
+    total = optim.steps * optim.num_iterations
     engine, *_ = deepspeed.initialize(
         model=policy,
         optimizer=optimizer,
         config=ds_config,
-        lr_scheduler=lambda opt: lr_schedule(opt, cfg.lr_schedule, cfg.warmup_steps, total),
+        lr_scheduler=lambda opt: lr_schedule(opt, optim.lr_schedule, optim.warmup_steps, total),
     )
     reference = None
-    if is_lora(model) and cfg.beta != 0:
+    if is_lora(model) and with_reference:
         reference = AdapterDisabled(engine, model)
     if reference_lm is not None:
-        reference = PolicyHead(reference_lm.to(device), cfg.loss_backend)
-        if cfg.zero_stage == 3:
+        reference = PolicyHead(reference_lm.to(device), optim.loss_backend)
+        if optim.zero_stage == 3:
             reference_config = {
                 key: ds_config[key]
                 for key in (
@@ -141,25 +157,26 @@ def build_engines(cfg: TrainConfig, model, reference_lm, ds_config: dict, device
     return engine, reference
 
 
-def policy_and_reference(cfg: TrainConfig, model):
+def policy_and_reference(lora: LoraSettings, model, with_reference: bool):
     """(the policy, the reference LM or None) at the start of RL. With LoRA the policy carries an
     adapter (the warm start's, or a fresh one) and the reference is the policy with it disabled
-    (None here: `build_engines` makes it); otherwise a frozen copy of `model` when ``beta != 0``."""
-    if cfg.lora_rank:
-        return (model if is_lora(model) else with_lora(model, cfg)), None
-    return model, (copy.deepcopy(model).requires_grad_(False).eval() if cfg.beta != 0 else None)
+    (None here: `build_engines` makes it); otherwise a frozen copy of `model` when `with_reference`
+    (beta != 0)."""
+    if lora.lora_rank:
+        return (model if is_lora(model) else with_lora(model, lora)), None
+    return model, (copy.deepcopy(model).requires_grad_(False).eval() if with_reference else None)
 
 
 def rollout_model_path(plan: RunPlan, model, tokenizer, rank: int) -> str:
     """What an engine that loads weights itself (vllm) starts from: the plan's model source, or, for
     a model built here ("tiny") or warm-started, a copy saved to ``run_dir/rollout_init`` (HF format).
     The engine then receives the policy's weights before the first step in any case."""
-    cfg = plan.cfg
-    if cfg.rollout_engine != "vllm":
-        return cfg.model
-    if cfg.model != "tiny" and (not cfg.warm_start or is_lora(model)):  # an adapter: the base loads
+    run = plan.settings.run
+    if plan.settings.rollout.rollout_engine != "vllm":
+        return run.model
+    if run.model != "tiny" and (not plan.settings.sft.warm_start or is_lora(model)):  # an adapter: the base loads
         return plan.model  # a named model or GGUF file: its cached conversion
-    path = cfg.run_dir / RUN_FILES.rollout_init
+    path = run.run_dir / RUN_FILES.rollout_init
     if rank == 0:  # saved afresh, then renamed: a copy's files (cp -al: hard links) are never written through
         with folder_written_atomically(path) as staged:
             if is_lora(model):  # the warm start's adapter, merged out of place
@@ -172,54 +189,66 @@ def rollout_model_path(plan: RunPlan, model, tokenizer, rank: int) -> str:
 
 
 def build_rollout(
-    cfg: TrainConfig, lm, tokenizer, model_path: str, device, rank: int, world: int, prompts: Iterable[str] = ()
+    rollout: RolloutSettings,
+    run: RunSettings,
+    lm,
+    tokenizer,
+    model_path: str,
+    device,
+    rank: int,
+    world: int,
+    prompts: Iterable[str] = (),
+    *,
+    synced_gpus: bool,
+    max_rows: int,
 ):
-    """The rollout engine of ``cfg.rollout_engine``, sampling from `lm` (the policy module).
+    """The rollout engine of ``rollout_engine``, sampling from `lm` (the policy module) of the run `run`.
 
     prompts: every prompt the run samples (RL and evaluation), read only to derive vLLM's
-    context length when ``vllm_max_model_len`` is 0 (`derived_max_model_len`)."""
-    if cfg.rollout_engine == "vllm":
-        max_model_len = cfg.vllm_max_model_len or derived_max_model_len(cfg, tokenizer, prompts)
+    context length when ``vllm_max_model_len`` is 0 (`derived_max_model_len`). The hf engine joins
+    every rank's generate when `synced_gpus` (ZeRO-3) and samples at most `max_rows` rows at once."""
+    if rollout.rollout_engine == "vllm":
+        max_model_len = rollout.vllm_max_model_len or derived_max_model_len(rollout, tokenizer, prompts)
         return make_engine(
             "vllm",
             model_path,
             tokenizer,
-            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-            enable_sleep_mode=cfg.vllm_sleep_mode,
-            sync_bucket_mb=cfg.vllm_sync_bucket_mb,
+            gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+            enable_sleep_mode=rollout.vllm_sleep_mode,
+            sync_bucket_mb=rollout.vllm_sync_bucket_mb,
             max_model_len=max_model_len,
-            max_num_batched_tokens=cfg.vllm_max_num_batched_tokens or None,
-            dtype=cfg.vllm_dtype,
-            seed=cfg.seed + rank,
-            temperature=cfg.temperature,  # the engine reports log-probs of the distribution sampled at it
+            max_num_batched_tokens=rollout.vllm_max_num_batched_tokens or None,
+            dtype=rollout.vllm_dtype,
+            seed=run.seed + rank,
+            temperature=rollout.temperature,  # the engine reports log-probs of the distribution sampled at it
         )
-    if cfg.rollout_engine == "hf":
+    if rollout.rollout_engine == "hf":
         return make_engine(
             "hf",
             lm,
             tokenizer,
             device=device,
-            synced_gpus=cfg.zero_stage == 3 and world > 1,
-            max_rows=cfg.prompts_per_step // world * cfg.group_size,  # no generate larger than a step's
-            dtype=getattr(torch, cfg.hf_rollout_dtype) if cfg.hf_rollout_dtype else None,
+            synced_gpus=synced_gpus,
+            max_rows=max_rows,
+            dtype=getattr(torch, rollout.hf_rollout_dtype) if rollout.hf_rollout_dtype else None,
         )
-    shared = cfg.openai_shared_dir or str(cfg.run_dir / RUN_FILES.adapters)
+    shared = rollout.openai_shared_dir or str(run.run_dir / RUN_FILES.adapters)
     return make_engine(
         "openai",
-        cfg.openai_base_url,
+        rollout.openai_base_url,
         tokenizer,
-        served_model=cfg.openai_model or cfg.model,
-        base_model=cfg.model,  # config.validate: no warm start, so the adapter's base is `model`
+        served_model=rollout.openai_model or run.model,
+        base_model=run.model,  # config.validate: no warm start, so the adapter's base is `model`
         shared_dir=os.path.join(shared, f"rank{rank}"),
         adapter_name=f"policy-rank{rank}",
     )
 
 
-def derived_max_model_len(cfg: TrainConfig, tokenizer, prompts: Iterable[str]) -> int:
+def derived_max_model_len(rollout: RolloutSettings, tokenizer, prompts: Iterable[str]) -> int:
     """The longest of `prompts` in tokens plus the larger of ``max_new_tokens`` and
     ``eval_max_new_tokens``: the longest sequence the run can ask of the engine."""
     texts = list(prompts)
     if not texts:
         raise ConfigError("config key 'vllm_max_model_len' is 0 (derived) but no prompt was given to derive it from")
     longest = max(map(len, tokenizer(texts, add_special_tokens=False)["input_ids"]))
-    return longest + max(cfg.max_new_tokens, cfg.eval_max_new_tokens)
+    return longest + max(rollout.max_new_tokens, rollout.eval_max_new_tokens)

@@ -29,6 +29,7 @@ import pickle
 import random
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,15 @@ MANIFEST = "manifest.json"
 #: the most bytes read of `latest` (a step folder's name) and of a manifest (a size per file of a
 #: save): a received run's oversized or endless file is refused, not read
 LATEST_MAX, MANIFEST_MAX = 4096, 16 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """When a run saves a checkpoint (every ``save_every`` steps, and at its last) and how many it keeps
+    (``keep_checkpoints``; 0: all)."""
+
+    save_every: int
+    keep_checkpoints: int
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -135,10 +145,10 @@ def load_data(path, map_location=None):
             ) from None
 
 
-def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
-    """Write checkpoint `step` from every rank (a collective call), then drop all but the newest
-    `keep` up to `step` (0 keeps all). Raises `RunError` (on every rank) when it cannot be
-    written; the previous checkpoints are then untouched."""
+def save(engine, run_dir: Path, step: int, config: dict, guide, *, keep: int) -> Path:
+    """Write checkpoint `step` from every rank (a collective call), with the run's `config` (its saved
+    keys), then drop all but the newest `keep` up to `step` (0 keeps all). Raises `RunError` (on every
+    rank) when it cannot be written; the previous checkpoints are then untouched."""
     root = checkpoint_dir(run_dir)
     staging, tag = root / PARTIAL, tag_of(step)
     rank, error = dist.get_rank(), None
@@ -154,7 +164,7 @@ def save(engine, run_dir: Path, step: int, cfg, guide, *, keep: int) -> Path:
         state = {"rng": rng_state(), "guide": guide.state_dict() if guide is not None else None}
         torch.save(state, staging / tag / f"rank{rank}.pt")
         if rank == 0:
-            save_yaml(cfg, staging / tag / RUN_FILES.config)
+            save_yaml(config, staging / tag / RUN_FILES.config)
     except (OSError, RuntimeError) as caught:  # torch reports a failed write as a RuntimeError
         error = error or _write_failure(caught, root, tag)
     errors = [None] * dist.get_world_size()

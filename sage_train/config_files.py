@@ -215,7 +215,7 @@ def read_mapping(name_or_path: str, texts: dict | None = None) -> dict:
     return values
 
 
-def save_yaml(cfg, path) -> None:
-    """The config `cfg` (a TrainConfig) as YAML at `path`, written whole and never through a link
-    (`safe_files.write_file`)."""
-    write_file(Path(path), dump(cfg.to_dict()))
+def save_yaml(config: dict, path) -> None:
+    """A run's config (its keys and values, `TrainConfig.to_dict`) as YAML at `path`, written whole and
+    never through a link (`safe_files.write_file`)."""
+    write_file(Path(path), dump(config))

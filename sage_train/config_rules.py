@@ -10,10 +10,14 @@ from pathlib import Path
 from sage_kernels.backends import BACKEND_CHOICES
 
 from .errors import ConfigError
+from .eval.evaluate import EVAL_SPLITS
+from .policy import LR_SCHEDULES, ZERO_STAGES
 from .presets import LOSS_KEYS
+from .records import settings_of
 from .report import LOGGERS
-from .rl_maths import IS_MODES, TIS_LEVELS, parse_rejection
-from .rollout.base import ENGINES
+from .rl_maths import IS_MODES, TIS_LEVELS, Corrections, parse_rejection
+from .rollout.base import ENGINES, HF_ROLLOUT_DTYPES
+from .sft import SFT_ADAPTERS, SFT_FORMATS, SFT_LR_SCHEDULES
 from .tasks.chat import CHAT_TEMPLATES
 
 #: the longest file name (in bytes) the filesystems sage writes to take
@@ -32,33 +36,33 @@ NON_NEGATIVE_KEYS = (
     "sft_steps sft_max_tokens sft_epochs sft_warmup_steps sft_max_example_tokens cpu_threads train_problems "
     "warmup_steps eval_problems eval_max_new_tokens max_prompt_length keep_checkpoints log_completions"
 ).split()
-#: the keys that take one of a few values, and those values (each read from the table that defines
-#: it where one exists: a new engine, correction, backend or template is one entry there)
+#: the keys that take one of a few values, and those values, each read from the table that defines
+#: it (a new engine, correction, backend, schedule or template is one entry there)
 CHOICES = {
-    "zero_stage": (0, 1, 2, 3),
-    "lr_schedule": ("constant", "cosine", "linear"),
+    "zero_stage": ZERO_STAGES,
+    "lr_schedule": LR_SCHEDULES,
     "rollout_engine": tuple(ENGINES),
-    "sft_adapter": ("merge", "continue"),
-    "sft_lr_schedule": ("cosine", "linear"),
-    "sft_format": ("raw", "official"),
+    "sft_adapter": SFT_ADAPTERS,
+    "sft_lr_schedule": SFT_LR_SCHEDULES,
+    "sft_format": SFT_FORMATS,
     "tis_level": TIS_LEVELS,
     "vllm_importance_sampling_mode": IS_MODES,
     "loss_backend": BACKEND_CHOICES,
     "chat_template": ("", *CHAT_TEMPLATES),  # "": none
-    "hf_rollout_dtype": ("", "bfloat16", "float16", "float32"),
+    "hf_rollout_dtype": HF_ROLLOUT_DTYPES,
 }
 
 
-def check_rollout_correction(cfg, require) -> None:
-    """The rollout-mismatch keys (`sage_train.rl_maths`): one weighting at a time, TRL's bounds,
-    verl's rejection options and thresholds."""
-    mode = cfg.vllm_importance_sampling_mode
+def check_rollout_correction(corrections: Corrections, require) -> None:
+    """The rollout-mismatch keys (`sage_train.rl_maths.Corrections`): one weighting at a time, TRL's
+    bounds, verl's rejection options and thresholds."""
+    mode = corrections.vllm_importance_sampling_mode
     require(
-        mode == "off" or cfg.tis_level == "off",
+        mode == "off" or corrections.tis_level == "off",
         "vllm_importance_sampling_mode",
-        f"'off' with tis_level {cfg.tis_level!r} (tis_level 'token' is token_truncate at clip_max tis_cap)",
+        f"'off' with tis_level {corrections.tis_level!r} (tis_level 'token' is token_truncate at clip_max tis_cap)",
     )
-    low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+    low, high = corrections.vllm_importance_sampling_clip_min, corrections.vllm_importance_sampling_clip_max
     require(
         mode == "off" or low is not None or high is not None,
         "vllm_importance_sampling_clip_max",
@@ -69,10 +73,14 @@ def check_rollout_correction(cfg, require) -> None:
         "vllm_importance_sampling_clip_min",
         f"< vllm_importance_sampling_clip_max={high}",
     )
-    require(cfg.rollout_rs or cfg.rollout_rs_threshold == "", "rollout_rs_threshold", "'' without rollout_rs")
-    if cfg.rollout_rs:
+    require(
+        corrections.rollout_rs or corrections.rollout_rs_threshold == "",
+        "rollout_rs_threshold",
+        "'' without rollout_rs",
+    )
+    if corrections.rollout_rs:
         try:
-            parse_rejection(cfg.rollout_rs, cfg.rollout_rs_threshold)
+            parse_rejection(corrections.rollout_rs, corrections.rollout_rs_threshold)
         except ValueError as error:  # its message starts with the key it is about
             key, _, rest = str(error).partition(" ")
             raise ConfigError(f"config key {key!r} {rest}") from None
@@ -139,7 +147,7 @@ def validate(cfg) -> None:
         "'' unless rollout_engine is 'hf' without ZeRO-3 (the copy it samples from holds whole parameters; "
         "vLLM has vllm_dtype)",
     )
-    check_rollout_correction(cfg, require)
+    check_rollout_correction(settings_of(Corrections, cfg), require)
     truncates = cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0
     corrects = [key for key in ("tis_level", "vllm_importance_sampling_mode") if getattr(cfg, key) != "off"]
     corrects += ["rollout_rs"] if cfg.rollout_rs else []
@@ -154,7 +162,7 @@ def validate(cfg) -> None:
     require(cfg.tis_cap > 0, "tis_cap", "> 0")
     require(all(isinstance(s, str) and s for s in cfg.stop), "stop", "a list of non-empty strings")
     require(cfg.chat_template or not cfg.system_prompt, "system_prompt", "'' without a chat_template")
-    require(set(cfg.eval_splits) <= {"train", "test"}, "eval_splits", "a list of 'train' and/or 'test'")
+    require(set(cfg.eval_splits) <= set(EVAL_SPLITS), "eval_splits", "a list of 'train' and/or 'test'")
     for key in ("output_dir", "name"):  # a longer folder name fails in the filesystem, not here
         fits = all(len(os.fsencode(part)) <= NAME_MAX for part in Path(getattr(cfg, key)).parts)
         require(fits and "\0" not in getattr(cfg, key), key, f"a path of names of at most {NAME_MAX} bytes")

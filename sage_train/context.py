@@ -1,12 +1,16 @@
 """A run's context, types only: what its steps and evaluations read (`RunContext`, built once by
-`sage_train.build.build_context`: the warm-started policy and its reference in their engines, the
-rollout engine, the prompted task, the guide), and the state that the steps carry from one to the
-next (the current generation, the stop reason)."""
+`sage_train.build.build_context`: the run's settings, the warm-started policy and its reference in their
+engines, the rollout engine, the prompted task, the guide), and the state that the steps carry from one
+to the next (the current generation, the stop reason). The run's settings are frozen records
+(`sage_train.records`), each beside the table or code it chooses from; `Settings` holds them all,
+with the two that belong to no other module: the run's own keys (`RunSettings`) and the RL step's shape
+(`StepSettings`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,14 +18,85 @@ import torch
 from sage_kernels import LossConfig
 from sage_kernels.guides import Guide
 
-from .config import TrainConfig
-from .policy import Batch
-from .rollout.base import RolloutEngine
+from .checkpoint import CheckpointSettings
+from .eval.evaluate import EvalSettings
+from .guide import GuideSettings
+from .models.loading import ModelSettings
+from .models.lora import LoraSettings
+from .policy import Batch, OptimSettings
+from .report import LogSettings
+from .rl_maths import Corrections, RewardSettings
+from .rollout.base import RolloutEngine, RolloutSettings
+from .sft import SftSettings
 from .tasks.base import Problem, Task
+from .tasks.chat import ChatSettings
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
     from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The run's own keys: where it lives, what it trains and for how many steps, how it starts."""
+
+    name: str
+    run_dir: Path
+    seed: int
+    steps: int
+    algorithm: str
+    guide: str  # the guide by name: none, or one of `sage_kernels.guides.GUIDES` (`guide.make_guide`)
+    task: str
+    model: str
+    overwrite: bool
+    resume: bool
+    cpu_threads: int
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The RL step's shape (`sage_train.step`): its prompts and their groups, the generations and
+    updates they feed, its micro-batches (rows or a token budget; packed or padded), DAPO's batch
+    shaping, what it logs, and the temperature of the distribution it scores."""
+
+    seed: int
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    steps_per_generation: int
+    num_iterations: int
+    micro_batch_size: int
+    max_tokens_per_micro_batch: int
+    padding_free: bool | None
+    max_nonfinite_steps: int
+    dynamic_sampling: bool
+    dynamic_sampling_max_rounds: int
+    overlong_filter: bool
+    log_completions: int
+    temperature: float
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every settings record of a run (`inputs.run_settings`), each read by the part of the run it names."""
+
+    run: RunSettings
+    step: StepSettings
+    rollout: RolloutSettings
+    corrections: Corrections
+    reward: RewardSettings
+    optim: OptimSettings
+    evaluation: EvalSettings
+    logging: LogSettings
+    checkpoints: CheckpointSettings
+    model: ModelSettings
+    lora: LoraSettings
+    sft: SftSettings
+    chat: ChatSettings
+    guide: GuideSettings
+    loss: LossConfig  # the loss's own record (`presets.loss_config`); each step sets its normaliser
+    #: every key of the run as saved in its config.yaml: data for the checkpoints and the loggers, not options to read
+    saved: dict
 
 
 @dataclass
@@ -48,7 +123,7 @@ class RunContext:
     """What the run's steps and evaluations read (built once by `sage_train.build.build_context`), and the state the
     steps carry."""
 
-    cfg: TrainConfig
+    settings: Settings
     engine: DeepSpeedEngine  # wraps PolicyHead(policy)
     reference: Callable | None  # PolicyHead(frozen reference), the adapter-disabled engine, or None
     rollout: RolloutEngine

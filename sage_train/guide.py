@@ -2,15 +2,16 @@
 run makes it. The branch guide's settings (gamma, tau, q_min, q_max) are loss options (`presets.LOSS_KEYS`). The
 token and random guides' schedule is one frozen record, `GuideSettings`, whose defaults are the
 official values of `sage_kernels.guides`; the trainer's keys ``guide_<field>`` derive from its fields
-(`GUIDE_KEYS`: `TrainConfig` adds one key per field, as it adds one per loss option), and
-`make_guide` reads them back through it (`guide_settings`) and gives each guide the settings its
-row of `GUIDES` names. Which preset sets which of them is `sage_train.presets`'s."""
+(`GUIDE_KEYS`: `TrainConfig` adds one key per field, as it adds one per loss option; a run reads them
+back as this record, `records.settings_of(GuideSettings, cfg, "guide_")`), and `make_guide` gives each
+guide the settings its row of `GUIDES` names. Which preset sets which of them is `sage_train.presets`'s."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from sage_kernels import LossConfig
 from sage_kernels.guides import (
     DECAY_RATE,
     GUIDES,
@@ -45,31 +46,28 @@ class GuideSettings:
 GUIDE_KEYS = tuple(f"guide_{f.name}" for f in dataclasses.fields(GuideSettings))
 
 
-def guide_settings(cfg) -> GuideSettings:
-    """The `GuideSettings` of a resolved TrainConfig (its ``guide_*`` keys)."""
-    return GuideSettings(**{f.name: getattr(cfg, f"guide_{f.name}") for f in dataclasses.fields(GuideSettings)})
-
-
 def is_scheduled(guide: str) -> bool:
     """Whether the guide called `guide` anneals over the run's steps (its schedule follows ``steps``)."""
     return guide in GUIDES and issubclass(GUIDES[guide].cls, ScheduledGuide)
 
 
-def make_guide(cfg, rank: int) -> Guide | None:
-    """The run's guide (`sage_kernels.guides.GUIDES[cfg.guide]`), or None for ``guide: none``, given
+def make_guide(
+    name: str, loss: LossConfig, settings: GuideSettings, *, steps: int, seed: int, rank: int
+) -> Guide | None:
+    """The run's guide `name` (`sage_kernels.guides.GUIDES[name]`), or None for ``guide: none``, given
     the settings its row names, drawn from: the loss options (gamma, tau, q_min, q_max), the
     `GuideSettings`, the run's optimizer steps (``max_steps``: a scheduled guide's schedule runs over
-    them) and a per-rank ``seed`` for its noise."""
-    if cfg.guide not in GUIDES:
+    them) and a per-rank ``seed`` for its noise (from the run's `seed`)."""
+    if name not in GUIDES:
         return None
     available = {
-        "gamma": cfg.gamma,
-        "tau": cfg.tau,
-        "q_min": cfg.q_min,
-        "q_max": cfg.q_max,
-        "max_steps": cfg.steps,
-        "seed": cfg.seed * 1009 + rank,
-        **dataclasses.asdict(guide_settings(cfg)),
+        "gamma": loss.gamma,
+        "tau": loss.tau,
+        "q_min": loss.q_min,
+        "q_max": loss.q_max,
+        "max_steps": steps,
+        "seed": seed * 1009 + rank,
+        **dataclasses.asdict(settings),
     }
-    kind = GUIDES[cfg.guide]
+    kind = GUIDES[name]
     return kind.cls(**{name: available[name] for name in kind.settings})

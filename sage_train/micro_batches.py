@@ -98,27 +98,28 @@ class MicroBatch:
 SEQUENCE_LOCAL_ATTENTION = ("flash_attention", "flex_attention")
 
 
-def padding_free(cfg, lm) -> tuple[bool, str]:
-    """(whether the run packs its micro-batches, why not when the options or the model prevent it):
-    ``padding_free`` true packs when the loss options and `lm`'s attention allow it (refused naming
-    the key where they do not); null packs where, in addition, the attention computes no pair of
-    tokens from two sequences (`SEQUENCE_LOCAL_ATTENTION`) or each micro-batch is one sequence (a
-    plain causal row, no padding)."""
-    if cfg.padding_free is False:
+def padding_free(shape, luspo_include_padding: bool, lm) -> tuple[bool, str]:
+    """(whether the run packs its micro-batches, why not when the options or the model prevent it),
+    given the RL step's shape (a `context.StepSettings`) and the loss option
+    ``luspo_include_padding``: ``padding_free`` true packs when the loss options and `lm`'s attention
+    allow it (refused naming the key where they do not); null packs where, in addition, the attention
+    computes no pair of tokens from two sequences (`SEQUENCE_LOCAL_ATTENTION`) or each micro-batch is
+    one sequence (a plain causal row, no padding)."""
+    if shape.padding_free is False:
         return False, "padding_free: false"
     attention = str(getattr(getattr(lm, "config", None), "_attn_implementation", None) or "its attention")
-    one_sequence = cfg.micro_batch_size == 1 and not cfg.max_tokens_per_micro_batch
-    if cfg.padding_free is None and not one_sequence and not any(n in attention for n in SEQUENCE_LOCAL_ATTENTION):
+    one_sequence = shape.micro_batch_size == 1 and not shape.max_tokens_per_micro_batch
+    if shape.padding_free is None and not one_sequence and not any(n in attention for n in SEQUENCE_LOCAL_ATTENTION):
         return False, ""  # a choice of cost, not a limit of the model: nothing to report
     why_not = ""
-    if cfg.luspo_include_padding:
+    if luspo_include_padding:
         why_not = "luspo_include_padding sums the loss over padded positions, which packed sequences have none of"
     elif not packs_sequences(lm):
         why_not = (
             f"{type(lm).__name__} ({attention}) does not compute sequences packed in one row as it computes "
             "them alone (`sage_train.models.loading.packs_sequences`)"
         )
-    if why_not and cfg.padding_free:
+    if why_not and shape.padding_free:
         raise ConfigError(f"config key 'padding_free' must be false or null here: {why_not}")
     return not why_not, why_not
 

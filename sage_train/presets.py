@@ -72,6 +72,8 @@ from sage_kernels import LossConfig
 from sage_kernels.guides import GUIDES, NORMALIZATIONS, RANDOM_SCHEDULE, TOKEN_SCHEDULE
 
 from .guide import GUIDE_KEYS, GuideSettings
+from .records import settings_of
+from .rl_maths import RewardSettings
 
 #: LossConfig fields the trainer sets itself: the sampling temperature, dr_grpo's normaliser
 #: (max_new_tokens), the per-step token count and the model's own logit scale and softcap (read from
@@ -145,8 +147,8 @@ def apply_preset(cfg):
     cfg = dataclasses.replace(cfg, **filled)
     if cfg.guide not in GUIDE_NAMES:
         raise PresetError(f"config key 'guide' must be one of {list(GUIDE_NAMES)}, got {cfg.guide!r}")
-    check_guide_schedule(cfg)
-    check_kl_in_reward(cfg)
+    check_guide_schedule(settings_of(GuideSettings, cfg, "guide_"))
+    check_kl_in_reward(settings_of(RewardSettings, cfg))
     try:
         loss_config(cfg)
     except (ValueError, TypeError) as error:
@@ -154,27 +156,27 @@ def apply_preset(cfg):
     return cfg
 
 
-def check_guide_schedule(cfg) -> None:
-    """The token / random guides' schedule keys, each failure naming its key."""
+def check_guide_schedule(settings: GuideSettings) -> None:
+    """The token / random guides' schedule keys (``guide_<field>``), each failure naming its key."""
 
-    def require(ok: bool, key: str, expected: str) -> None:
+    def require(ok: bool, field: str, expected: str) -> None:
         if not ok:
-            raise PresetError(f"config key {key!r} must be {expected}, got {getattr(cfg, key)!r}")
+            raise PresetError(f"config key 'guide_{field}' must be {expected}, got {getattr(settings, field)!r}")
 
-    require(cfg.guide_num_cycles > 0, "guide_num_cycles", "a positive integer")
-    require(0 < cfg.guide_decay_rate <= 1, "guide_decay_rate", "in (0, 1]")
-    require(cfg.guide_normalization in NORMALIZATIONS, "guide_normalization", f"one of {list(NORMALIZATIONS)}")
+    require(settings.num_cycles > 0, "num_cycles", "a positive integer")
+    require(0 < settings.decay_rate <= 1, "decay_rate", "in (0, 1]")
+    require(settings.normalization in NORMALIZATIONS, "normalization", f"one of {list(NORMALIZATIONS)}")
     for name in ("alpha", "sigma", "eps"):
-        key = f"guide_{name}_max"
-        require(0 <= getattr(cfg, f"guide_{name}_min") <= getattr(cfg, key), key, f">= guide_{name}_min >= 0")
-    require(cfg.guide_eps_max <= 1, "guide_eps_max", "a probability (<= 1)")
+        field = f"{name}_max"
+        require(0 <= getattr(settings, f"{name}_min") <= getattr(settings, field), field, f">= guide_{name}_min >= 0")
+    require(settings.eps_max <= 1, "eps_max", "a probability (<= 1)")
 
 
-def check_kl_in_reward(cfg) -> None:
+def check_kl_in_reward(reward: RewardSettings) -> None:
     """``kl_in_reward`` needs a KL weight, and its length option needs it on (else it would do nothing)."""
-    if cfg.kl_in_reward and cfg.beta == 0:
+    if reward.kl_in_reward and reward.beta == 0:
         raise PresetError("config key 'beta' must be > 0 with kl_in_reward (it weighs the reward's KL), got 0")
-    if cfg.kl_in_reward_length_normalized and not cfg.kl_in_reward:
+    if reward.kl_in_reward_length_normalized and not reward.kl_in_reward:
         raise PresetError("config key 'kl_in_reward_length_normalized' needs kl_in_reward: true")
 
 

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 from sage_kernels.metrics import METRIC_NAME
@@ -131,17 +132,33 @@ def rows_up_to(path: Path, step: int) -> list[str]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def make_loggers(cfg, run_dir: Path, history: list[dict]) -> list:
-    """The loggers named in ``cfg.report_to``, each left holding exactly the steps of `history` (the
-    rows a resumed run keeps; empty for a fresh run), whatever an interrupted run had sent them."""
-    return [LOGGERS[name](cfg, Path(run_dir), history) for name in cfg.report_to]
+@dataclass(frozen=True)
+class LogSettings:
+    """What a run reports and where: every ``log_every`` steps to metrics.jsonl and the loggers of
+    ``report_to`` (`LOGGERS`; the run ``name`` in the project ``report_project``), a progress bar, the plots at
+    the end."""
+
+    name: str
+    log_every: int
+    report_to: list
+    report_project: str
+    progress: bool
+    plots: bool
+    overwrite: bool  # the replaced run's record goes too (trackio)
+
+
+def make_loggers(logging: LogSettings, config: dict, run_dir: Path, history: list[dict]) -> list:
+    """The loggers named in ``report_to``, each given the run's `config` (its saved keys) and left
+    holding exactly the steps of `history` (the rows a resumed run keeps; empty for a fresh run),
+    whatever an interrupted run had sent them."""
+    return [LOGGERS[name](logging, config, Path(run_dir), history) for name in logging.report_to]
 
 
 class TensorBoardLogger:
     """Scalars under ``run_dir/tensorboard``, flushed at every write. A resumed run purges the events
     past its checkpoint (TensorBoard's ``purge_step``); the earlier ones are already on disk."""
 
-    def __init__(self, cfg, run_dir: Path, history: list[dict]):
+    def __init__(self, logging: LogSettings, config: dict, run_dir: Path, history: list[dict]):
         from torch.utils.tensorboard import SummaryWriter
 
         purge = history[-1]["step"] + 1 if history else None
@@ -165,7 +182,7 @@ class WandbLogger:
     Online it continues the same run (its id is kept in ``run_dir/wandb/run_id``) and the server
     drops the steps it already has."""
 
-    def __init__(self, cfg, run_dir: Path, history: list[dict]):
+    def __init__(self, logging: LogSettings, config: dict, run_dir: Path, history: list[dict]):
         import wandb
 
         self.folder = make_dir(run_dir / RUN_FILES.wandb)
@@ -176,11 +193,11 @@ class WandbLogger:
         if offline or not (history and id_file.is_file()):
             write_file(id_file, secrets.token_hex(4))  # wandb takes any [a-z0-9] id
         self.run = wandb.init(
-            project=cfg.report_project,
-            name=cfg.name,
+            project=logging.report_project,
+            name=logging.name,
             id=id_file.read_text(),
             dir=str(self.folder),
-            config=cfg.to_dict(),
+            config=config,
             resume="allow",
         )
         if offline:
@@ -200,21 +217,21 @@ class TrackioLogger:
     `history`, so the record holds each step once, as ``metrics.jsonl`` does; ``overwrite`` deletes
     the replaced run's record."""
 
-    def __init__(self, cfg, run_dir: Path, history: list[dict]):
+    def __init__(self, logging: LogSettings, config: dict, run_dir: Path, history: list[dict]):
         import trackio
 
-        if history or cfg.overwrite:  # this run's record replaces the interrupted (or overwritten) one's
+        if history or logging.overwrite:  # this run's record replaces the interrupted (or overwritten) one's
             try:
-                runs = list(trackio.Api().runs(cfg.report_project))
+                runs = list(trackio.Api().runs(logging.report_project))
             except ValueError:  # no such project yet
                 runs = []
             for run in runs:
-                if run.name == cfg.name:
+                if run.name == logging.name:
                     run.delete()
         self.run = trackio.init(
-            project=cfg.report_project,
-            name=cfg.name,
-            config=cfg.to_dict(),
+            project=logging.report_project,
+            name=logging.name,
+            config=config,
             embed=False,  # no dashboard server from a training job
             auto_log_cpu=False,  # its system-metrics rows would interleave with the steps
             auto_log_gpu=False,

@@ -93,6 +93,7 @@ schedule (`sage_kernels.guides`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -103,6 +104,18 @@ from sage_kernels.ordered import ordered_sum
 from .step_metrics import STEP_METRICS
 
 STD_EPS = 1e-4
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    """How a generation's rewards become advantages: `group_advantages` (``scale_rewards``) and, with
+    ``kl_in_reward``, `objective_advantages` (beta times each completion's KL to q pi_ref, summed or,
+    ``kl_in_reward_length_normalized``, averaged over its tokens)."""
+
+    beta: float
+    scale_rewards: bool
+    kl_in_reward: bool
+    kl_in_reward_length_normalized: bool
 
 
 def group_advantages(rewards: torch.Tensor, *, scale: bool = True) -> torch.Tensor:
@@ -129,6 +142,26 @@ REJECTION_OPTIONS = tuple(
 ) + ("seq_max_k2", "seq_max_k3")
 #: verl's clamp of the log-ratio before exp in the rejection statistics
 SAFETY_BOUND = 20.0
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """The rollout-mismatch corrections a run applies (`rollout_correction`), one weighting at a time:
+    truncated importance sampling at ``tis_level`` (one of `TIS_LEVELS`) capped at ``tis_cap``, or
+    TRL's ``vllm_importance_sampling_mode`` (one of `IS_MODES`) within its clip bounds; and verl's
+    rejection (``rollout_rs``, options of `REJECTION_OPTIONS`, at ``rollout_rs_threshold``)."""
+
+    tis_level: str
+    tis_cap: float
+    vllm_importance_sampling_mode: str
+    vllm_importance_sampling_clip_min: float | None
+    vllm_importance_sampling_clip_max: float | None
+    rollout_rs: str
+    rollout_rs_threshold: str | float
+
+    @property
+    def active(self) -> bool:
+        return self.tis_level != "off" or self.vllm_importance_sampling_mode != "off" or bool(self.rollout_rs)
 
 
 def truncated_is_weights(
@@ -256,6 +289,57 @@ def importance_metrics(log_ratio, mask, weights, level: str, upper: float | None
     return {rollout_corr.PREFIX + name: value for name, value in metrics.items()}
 
 
+def rollout_correction(corrections: Corrections, engine: str, completions: list, train_logp, batch):
+    """(is_weights [B, L] or None, metrics): the rollout-mismatch toolkit (this module's)
+    between the rollout engine's log-probs and the trainer's, both of the temperature-scaled
+    distribution before top-k / top-p / min-p truncation: ``tis_level`` or
+    ``vllm_importance_sampling_mode`` weights, and ``rollout_rs`` rejection, which takes the rejected
+    tokens out of ``batch.completion_mask`` (verl's modified response mask; `batch` a `policy.Batch`).
+    None and no metrics when all are off or the engine returned no log-probs. A NaN engine log-prob is
+    a token it could not score (weight 1, left out of the metrics); an infinite one is refused."""
+    mode = corrections.vllm_importance_sampling_mode
+    if not corrections.active or any(c.logprobs is None for c in completions):
+        return None, {}
+    rollout_logp = torch.zeros(train_logp.shape, dtype=torch.float32)  # filled on the host: no device sync
+    for row, c in enumerate(completions):
+        rollout_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    bad = torch.isinf(rollout_logp)
+    if bad.any():
+        row = int(bad.any(-1).nonzero()[0])
+        raise ValueError(
+            f"the rollout engine ({engine}) returned {int(bad.sum())} infinite log-prob(s) "
+            f"(first in completion {row} of this step: {rollout_logp[row][bad[row]][:4].tolist()}); "
+            "importance weights need finite log-probs of the sampled tokens (NaN marks an unscored one)"
+        )
+    rollout_logp = rollout_logp.to(train_logp.device)
+    mask = batch.completion_mask
+    log_ratio = rollout_log_ratio(train_logp, rollout_logp, mask)
+    weights, outside, kept, is_metrics = None, None, None, {}
+    if corrections.tis_level != "off":
+        weights = truncated_is_weights(
+            train_logp, rollout_logp, mask, level=corrections.tis_level, cap=corrections.tis_cap
+        )
+        outside = (weights >= corrections.tis_cap) & mask
+        is_metrics = importance_metrics(log_ratio, mask, weights, corrections.tis_level, corrections.tis_cap)
+    elif mode != "off":
+        low, high = corrections.vllm_importance_sampling_clip_min, corrections.vllm_importance_sampling_clip_max
+        weights, outside = is_weights(log_ratio, mask, mode, low, high)
+        level, kind = mode.split("_")
+        is_metrics = importance_metrics(log_ratio, mask, weights, level, high, low if kind == "mask" else None)
+    if corrections.rollout_rs:
+        kept = rejection_mask(log_ratio, mask, corrections.rollout_rs, corrections.rollout_rs_threshold)
+    metrics = mismatch_metrics(train_logp, rollout_logp, mask, weights=weights, outside=outside, mode=mode, kept=kept)
+    metrics.update(is_metrics)
+    if corrections.tis_level != "off":
+        tokens = mask.sum().clamp(min=1)
+        metrics[STEP_METRICS.tis_weight_mean] = (weights * mask).sum() / tokens
+        metrics[STEP_METRICS.tis_clipped_frac] = outside.sum() / tokens
+        metrics[STEP_METRICS.tis_abs_log_ratio] = log_ratio.abs().sum() / tokens
+    if kept is not None:
+        batch.completion_mask = kept
+    return weights, metrics
+
+
 def generation_log_q(guide: Guide | None, old_logp: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor):
     """log q [B, L] of the behaviour policy's completions (0 where masked), or None without a guide:
     the guide given the behaviour policy's log-probs and entropies."""
@@ -281,19 +365,21 @@ def sequence_kl(
     return total
 
 
-def objective_advantages(cfg, guide, rewards, old_logp, entropy, ref_logp, mask) -> tuple[torch.Tensor, dict]:
+def objective_advantages(
+    reward: RewardSettings, guide, rewards, old_logp, entropy, ref_logp, mask
+) -> tuple[torch.Tensor, dict]:
     """(advantages [G, n], metrics) under ``kl_in_reward``: the task rewards' `group_advantages`
     (``scale_rewards`` as set) minus beta times each completion's `sequence_kl` centred on its
     group's mean, never divided by a std (module docstring). Rows are the completions in group order."""
     log_q = generation_log_q(guide, old_logp, entropy, mask)
-    kl = sequence_kl(old_logp, ref_logp, log_q, mask, length_normalized=cfg.kl_in_reward_length_normalized)
+    kl = sequence_kl(old_logp, ref_logp, log_q, mask, length_normalized=reward.kl_in_reward_length_normalized)
     kl = kl.view(rewards.shape)
-    advantages, kl_part = advantages_of_j(rewards.to(kl.device), kl, cfg.beta, scale=cfg.scale_rewards)
+    advantages, kl_part = advantages_of_j(rewards.to(kl.device), kl, reward.beta, scale=reward.scale_rewards)
     tokens = mask.sum().clamp(min=1)
     q = torch.ones_like(old_logp) if log_q is None else log_q.exp()
     metrics = {
         STEP_METRICS.reward_kl: kl.mean(),  # per completion (per token with length normalisation)
-        STEP_METRICS.reward_kl_penalty: cfg.beta * kl.mean(),  # beta * KL, what J subtracts on average
+        STEP_METRICS.reward_kl_penalty: reward.beta * kl.mean(),  # beta * KL, what J subtracts on average
         STEP_METRICS.reward_q_mean: torch.where(mask, q, 0.0).sum() / tokens,
         STEP_METRICS.reward_q_above_one: ((q > 1.0) & mask).sum() / tokens,
         # the KL part's share of the advantages' magnitude

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from . import checkpoint, report
 from .build import build_context
 from .config import TrainConfig
-from .context import RunContext
+from .context import RunContext, RunSettings
 from .distributed import InterruptFlag, init_distributed, on_rank0, reduce_rows, seed_everything
 from .errors import ConfigError, RunError
 from .eval.evaluate import evaluate_engine, mean_pass_at_k
@@ -84,22 +84,23 @@ def train(cfg: TrainConfig, on_step: Callable[[int, dict], None] | None = None) 
     run_start = time.time()
     rank, world, device = init_distributed()
     plan = check_inputs(cfg, world, device)
-    with RunLock(cfg.run_dir, rank):
-        if device.type == "cpu" and cfg.cpu_threads:
-            torch.set_num_threads(cfg.cpu_threads)  # tiny models run fastest on one thread per process
-        resume_from, skipped = prepare_run_dir(cfg, cfg.run_dir, rank, world)
-        with until_first_step(cfg, rank) as first_step_ran:
-            seed_everything(cfg.seed + rank)
+    run = plan.settings.run
+    with RunLock(run.run_dir, rank):
+        if device.type == "cpu" and run.cpu_threads:
+            torch.set_num_threads(run.cpu_threads)  # tiny models run fastest on one thread per process
+        resume_from, skipped = prepare_run_dir(cfg, run.run_dir, rank, world)
+        with until_first_step(run, rank) as first_step_ran:
+            seed_everything(run.seed + rank)
             ctx = build_context(plan, rank, device)
             first_step = 1 + (checkpoint.load(ctx.engine, resume_from, skipped, ctx.guide) if resume_from else 0)
             ctx.rollout.sync_weights(ctx.engine.module.lm)  # the engine starts from the policy being trained
-            eval_before = evaluate_once(ctx, cfg.run_dir / RUN_FILES.eval_before)
+            eval_before = evaluate_once(ctx, run.run_dir / RUN_FILES.eval_before)
             step, finished = step_loop(ctx, first_step, on_step, first_step_ran)
         return finish(ctx, step, finished, eval_before, run_start)
 
 
 @contextmanager
-def until_first_step(cfg: TrainConfig, rank: int):
+def until_first_step(run: RunSettings, rank: int):
     """Until the run's first step has run (the model, tokenizer and chat template loaded and used),
     the run an ``overwrite`` replaces is kept aside (`run_dir.move_previous_aside`). Yields the call
     that says the first step ran, which deletes it; a failure before then puts it back whole. A model
@@ -112,7 +113,7 @@ def until_first_step(cfg: TrainConfig, rank: int):
         if not ran:
             ran.append(True)
             if rank == 0:
-                discard_previous(cfg.run_dir)
+                discard_previous(run.run_dir)
 
     try:
         yield first_step_ran
@@ -120,14 +121,14 @@ def until_first_step(cfg: TrainConfig, rank: int):
         if ran:
             raise
         if rank == 0:
-            put_previous_back(cfg.run_dir)
+            put_previous_back(run.run_dir)
         if isinstance(error, ModelFilesError):  # its message names the model and the file
             raise ConfigError(f"config key 'model': {error}") from error
-        if isinstance(error, (ConfigError, RunError)) or not isinstance(error, Exception) or not cfg.overwrite:
+        if isinstance(error, (ConfigError, RunError)) or not isinstance(error, Exception) or not run.overwrite:
             raise
         first = (str(error).strip().splitlines() or [""])[0][:300]
         raise ConfigError(
-            f"config key 'model': the run with model {cfg.model!r} failed before its first step ended "
+            f"config key 'model': the run with model {run.model!r} failed before its first step ended "
             f"({type(error).__name__}: {first})"
         ) from error
     first_step_ran()  # a run with no step left to run
@@ -137,23 +138,24 @@ def step_loop(ctx: RunContext, first_step: int, on_step, first_step_ran: Callabl
     """RL steps from `first_step` to the end, or to a stop signal agreed over ranks; metrics rows are
     flushed before every checkpoint; `first_step_ran` is called once the first has run. Returns (the
     last step done, whether the run finished)."""
-    cfg, rank, run_dir = ctx.cfg, ctx.rank, ctx.cfg.run_dir
+    settings, rank = ctx.settings, ctx.rank
+    run_dir, steps, logging, saves = settings.run.run_dir, settings.run.steps, settings.logging, settings.checkpoints
     log = None
     if rank == 0:
         log = report.MetricsLog(run_dir / RUN_FILES.metrics, resume_step=first_step - 1)
-        log.loggers = report.make_loggers(cfg, run_dir, log.history)
-    bar = report.progress_bar(cfg.steps, first_step - 1, cfg.progress and rank == 0)
+        log.loggers = report.make_loggers(logging, settings.saved, run_dir, log.history)
+    bar = report.progress_bar(steps, first_step - 1, logging.progress and rank == 0)
     interrupted = InterruptFlag()
     pending: list[tuple[int, dict]] = []
     step = first_step - 1
     try:
         with interrupted:
-            for step in range(first_step, cfg.steps + 1):
+            for step in range(first_step, steps + 1):
                 pending.append((step, rl_step(ctx, step)))
                 first_step_ran()
                 bar.update(1)
-                save = step % cfg.save_every == 0 or step == cfg.steps
-                if step % cfg.log_every == 0 or save or ctx.stop:  # rows are flushed before any checkpoint
+                save = step % saves.save_every == 0 or step == steps
+                if step % logging.log_every == 0 or save or ctx.stop:  # rows are flushed before any checkpoint
                     rows = reduce_rows(pending, ctx.device)
                     pending = []
                     if rank == 0:
@@ -166,27 +168,36 @@ def step_loop(ctx: RunContext, first_step: int, on_step, first_step_ran: Callabl
                         raise RunError(ctx.stop)
                     stop = interrupted.agreed(ctx.device)
                     if save or stop:
-                        checkpoint.save(ctx.engine, run_dir, step, cfg, ctx.guide, keep=cfg.keep_checkpoints)
+                        checkpoint.save(
+                            ctx.engine, run_dir, step, settings.saved, ctx.guide, keep=saves.keep_checkpoints
+                        )
                     if stop:
                         break
     finally:
         bar.close()
         if log is not None:
             log.close()
-    return step, step == cfg.steps and not interrupted.is_set
+    return step, step == steps and not interrupted.is_set
 
 
 def finish(ctx: RunContext, step: int, finished: bool, eval_before: dict | None, run_start: float) -> dict:
     """Evaluate after and save the final model (a finished run), then the summary (rank 0's; {} on
     the others)."""
-    cfg, run_dir = ctx.cfg, ctx.cfg.run_dir
-    eval_after = evaluate_once(ctx, run_dir / RUN_FILES.eval_after) if finished else None
+    run = ctx.settings.run
+    eval_after = evaluate_once(ctx, run.run_dir / RUN_FILES.eval_after) if finished else None
     if finished:
-        save_final(ctx.engine, ctx.tokenizer, run_dir / RUN_FILES.final, cfg, ctx.rank)
+        zero3 = ctx.settings.optim.zero_stage == 3
+        save_final(ctx.engine, ctx.tokenizer, run.run_dir / RUN_FILES.final, ctx.rank, gathered=zero3)
     summary = {}
     if ctx.rank == 0:
         summary = write_summary(
-            cfg, run_dir, step, eval_before, eval_after, time.time() - run_start, interrupted=not finished
+            run,
+            ctx.settings.logging.plots,
+            step,
+            eval_before,
+            eval_after,
+            time.time() - run_start,
+            interrupted=not finished,
         )
         print(report.format_summary(summary), flush=True)
     dist.barrier()
@@ -202,8 +213,8 @@ def evaluate_once(ctx: RunContext, path: Path) -> dict | None:
     calls everywhere), each problem with its own seed; the (n, c) counts are gathered over ranks.
     The rollout engine stays awake for the whole evaluation: an engine holding its own weights
     loads them at most once."""
-    cfg = ctx.cfg
-    if cfg.eval_problems == 0 or not cfg.eval_splits:
+    evaluation = ctx.settings.evaluation
+    if evaluation.eval_problems == 0 or not evaluation.eval_splits:
         return None
     if path.is_file():
         return json.loads(path.read_text())
@@ -218,18 +229,18 @@ def evaluate_once(ctx: RunContext, path: Path) -> dict | None:
 def pass_at_k_over_ranks(ctx: RunContext, task, problems: list) -> dict:
     """pass@1 and pass@eval_samples of `problems`, and each problem's (id, n, correct) counts: this
     rank's equal share sampled in one generate call (`evaluate_engine`'s default), gathered over ranks."""
-    cfg = ctx.cfg
+    samples, seed = ctx.settings.evaluation.eval_samples, ctx.settings.run.seed
     share = len(problems) // ctx.world
-    ks = sorted({1, cfg.eval_samples})
-    sampling = SamplingParams.for_evaluation(cfg)
+    ks = sorted({1, samples})
+    sampling = SamplingParams.for_evaluation(ctx.settings.rollout)
     result = evaluate_engine(
         ctx.rollout,
         task,
         problems[ctx.rank * share : (ctx.rank + 1) * share],
-        n=cfg.eval_samples,
+        n=samples,
         ks=ks,
         sampling=sampling,
-        seeds=[cfg.seed],
+        seeds=[seed],
     )
     gathered = [None] * ctx.world
     dist.all_gather_object(gathered, [[r["problem_id"], r["n"], r["c"]] for r in result["problems"]])
@@ -237,18 +248,19 @@ def pass_at_k_over_ranks(ctx: RunContext, task, problems: list) -> dict:
     counts = [(n, c) for _, n, c in records]
     return {
         "problems": len(counts),
-        "samples": cfg.eval_samples,
+        "samples": samples,
         **{f"pass@{k}": mean_pass_at_k(counts, k) for k in ks},
         "counts": records,  # [problem id, n, correct] per problem: the same problems before and after RL
     }
 
 
-def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> None:
-    """The trained policy in HF format (model + tokenizer), loadable by AutoModelForCausalLM."""
+def save_final(engine, tokenizer, path: Path, rank: int, *, gathered: bool) -> None:
+    """The trained policy in HF format (model + tokenizer), loadable by AutoModelForCausalLM; its
+    parameters `gathered` first when ZeRO-3 partitions them."""
     import deepspeed
 
     lm = engine.module.lm
-    gather = deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None, enabled=cfg.zero_stage == 3)
+    gather = deepspeed.zero.GatheredParameters(list(lm.parameters()), modifier_rank=None, enabled=gathered)
 
     def write() -> None:
         with folder_written_atomically(path) as staged:
@@ -265,8 +277,8 @@ def save_final(engine, tokenizer, path: Path, cfg: TrainConfig, rank: int) -> No
 
 
 def write_summary(
-    cfg: TrainConfig,
-    run_dir: Path,
+    run: RunSettings,
+    plots: bool,
     step: int,
     eval_before,
     eval_after,
@@ -274,15 +286,16 @@ def write_summary(
     *,
     interrupted: bool,
 ) -> dict:
+    run_dir = run.run_dir
     rows = report.read_metrics(run_dir / RUN_FILES.metrics)
     evals = {"before": eval_before, "after": eval_after}
-    plot = report.plot_metrics(rows, run_dir / RUN_FILES.plot, evals) if cfg.plots else None
+    plot = report.plot_metrics(rows, run_dir / RUN_FILES.plot, evals) if plots else None
     summary = {
-        "name": cfg.name,
-        "algorithm": cfg.algorithm,
-        "task": cfg.task,
+        "name": run.name,
+        "algorithm": run.algorithm,
+        "task": run.task,
         "steps_done": step,
-        "steps": cfg.steps,
+        "steps": run.steps,
         "interrupted": interrupted,
         "wall_time_s": wall_time,
         **report.reward_trend(rows),

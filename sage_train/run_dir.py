@@ -174,7 +174,7 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
                 run_dir / name for name in (RUN_FILES.summary, RUN_FILES.eval_after) if os.path.lexists(run_dir / name)
             ]
             if rank == 0:
-                print(_extension_note(cfg, saved_steps, done), flush=True)
+                print(_extension_note(saved_steps, cfg.steps, done, cfg.lr_schedule, cfg.guide), flush=True)
         if usable:
             pass  # checkpoint.load takes the newest that loads
         elif damaged:
@@ -210,7 +210,7 @@ def prepare_run_dir(cfg: TrainConfig, run_dir: Path, rank: int, world: int) -> t
         for path in ended:
             remove(path)
         make_dir(run_dir)
-        config_files.save_yaml(cfg, run_dir / RUN_FILES.config)
+        config_files.save_yaml(cfg.to_dict(), run_dir / RUN_FILES.config)
     dist.barrier()
     return (usable, skipped) if cfg.resume else ([], [])
 
@@ -353,15 +353,16 @@ def _change(key: str, had, value, saved: bool) -> str:
     return f"{key}: {had!r}{'' if saved else ' (absent: its default)'} -> {value!r}"
 
 
-def _extension_note(cfg: TrainConfig, saved_steps: int, done: int) -> str:
-    """What a resume with other ``steps`` does, and to the schedules that depend on them."""
-    note = f"sage-train: --resume with steps {saved_steps} -> {cfg.steps}: steps 1..{done} are kept"
-    depends = [f"the {cfg.lr_schedule} learning-rate decay"] if cfg.lr_schedule != "constant" else []
-    if is_scheduled(cfg.guide):
-        depends.append(f"the {cfg.guide} guide's annealing")
+def _extension_note(saved_steps: int, steps: int, done: int, lr_schedule: str, guide: str) -> str:
+    """What a resume with other ``steps`` (`saved_steps` -> `steps`) does, and to the schedules that
+    depend on them (the learning rate's `lr_schedule`, the `guide`'s annealing)."""
+    note = f"sage-train: --resume with steps {saved_steps} -> {steps}: steps 1..{done} are kept"
+    depends = [f"the {lr_schedule} learning-rate decay"] if lr_schedule != "constant" else []
+    if is_scheduled(guide):
+        depends.append(f"the {guide} guide's annealing")
     if depends:
         note += (
-            f"; {' and '.join(depends)} {'follows' if len(depends) == 1 else 'follow'} the {cfg.steps}-step "
+            f"; {' and '.join(depends)} {'follows' if len(depends) == 1 else 'follow'} the {steps}-step "
             f"schedule from step {done + 1} on "
             f"(steps 1..{done} followed the {saved_steps}-step one)"
         )

@@ -31,14 +31,13 @@ import torch.distributed as dist
 from sage_kernels.loss_types import LOSS_TYPES
 from sage_kernels.metrics import EXTREME_METRICS, MEAN_METRICS
 
-from . import pressure, rl_maths
-from .config import TrainConfig
+from . import pressure
 from .context import Generation, RunContext
 from .distributed import all_ranks
 from .micro_batches import split
 from .policy import Batch, entropy_quantiles, make_batch, score
 from .report import write_completions
-from .rl_maths import group_advantages, objective_advantages
+from .rl_maths import group_advantages, objective_advantages, rollout_correction
 from .rollout import SamplingParams
 from .run_files import RUN_FILES
 from .step_metrics import STEP_METRICS
@@ -53,8 +52,8 @@ TIMING_OF_GENERATION = (STEP_METRICS.generate_s, STEP_METRICS.score_s)
 def rl_step(ctx: RunContext, step: int) -> dict:
     """One RL optimizer step (and, when it starts a generation, the rollouts of that generation);
     returns its metrics (tensors stay on the device, no host sync)."""
-    cfg, start = ctx.cfg, time.perf_counter()
-    spg = cfg.steps_per_generation
+    shape, start = ctx.settings.step, time.perf_counter()
+    spg = shape.steps_per_generation
     first = step - (step - 1) % spg  # steps first .. first + spg - 1 share one generation
     timing = dict.fromkeys(TIMING_OF_GENERATION, 0.0)  # a step fed by an earlier generation spent none
     if ctx.generation is None or ctx.generation.first_step != first:  # a resumed run regenerates
@@ -70,7 +69,8 @@ def rl_step(ctx: RunContext, step: int) -> dict:
     # 5. the guide the loss calls (`PolicyHead`, per micro-batch, with the current policy's log-probs
     # and entropies): none when the loss computes its own (branch) or, with kl_in_reward, when the
     # guide and the KL were in the reward at generation and the loss has neither.
-    in_loss = ctx.guide is not None and ctx.guide.loss_option == "none" and not cfg.kl_in_reward
+    in_reward = ctx.settings.reward.kl_in_reward
+    in_loss = ctx.guide is not None and ctx.guide.loss_option == "none" and not in_reward
 
     # 6. the loss on hidden states + LM head, micro-batch by micro-batch, then the optimizer step
     update_start = time.perf_counter()
@@ -79,7 +79,7 @@ def rl_step(ctx: RunContext, step: int) -> dict:
         batch,
         gen.advantages[rows],
         gen.old_logp[rows],
-        None if gen.ref_logp is None or cfg.kl_in_reward else gen.ref_logp[rows],
+        None if gen.ref_logp is None or in_reward else gen.ref_logp[rows],
         ctx.guide if in_loss else None,
         None if gen.is_weights is None else gen.is_weights[rows],
     )
@@ -89,14 +89,14 @@ def rl_step(ctx: RunContext, step: int) -> dict:
 
     # 6b. the next generation (or the final evaluation) samples from the updated weights (hf: the
     # live model already)
-    if step == first + spg - 1 or step == cfg.steps:
+    if step == first + spg - 1 or step == shape.steps:
         ctx.rollout.sync_weights(ctx.engine.module.lm)
 
     # 7. metrics, still tensors; converted at log intervals
     metrics = {
         **gen.metrics,
         STEP_METRICS.num_tokens: batch.attention_mask.sum().float(),
-        **totals.metrics(cfg.num_iterations),
+        **totals.metrics(shape.num_iterations),
         STEP_METRICS.learning_rate: ctx.engine.get_lr()[0],
         STEP_METRICS.step_time: time.perf_counter() - start,
         **timing,
@@ -111,7 +111,7 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
     """The rollouts of the generation starting at `first_step`, graded, with their advantages and
     their behaviour / reference log-probs; its rows shuffled (seeded by the step, so identically
     on a resumed run)."""
-    cfg = ctx.cfg
+    shape, reward = ctx.settings.step, ctx.settings.reward
 
     # 1. rollouts and rewards: group_size completions per prompt, graded by the task's verifier
     start = time.perf_counter()
@@ -122,22 +122,23 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
     # 2. the batch; DAPO's overlong filtering drops completions cut by max_new_tokens from the loss
     batch = make_batch(completions, ctx.device, ctx.tokenizer.pad_token_id)
     truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=ctx.device)
-    if cfg.overlong_filter:
+    if shape.overlong_filter:
         batch.completion_mask &= ~truncated[:, None]
 
     # 3. behaviour and reference log-probs (no gradient), fixed for the whole generation
     micro_batches = step_micro_batches(ctx, batch)
-    old_logp, entropy = score(ctx.engine, batch, micro_batches, cfg.temperature)
-    is_weights, tis_metrics = rollout_correction(cfg, completions, old_logp, batch)
-    ref_logp = score(ctx.reference, batch, micro_batches, cfg.temperature)[0] if ctx.reference is not None else None
+    old_logp, entropy = score(ctx.engine, batch, micro_batches, shape.temperature)
+    engine = ctx.settings.rollout.rollout_engine
+    is_weights, tis_metrics = rollout_correction(ctx.settings.corrections, engine, completions, old_logp, batch)
+    ref_logp = score(ctx.reference, batch, micro_batches, shape.temperature)[0] if ctx.reference is not None else None
     timing = dict(zip(TIMING_OF_GENERATION, (sampled - start, time.perf_counter() - sampled)))
 
     # 4. group advantages: (r - mean) / (std + 1e-4) within each prompt's group, of the verifier's
     # reward; with kl_in_reward, plus -beta (c - mean c) of each completion's KL c to q pi_ref
-    advantages, kl_metrics = group_advantages(rewards, scale=cfg.scale_rewards), {}
-    if cfg.kl_in_reward:
+    advantages, kl_metrics = group_advantages(rewards, scale=reward.scale_rewards), {}
+    if reward.kl_in_reward:
         args = (rewards, old_logp, entropy, ref_logp, batch.completion_mask)
-        advantages, kl_metrics = objective_advantages(cfg, ctx.guide, *args)
+        advantages, kl_metrics = objective_advantages(reward, ctx.guide, *args)
     advantages = advantages.flatten().to(ctx.device)
 
     lengths = batch.completion_mask.new_tensor([len(c.completion_ids) for c in completions], dtype=torch.float32)
@@ -155,10 +156,12 @@ def generate(ctx: RunContext, first_step: int) -> Generation:
     }
     if getattr(ctx.rollout, "last_sync_s", None) is not None:  # engines holding their own weights
         metrics[STEP_METRICS.sync_time] = ctx.rollout.last_sync_s
-    if cfg.dynamic_sampling:
+    if shape.dynamic_sampling:
         metrics[STEP_METRICS.sampling_rounds] = float(rounds)
-    shuffle = torch.Generator().manual_seed(rollout_seed(cfg.seed, first_step, 0, ctx.rank))
-    order = torch.randperm(batch.rows, generator=shuffle) if cfg.steps_per_generation > 1 else torch.arange(batch.rows)
+    shuffle = torch.Generator().manual_seed(rollout_seed(shape.seed, first_step, 0, ctx.rank))
+    order = (
+        torch.randperm(batch.rows, generator=shuffle) if shape.steps_per_generation > 1 else torch.arange(batch.rows)
+    )
     return Generation(
         first_step, batch, advantages, old_logp, ref_logp, is_weights, order.to(ctx.device), metrics, timing
     )
@@ -174,63 +177,12 @@ def check_finite_steps(ctx: RunContext, step: int, skipped: list[str]) -> None:
     ctx.nonfinite_in_a_row += 1
     if ctx.rank == 0:
         print(f"sage-train: step {step}: optimizer step skipped ({', '.join(skipped)})", flush=True)
-    if ctx.nonfinite_in_a_row >= ctx.cfg.max_nonfinite_steps:
+    if ctx.nonfinite_in_a_row >= ctx.settings.step.max_nonfinite_steps:
         ctx.stop = (
             f"steps {step - ctx.nonfinite_in_a_row + 1}..{step} all had a non-finite loss or gradient "
-            f"(max_nonfinite_steps={ctx.cfg.max_nonfinite_steps}); stopped with the weights of the last good "
+            f"(max_nonfinite_steps={ctx.settings.step.max_nonfinite_steps}); stopped with the weights of the last good "
             f"step, which the last checkpoint holds. Lower lr or beta, then continue with --resume"
         )
-
-
-def rollout_correction(cfg: TrainConfig, completions: list, train_logp, batch: Batch):
-    """(is_weights [B, L] or None, metrics): the rollout-mismatch toolkit (`sage_train.rl_maths`)
-    between the rollout engine's log-probs and the trainer's, both of the temperature-scaled
-    distribution before top-k / top-p / min-p truncation: ``tis_level`` or
-    ``vllm_importance_sampling_mode`` weights, and ``rollout_rs`` rejection, which takes the rejected
-    tokens out of ``batch.completion_mask`` (verl's modified response mask). None and no metrics when
-    all are off or the engine returned no log-probs. A NaN engine log-prob is a token it could not
-    score (weight 1, left out of the metrics); an infinite one is refused."""
-    mode = cfg.vllm_importance_sampling_mode
-    if (cfg.tis_level == mode == "off" and not cfg.rollout_rs) or any(c.logprobs is None for c in completions):
-        return None, {}
-    rollout_logp = torch.zeros(train_logp.shape, dtype=torch.float32)  # filled on the host: no device sync
-    for row, c in enumerate(completions):
-        rollout_logp[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
-    bad = torch.isinf(rollout_logp)
-    if bad.any():
-        row = int(bad.any(-1).nonzero()[0])
-        raise ValueError(
-            f"the rollout engine ({cfg.rollout_engine}) returned {int(bad.sum())} infinite log-prob(s) "
-            f"(first in completion {row} of this step: {rollout_logp[row][bad[row]][:4].tolist()}); "
-            "importance weights need finite log-probs of the sampled tokens (NaN marks an unscored one)"
-        )
-    rollout_logp = rollout_logp.to(train_logp.device)
-    mask = batch.completion_mask
-    log_ratio = rl_maths.rollout_log_ratio(train_logp, rollout_logp, mask)
-    weights, outside, kept, is_metrics = None, None, None, {}
-    if cfg.tis_level != "off":
-        weights = rl_maths.truncated_is_weights(train_logp, rollout_logp, mask, level=cfg.tis_level, cap=cfg.tis_cap)
-        outside = (weights >= cfg.tis_cap) & mask
-        is_metrics = rl_maths.importance_metrics(log_ratio, mask, weights, cfg.tis_level, cfg.tis_cap)
-    elif mode != "off":
-        low, high = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
-        weights, outside = rl_maths.is_weights(log_ratio, mask, mode, low, high)
-        level, kind = mode.split("_")
-        is_metrics = rl_maths.importance_metrics(log_ratio, mask, weights, level, high, low if kind == "mask" else None)
-    if cfg.rollout_rs:
-        kept = rl_maths.rejection_mask(log_ratio, mask, cfg.rollout_rs, cfg.rollout_rs_threshold)
-    metrics = rl_maths.mismatch_metrics(
-        train_logp, rollout_logp, mask, weights=weights, outside=outside, mode=mode, kept=kept
-    )
-    metrics.update(is_metrics)
-    if cfg.tis_level != "off":
-        tokens = mask.sum().clamp(min=1)
-        metrics[STEP_METRICS.tis_weight_mean] = (weights * mask).sum() / tokens
-        metrics[STEP_METRICS.tis_clipped_frac] = outside.sum() / tokens
-        metrics[STEP_METRICS.tis_abs_log_ratio] = log_ratio.abs().sum() / tokens
-    if kept is not None:
-        batch.completion_mask = kept
-    return weights, metrics
 
 
 def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp, guide, is_weights=None) -> LossTotals:
@@ -240,12 +192,12 @@ def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp,
     The normalisers are the whole step's, over all micro-batches and ranks (module docstring),
     so the gradient does not depend on how the rows are split. The guide steps once per optimizer step.
     """
-    cfg = ctx.cfg
+    shape = ctx.settings.step
     loss_cfg, row_share = step_loss_config(ctx, batch)
     micro_batches, totals = step_micro_batches(ctx, batch), LossTotals()
     # each token's advantage on the step's grid, so a packed micro-batch takes its tokens' (`add_pressure`)
     token_advantages = advantages[:, None].expand(batch.completion_mask.shape) if advantages.dim() == 1 else advantages
-    for _ in range(cfg.num_iterations):
+    for _ in range(shape.num_iterations):
         step_loss, why = 0.0, None
         for index, micro in enumerate(micro_batches):
             loss_inputs = {
@@ -259,7 +211,7 @@ def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp,
             }
             # the optimizer steps after the last micro-batch, however many the token budget made
             ctx.engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
-            loss, out = ctx.engine(**micro.model_inputs(batch, cfg.temperature), loss_inputs=loss_inputs)
+            loss, out = ctx.engine(**micro.model_inputs(batch, shape.temperature), loss_inputs=loss_inputs)
             loss = loss * row_share(micro.size)
             ctx.engine.backward(loss * ctx.world, scale_wrt_gas=False)  # undo DeepSpeed's averaging
             step_loss = step_loss + loss.detach()
@@ -278,8 +230,7 @@ def policy_update(ctx: RunContext, batch: Batch, advantages, old_logp, ref_logp,
 
 def step_micro_batches(ctx: RunContext, batch: Batch) -> list:
     """The run's micro-batches of `batch` (`sage_train.micro_batches`): its rows or token budget, its layout."""
-    cfg = ctx.cfg
-    rows, budget = cfg.micro_batch_size, cfg.max_tokens_per_micro_batch
+    rows, budget = ctx.settings.step.micro_batch_size, ctx.settings.step.max_tokens_per_micro_batch
     return split(batch, rows=rows, max_tokens=budget, packed=ctx.padding_free, world=ctx.world)
 
 
@@ -339,29 +290,30 @@ def collect_groups(ctx: RunContext, step: int):
     is hit, uninformative groups fill the batch (their advantages are zero), so every step has
     the same shape. All ranks run the same number of rounds (ZeRO-3 needs matching generate calls).
     """
-    cfg = ctx.cfg
-    prompts = cfg.prompts_per_step * cfg.steps_per_generation
+    shape = ctx.settings.step
+    prompts = shape.prompts_per_step * shape.steps_per_generation
     needed = prompts // ctx.world
     informative, uninformative = [], []
     rounds = 0
     with ctx.rollout.awake():  # the rounds of one step share one wake (vllm: one weight push)
         while True:
-            problems = step_problems(ctx.train_problems, cfg.seed, step, rounds, prompts)[ctx.rank :: ctx.world]
-            params = SamplingParams.for_rollouts(cfg, rollout_seed(cfg.seed, step, rounds, ctx.rank))
+            problems = step_problems(ctx.train_problems, shape.seed, step, rounds, prompts)[ctx.rank :: ctx.world]
+            params = SamplingParams.for_rollouts(ctx.settings.rollout, rollout_seed(shape.seed, step, rounds, ctx.rank))
             outputs = ctx.rollout.generate([ctx.task.prompt(p) for p in problems], params)
             for problem, completions in zip(problems, outputs):
                 scores = grade(ctx.task, [c.text for c in completions], problem)
                 group = {"problem": problem, "completions": completions, "rewards": scores}
-                (informative if len(set(scores)) > 1 or not cfg.dynamic_sampling else uninformative).append(group)
+                (informative if len(set(scores)) > 1 or not shape.dynamic_sampling else uninformative).append(group)
             rounds += 1
-            if not cfg.dynamic_sampling:
+            if not shape.dynamic_sampling:
                 break
-            done = len(informative) >= needed or rounds >= cfg.dynamic_sampling_max_rounds
+            done = len(informative) >= needed or rounds >= shape.dynamic_sampling_max_rounds
             if all_ranks(done, ctx.device):
                 break
     groups = (informative + uninformative)[:needed]
-    if cfg.log_completions and ctx.rank == 0:
-        write_completions(cfg.run_dir / RUN_FILES.completions, step, groups[: cfg.log_completions], ctx.task.prompt)
+    if shape.log_completions and ctx.rank == 0:
+        path = ctx.settings.run.run_dir / RUN_FILES.completions
+        write_completions(path, step, groups[: shape.log_completions], ctx.task.prompt)
     rewards = torch.tensor([g["rewards"] for g in groups], dtype=torch.float32)
     return groups, rewards, rounds
 
@@ -395,7 +347,7 @@ def step_loss_config(ctx: RunContext, batch: Batch):
         if normaliser == "call_tokens":
             base, share = base.replace(loss_type="dapo"), 1.0 / ctx.world
         return base.replace(num_items_in_batch=tokens.clamp(min=1.0)), lambda rows: share
-    total_rows = ctx.cfg.prompts_per_step * ctx.cfg.group_size
+    total_rows = ctx.settings.step.prompts_per_step * ctx.settings.step.group_size
     return base, lambda rows: rows / total_rows
 
 

@@ -26,12 +26,30 @@ import dataclasses
 import json
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..rollout.base import RolloutEngine, SamplingParams, derive_seed
 from ..safe_files import save_figure, write_atomically, write_file
 from ..tasks import grade
 from ..tasks.base import Problem, Task
+
+#: ``eval_splits``' values: "train" the RL prompts, "test" held-out problems
+EVAL_SPLITS = ("train", "test")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """A training run's own evaluation before and after RL (`run.evaluate_once`): the splits of
+    `EVAL_SPLITS` it evaluates, ``eval_problems`` problems each (held out of ``eval_task`` when set,
+    drawn with ``held_out_seed``), ``eval_samples`` samples per problem."""
+
+    eval_splits: list
+    eval_problems: int
+    eval_samples: int
+    held_out_seed: int | None
+    eval_task: str
+
 
 # ----------------------------------------------------------------------------- the estimator
 

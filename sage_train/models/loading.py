@@ -237,17 +237,33 @@ def build_tiny_model(
     return model
 
 
-def tiny_model(cfg, tokenizer) -> Qwen2ForCausalLM:
+@dataclass(frozen=True)
+class ModelSettings:
+    """The model a run starts from: ``model`` ("tiny", a name of `NAMED_MODELS`, a GGUF file, a hub id or
+    a directory; ``gguf_file`` inside it), and for "tiny" its size (the ``tiny_*`` keys) and ``seed``."""
+
+    model: str
+    gguf_file: str
+    seed: int
+    tiny_hidden_size: int
+    tiny_layers: int
+    tiny_heads: int
+    tiny_kv_heads: int
+    tiny_intermediate_size: int
+    tiny_max_positions: int
+
+
+def tiny_model(settings: ModelSettings, tokenizer) -> Qwen2ForCausalLM:
     """The run's tiny model: `build_tiny_model` sized by the ``tiny_*`` keys, seeded by ``seed``."""
     return build_tiny_model(
         tokenizer,
-        hidden_size=cfg.tiny_hidden_size,
-        num_layers=cfg.tiny_layers,
-        num_heads=cfg.tiny_heads,
-        num_kv_heads=cfg.tiny_kv_heads,
-        intermediate_size=cfg.tiny_intermediate_size,
-        max_positions=cfg.tiny_max_positions,
-        seed=cfg.seed,
+        hidden_size=settings.tiny_hidden_size,
+        num_layers=settings.tiny_layers,
+        num_heads=settings.tiny_heads,
+        num_kv_heads=settings.tiny_kv_heads,
+        intermediate_size=settings.tiny_intermediate_size,
+        max_positions=settings.tiny_max_positions,
+        seed=settings.seed,
     )
 
 
@@ -257,29 +273,29 @@ def tokenizer_for(source: str):
     return build_char_tokenizer() if source == "tiny" else pretrained_tokenizer(source)
 
 
-def model_for(cfg, source: str, tokenizer):
+def model_for(settings: ModelSettings, source: str, tokenizer):
     """The model of a source (`model_directory`'s answer): "tiny" builds it
     (`tiny_model`), anything else is loaded (`load_weights`)."""
-    return tiny_model(cfg, tokenizer) if source == "tiny" else load_weights(source, tokenizer)
+    return tiny_model(settings, tokenizer) if source == "tiny" else load_weights(source, tokenizer)
 
 
-def load_skeleton(cfg, source: str, tokenizer):
+def load_skeleton(settings: ModelSettings, source: str, tokenizer):
     """The model of a source without weights (the meta device): its modules, to check names against."""
     from transformers import AutoConfig
 
     with torch.device("meta"):
         if source == "tiny":
-            return tiny_model(cfg, tokenizer)
+            return tiny_model(settings, tokenizer)
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
         return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
 
 
-def load_model_and_tokenizer(cfg):
-    """The policy model and its tokenizer, per ``cfg.model``: "tiny" builds them from the
-    ``tiny_*`` keys; anything else is a hub name or a local directory (HF format)."""
-    source = model_directory(cfg.model, cfg.gguf_file)
+def load_model_and_tokenizer(settings: ModelSettings):
+    """The policy model and its tokenizer, per ``model``: "tiny" builds them from the ``tiny_*`` keys;
+    anything else is a hub name or a local directory (HF format)."""
+    source = model_directory(settings.model, settings.gguf_file)
     tokenizer = tokenizer_for(source)
-    return model_for(cfg, source, tokenizer), tokenizer
+    return model_for(settings, source, tokenizer), tokenizer
 
 
 def load_pretrained(path: str, gguf_file: str = ""):

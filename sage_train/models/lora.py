@@ -14,6 +14,8 @@ adapter on the merged model, so the reference is the warm-started model, as it i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -39,14 +41,24 @@ def apply_lora(model, *, rank: int, alpha: float, dropout: float, target_modules
     return peft.get_peft_model(model, config)
 
 
-def with_lora(model, cfg):
+@dataclass(frozen=True)
+class LoraSettings:
+    """A run's adapter (``lora_rank`` 0: none, every weight trains), `apply_lora`'s shape."""
+
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_target_modules: list
+
+
+def with_lora(model, lora: LoraSettings):
     """`model` with a fresh adapter shaped by a run's ``lora_*`` keys (`apply_lora`)."""
     return apply_lora(
         model,
-        rank=cfg.lora_rank,
-        alpha=cfg.lora_alpha,
-        dropout=cfg.lora_dropout,
-        target_modules=cfg.lora_target_modules,
+        rank=lora.lora_rank,
+        alpha=lora.lora_alpha,
+        dropout=lora.lora_dropout,
+        target_modules=lora.lora_target_modules,
     )
 
 

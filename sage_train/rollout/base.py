@@ -49,25 +49,25 @@ class SamplingParams:
     logprobs: bool = True  # completions carry log-probs (evaluation needs none)
 
     @classmethod
-    def for_rollouts(cls, cfg, seed: int) -> SamplingParams:
-        """A training run's rollouts (`cfg` a TrainConfig): ``group_size`` samples per prompt at the
-        training temperature, drawn from `seed`."""
+    def for_rollouts(cls, rollout: RolloutSettings, seed: int) -> SamplingParams:
+        """A training run's rollouts: ``group_size`` samples per prompt at the training temperature,
+        drawn from `seed`."""
         return cls(
-            n=cfg.group_size,
-            temperature=cfg.temperature,
-            max_new_tokens=cfg.max_new_tokens,
+            n=rollout.group_size,
+            temperature=rollout.temperature,
+            max_new_tokens=rollout.max_new_tokens,
             seed=seed,
-            **_run_options(cfg),
+            **_run_options(rollout),
         )
 
     @classmethod
-    def for_evaluation(cls, cfg) -> SamplingParams:
-        """A training run's own evaluation (`cfg` a TrainConfig): its eval temperature and length; the
-        evaluator sets n and the seeds."""
+    def for_evaluation(cls, rollout: RolloutSettings) -> SamplingParams:
+        """A training run's own evaluation: its eval temperature and length; the evaluator sets n and
+        the seeds."""
         return cls(
-            temperature=cfg.eval_temperature,
-            max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-            **_run_options(cfg),
+            temperature=rollout.eval_temperature,
+            max_new_tokens=rollout.eval_max_new_tokens or rollout.max_new_tokens,
+            **_run_options(rollout),
         )
 
     @property
@@ -76,14 +76,14 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
-def _run_options(cfg) -> dict:
-    """The sampling keys a TrainConfig sets for rollouts and its evaluation alike."""
+def _run_options(rollout: RolloutSettings) -> dict:
+    """The sampling keys a run sets for its rollouts and its evaluation alike."""
     return {
-        "top_p": cfg.top_p,
-        "top_k": cfg.top_k,
-        "min_p": cfg.min_p,
-        "stop": tuple(cfg.stop),
-        "max_prompt_tokens": cfg.max_prompt_length,
+        "top_p": rollout.top_p,
+        "top_k": rollout.top_k,
+        "min_p": rollout.min_p,
+        "stop": tuple(rollout.stop),
+        "max_prompt_tokens": rollout.max_prompt_length,
     }
 
 
@@ -144,6 +144,36 @@ ENGINES = {
     "vllm": ("vllm", "VLLMEngine"),
     "openai": ("openai", "OpenAIServerEngine"),
 }
+#: ``hf_rollout_dtype``'s values: the hf engine samples from a copy in that dtype ("": the model's own)
+HF_ROLLOUT_DTYPES = ("", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """A run's sampling keys and its engine's (``rollout_engine``, one of `ENGINES`), for its rollouts
+    (`SamplingParams.for_rollouts`) and its own evaluation (`SamplingParams.for_evaluation`)."""
+
+    rollout_engine: str
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_new_tokens: int
+    stop: list
+    max_prompt_length: int
+    group_size: int
+    eval_temperature: float
+    eval_max_new_tokens: int
+    hf_rollout_dtype: str
+    vllm_gpu_memory_utilization: float
+    vllm_sleep_mode: bool
+    vllm_sync_bucket_mb: int
+    vllm_max_model_len: int
+    vllm_max_num_batched_tokens: int
+    vllm_dtype: str
+    openai_base_url: str
+    openai_model: str
+    openai_shared_dir: str
 
 
 def make_engine(name: str, model, tokenizer, **options) -> RolloutEngine:

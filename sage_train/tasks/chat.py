@@ -17,6 +17,8 @@ then the answer between ``<SOLUTION>`` and ``</SOLUTION>`` (the official runs st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .base import Problem
 
 REASONING_START, REASONING_END = "<start_working_out>", "<end_working_out>"
@@ -98,9 +100,18 @@ class ChatPromptTask:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def chat_prompted(cfg, task, tokenizer):
-    """`task` with its prompts through a run's chat template (its ``chat_template`` and
-    ``system_prompt`` keys), else `task` ("official" installs the template on `tokenizer`)."""
-    if not cfg.chat_template:
+@dataclass(frozen=True)
+class ChatSettings:
+    """A run's prompts through a chat template (``chat_template``: "" none, or one of `CHAT_TEMPLATES`)
+    with a ``system_prompt`` ("" none, a name of `SYSTEM_PROMPTS`, or the text)."""
+
+    chat_template: str
+    system_prompt: str
+
+
+def chat_prompted(chat: ChatSettings, task, tokenizer):
+    """`task` with its prompts through a run's chat template, else `task` ("official" installs the
+    template on `tokenizer`)."""
+    if not chat.chat_template:
         return task
-    return ChatPromptTask(task, tokenizer, cfg.system_prompt, cfg.chat_template)
+    return ChatPromptTask(task, tokenizer, chat.system_prompt, chat.chat_template)
