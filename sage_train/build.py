@@ -21,7 +21,8 @@ from .inputs import RunPlan, evaluation_sets, run_prompts
 from .micro_batches import padding_free
 from .models.loading import load_folder, model_for
 from .models.lora import AdapterDisabled, LoraSettings, base_lm, is_lora, merge_lora, merged_named_weights, with_lora
-from .policy import OptimSettings, PolicyHead, lr_schedule
+from .optim import OptimSettings, lr_schedule
+from .policy import PolicyHead
 from .rollout.base import RolloutSettings, make_engine
 from .run_files import RUN_FILES
 from .safe_files import folder_written_atomically

@@ -11,7 +11,7 @@ from sage_kernels.backends import BACKEND_CHOICES
 
 from .errors import ConfigError
 from .eval.evaluate import EVAL_SPLITS
-from .policy import LR_SCHEDULES, ZERO_STAGES
+from .optim import LR_SCHEDULES, ZERO_STAGES
 from .presets import LOSS_KEYS
 from .records import settings_of
 from .report import LOGGERS

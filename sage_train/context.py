@@ -23,7 +23,8 @@ from .eval.evaluate import EvalSettings
 from .guide import GuideSettings
 from .models.loading import ModelSettings
 from .models.lora import LoraSettings
-from .policy import Batch, OptimSettings
+from .optim import OptimSettings
+from .policy import Batch
 from .report import LogSettings
 from .rl_maths import Corrections, RewardSettings
 from .rollout.base import RolloutEngine, RolloutSettings

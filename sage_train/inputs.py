@@ -20,7 +20,7 @@ from .eval.evaluate import EvalSettings
 from .guide import GuideSettings
 from .models.files import ModelFilesError, check_model
 from .models.loading import load_skeleton, model_directory, tokenizer_for
-from .policy import OptimSettings
+from .optim import OptimSettings
 from .presets import loss_config
 from .records import settings_of
 from .run_files import FRESH_RUN_CLEARS, RUN_ENTRIES

@@ -10,9 +10,6 @@ takes the packed completion tokens with ``cu_seqlens``.
 The logits are the model's own: its config's scale and softcap after the LM head (Gemma 2/3,
 Cohere: `sage_kernels.integrations.hf_logits`) go to every sweep, then the sampling temperature.
 
-Its optimizer's learning rate follows `lr_schedule`, the one schedule of every optimizer here (the
-RL trainer's, the warm start's, the toy's).
-
 ZeRO-3. The LM head is partitioned like every other weight. The loss reads
 ``lm_head.weight`` inside the forward of `PolicyHead`, the module DeepSpeed wraps; ZeRO-3 then
 gathers it there, registers it as an external parameter of that module, and gathers it again
@@ -22,7 +19,6 @@ for the backward, so the fused loss always sees the full [V, D] weight.
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 from dataclasses import dataclass
 
@@ -231,48 +227,3 @@ def entropy_quantiles(entropy: torch.Tensor, mask: torch.Tensor) -> dict:
     stride = -(-values.numel() // 2**24)
     found = torch.quantile(values[::stride], levels)
     return {f"entropy/p{round(level * 100)}": value for level, value in zip(ENTROPY_QUANTILES, found)}
-
-
-#: the learning-rate schedules after the warmup (`lr_schedule`): constant, cosine to 0, linear to 0
-LR_SCHEDULES = ("constant", "cosine", "linear")
-#: ``zero_stage``'s values: DeepSpeed's ZeRO stages
-ZERO_STAGES = (0, 1, 2, 3)
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    """How the policy is optimised (`build.build_engines`, `inputs.deepspeed_config`): AdamW's
-    learning rate on `lr_schedule`'s ``lr_schedule`` over ``steps`` x ``num_iterations`` updates, the
-    gradient clipping, DeepSpeed's ZeRO stage and bf16 (merged with a ``deepspeed_config`` file), the
-    loss backend and activation checkpointing of `PolicyHead`."""
-
-    lr: float
-    lr_schedule: str
-    warmup_steps: int
-    weight_decay: float
-    max_grad_norm: float
-    steps: int
-    num_iterations: int
-    micro_batch_size: int
-    zero_stage: int
-    bf16: bool
-    deepspeed_config: str
-    loss_backend: str
-    gradient_checkpointing: bool
-
-
-def lr_schedule(optimizer, kind: str, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over `warmup_steps`, then `kind`: "constant", "cosine" to 0 or "linear" to 0
-    at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        if kind == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        if kind == "linear":
-            return max(0.0, 1 - progress)
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,6 +1,6 @@
 """A run's settings as frozen records: each part of the run reads the record defined beside the table
 or code it chooses from (`rollout.base.RolloutSettings` beside the engines, `rl_maths.Corrections`
-beside the importance-sampling levels and modes, `policy.OptimSettings` beside the learning-rate
+beside the importance-sampling levels and modes, `optim.OptimSettings` beside the learning-rate
 schedules, ...), its fields named as the `TrainConfig` keys it reads, so that a function's signature
 says which options it reads and the whole config does not travel. `TrainConfig` stays the user's
 surface; `inputs.run_settings` picks every record out of a checked config once."""

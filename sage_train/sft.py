@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConfigError
-from .policy import LR_SCHEDULES, lr_schedule
+from .optim import LR_SCHEDULES, lr_schedule
 from .tasks.chat import official_sft_completion
 
 #: steps over which the warm start's loss is averaged for ``sft_target_loss``

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sage_train.policy import lr_schedule
+from sage_train.optim import lr_schedule
 
 
 def factors(kind: str, warmup: int, total: int) -> list:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from sage_kernels import LossConfig, fused_linear_sage_loss
 
-from ...policy import lr_schedule
+from ...optim import lr_schedule
 from ...rl_maths import advantages_of_j, group_advantages, sequence_kl
 from . import enumerable as E
 from .report import compare, sampled_report
