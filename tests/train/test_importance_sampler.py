@@ -10,12 +10,13 @@ import torch
 from tiny_models import tiny_model
 
 from sage_train.config import ConfigError
+from sage_train.inputs import run_settings
 from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import PolicyHead, make_batch, score
+from sage_train.rl_maths import rollout_correction
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import Completion
 from sage_train.rollout.hf import HFEngine
-from sage_train.step import rollout_correction
 
 
 def peaked_model(tokenizer, seed):
@@ -41,7 +42,8 @@ def test_weights_are_one_where_sampler_and_trainer_agree(tiny_config, temperatur
     model, completions, batch = sampled(temperature, min_p, top_k)
     train_logp, _ = score(PolicyHead(model), batch, 8, temperature)
     cfg = tiny_config(tis_level="token", tis_cap=2.0, temperature=temperature, min_p=min_p, top_k=top_k)
-    weights, metrics = rollout_correction(cfg, completions, train_logp, batch)
+    s = run_settings(cfg)
+    weights, metrics = rollout_correction(s.corrections, s.rollout.rollout_engine, completions, train_logp, batch)
     mask = batch.completion_mask
     torch.testing.assert_close(weights[mask], torch.ones(int(mask.sum())), atol=1e-4, rtol=0)
     assert abs(float(metrics["tis/weight_mean"]) - 1) < 1e-4 and float(metrics["tis/clipped_frac"]) == 0
@@ -89,13 +91,14 @@ def test_infinite_engine_logprobs_are_refused_and_nan_ones_are_unscored(tiny_con
         Completion(0, [5, 6], [9, 1], "cd", logprobs=[-0.5, float("nan")]),
     ]
     batch = make_batch(completions, torch.device("cpu"), 0)
-    cfg = tiny_config(tis_level="token")
-    weights, metrics = rollout_correction(cfg, completions, torch.full((2, 2), -0.2), batch)
+    s = run_settings(tiny_config(tis_level="token"))
+    corrections, engine = s.corrections, s.rollout.rollout_engine
+    weights, metrics = rollout_correction(corrections, engine, completions, torch.full((2, 2), -0.2), batch)
     assert weights[1, 1] == 1.0 and weights[0, 1] == 2.0  # NaN: no correction; exp(0.8) capped at 2
     assert float(metrics["rollout_corr/unscored_frac"]) == 0.25
     completions[1].logprobs[1] = float("-inf")
     with pytest.raises(ValueError, match=r"returned 1 infinite log-prob\(s\) \(first in completion 1"):
-        rollout_correction(cfg, completions, torch.zeros(2, 2), batch)
+        rollout_correction(corrections, engine, completions, torch.zeros(2, 2), batch)
 
 
 def test_config_refuses_truncation_where_vllm_reports_only_truncated_scaled_logprobs(tiny_config):

@@ -10,6 +10,7 @@ from sage_kernels.guides import BranchGuide, RandomGuide, TokenGuide, branch_gui
 from sage_train import report, step
 from sage_train.cli import train_main
 from sage_train.config import ConfigError
+from sage_train.inputs import run_settings
 from sage_train.presets import loss_config
 from sage_train.rl_maths import generation_log_q, group_advantages, objective_advantages, sequence_kl
 
@@ -45,29 +46,35 @@ def config(**keys):
     return resolve(build({**TINY_RUN, **keys}))
 
 
+def run_guide(cfg):
+    """The guide a run of `cfg` makes on rank 0 (as `build` does)."""
+    from sage_train.guide import make_guide
+
+    s = run_settings(cfg)
+    return make_guide(s.run.guide, s.loss, s.guide, steps=s.run.steps, seed=s.run.seed, rank=0)
+
+
 def test_generation_guides_are_the_guides_own():
     """Each run's guide (`make_guide`) gives the reward its q from the behaviour policy's log-probs
     and entropies: the branch guide with the run's gamma / tau / bounds, the scheduled ones their draws."""
-    from sage_train.guide import make_guide
-
     old, _, _, mask = tensors(1)
     entropy = torch.rand(old.shape, generator=torch.Generator().manual_seed(2)) * 3
     cfg = config(algorithm="sage-branch-exact", tau=0.8, gamma=0.5)
     q = branch_guide(entropy, gamma=0.5, tau=0.8, q_min=cfg.q_min, q_max=cfg.q_max)
-    branch = make_guide(cfg, rank=0)
+    branch = run_guide(cfg)
     assert isinstance(branch, BranchGuide)
     torch.testing.assert_close(generation_log_q(branch, old, entropy, mask), torch.where(mask, q.log(), 0.0))
     assert generation_log_q(branch, old, entropy, mask)[mask].gt(0).any()  # some entropies above tau
     cfg = config(algorithm="sage-token-exact")
     expected = TokenGuide(max_steps=cfg.steps, seed=cfg.seed * 1009).log_q(old, entropy, mask)
-    torch.testing.assert_close(generation_log_q(make_guide(cfg, rank=0), old, entropy, mask), expected)
+    torch.testing.assert_close(generation_log_q(run_guide(cfg), old, entropy, mask), expected)
     cfg = config(algorithm="sage-random-exact", guide_eps_max=0.5)
     expected = RandomGuide(max_steps=cfg.steps, eps_max=0.5, seed=cfg.seed * 1009).log_q(old, entropy, mask)
-    got = generation_log_q(make_guide(cfg, rank=0), old, entropy, mask)
+    got = generation_log_q(run_guide(cfg), old, entropy, mask)
     torch.testing.assert_close(got, expected)
     assert (got[mask] != 0).any()
     cfg = config(algorithm="grpo-kl-in-reward")
-    assert make_guide(cfg, rank=0) is None and generation_log_q(None, old, entropy, mask) is None
+    assert run_guide(cfg) is None and generation_log_q(None, old, entropy, mask) is None
 
 
 def test_objective_advantages_add_the_centred_kl_to_the_task_advantages():
@@ -80,7 +87,8 @@ def test_objective_advantages_add_the_centred_kl_to_the_task_advantages():
         for scale in (True, False):
             keys = {"beta": 0.2, "kl_in_reward_length_normalized": normalized, "scale_rewards": scale}
             cfg = config(algorithm="sage-branch-exact", **keys)
-            advantages, metrics = objective_advantages(cfg, BranchGuide(), rewards, old, entropy, ref, mask)
+            reward = run_settings(cfg).reward
+            advantages, metrics = objective_advantages(reward, BranchGuide(), rewards, old, entropy, ref, mask)
             kl = sequence_kl(old, ref, torch.full(old.shape, 1.24).log(), mask, length_normalized=normalized).view(2, 4)
             kl_part = -0.2 * (kl - kl.mean(1, keepdim=True))
             expected = group_advantages(rewards, scale=scale).double() + kl_part
@@ -123,8 +131,8 @@ def test_sage_train_runs_sage_branch_exact(tmp_path, distributed, monkeypatch):
     seen = []
     real = step.objective_advantages
 
-    def recording(cfg, guide, rewards, *args):
-        advantages, metrics = real(cfg, guide, rewards, *args)
+    def recording(reward, guide, rewards, *args):
+        advantages, metrics = real(reward, guide, rewards, *args)
         seen.append((rewards.clone(), advantages.clone()))
         return advantages, metrics
 

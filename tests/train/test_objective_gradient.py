@@ -12,6 +12,7 @@ from run_copies import TINY_RUN
 
 from sage_train.config import build, resolve
 from sage_train.guide import make_guide
+from sage_train.inputs import run_settings
 from sage_train.rl_maths import group_advantages, objective_advantages, sequence_kl
 from sage_train.study.toy import enumerable as E
 
@@ -63,12 +64,13 @@ def sampled_estimates(task, logits, cfg, *, old_form=False) -> torch.Tensor:
     entropy = E.node_entropy(logits)[at[:2]]
     mask = torch.ones_like(old_logp, dtype=torch.bool)
     rewards = task.reward.gather(1, draws.reshape(P, -1)).reshape(-1, n).float()
-    guide = make_guide(cfg, rank=0)
+    guide = run_guide(cfg)
     if old_form:  # before issue 38: the group statistics of the shaped reward r - beta c
         kl = sequence_kl(old_logp, ref_logp, guide.log_q(old_logp, entropy, mask), mask)
         advantages = group_advantages(rewards - BETA * kl.float().view(rewards.shape), scale=cfg.scale_rewards)
     else:
-        advantages, _ = objective_advantages(cfg, guide, rewards, old_logp, entropy, ref_logp, mask)
+        reward = run_settings(cfg).reward
+        advantages, _ = objective_advantages(reward, guide, rewards, old_logp, entropy, ref_logp, mask)
     score = scores(task, logits)[prompt[:, 0], seqs]  # [rows, N * V]
     weighted = advantages.double().reshape(-1, 1) * score
     return weighted.reshape(P, GROUPS, n, -1).sum(2) / (n - 1)
@@ -82,6 +84,12 @@ def z_scores(estimates, exact) -> torch.Tensor:
     return torch.where(still, 0.0, (mean - exact) / se.clamp(min=1e-13))
 
 
+def run_guide(cfg):
+    """The guide a run of `cfg` makes on rank 0 (as `build` does)."""
+    s = run_settings(cfg)
+    return make_guide(s.run.guide, s.loss, s.guide, steps=s.run.steps, seed=s.run.seed, rank=0)
+
+
 def kl_config(scale: bool):
     keys = {"algorithm": "sage-branch-exact", "beta": BETA, "tau": 0.9, "gamma": 2.0, "scale_rewards": scale}
     return resolve(build({**TINY_RUN, **keys}))
@@ -91,7 +99,7 @@ def kl_config(scale: bool):
 def test_kl_in_reward_advantages_estimate_grad_j(scale):
     task, logits = setting()
     cfg = kl_config(scale)
-    guide = make_guide(cfg, rank=0)
+    guide = run_guide(cfg)
     log_q = E.branch_log_q(logits, gamma=guide.gamma, tau=guide.tau, q_min=guide.q_min, q_max=guide.q_max)
     assert (log_q[:, 0] > 0).all() and (log_q == 0).any()  # the guide raises some nodes and not others
     exact = exact_grad_j(task, logits, log_q).reshape(task.prompts, -1)
