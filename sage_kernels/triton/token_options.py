@@ -13,6 +13,7 @@ or the shape (BLOCK_L), not from the config.
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import NamedTuple
 
 from ..loss_types import LOSS_TYPES
@@ -28,47 +29,61 @@ class KernelOption(NamedTuple):
     read: Callable[[LossConfig], object]
 
 
-def scalar(name: str, read: Callable[[LossConfig], object]) -> KernelOption:
-    return KernelOption(name, False, read)
+def scalar(name: str, field: str | None = None) -> KernelOption:
+    """A float32 scalar: the config's `field` (default: the parameter's name)."""
+    return KernelOption(name, False, attrgetter(field or name))
+
+
+def optional(name: str, field: str | None = None) -> KernelOption:
+    """A float32 scalar from an optional number: 0.0 when it is None (off), which the kernel then
+    does not read (its `present` flag is False)."""
+    value = attrgetter(field or name)
+    return KernelOption(name, False, lambda config: value(config) or 0.0)
+
+
+def present(name: str, field: str) -> KernelOption:
+    """A constexpr flag: the config's optional `field` is given (not None; 0 is given)."""
+    value = attrgetter(field)
+    return KernelOption(name, True, lambda config: value(config) is not None)
 
 
 def constexpr(name: str, read: Callable[[LossConfig], object]) -> KernelOption:
+    """A constexpr: a flag or an integer code, as `read` gives it."""
     return KernelOption(name, True, read)
 
 
-#: the kernel's options in its signature's order. An optional number (None: off) is 0.0 here and its
-#: flag says whether the kernel reads it.
+#: the kernel's options in its signature's order
 TOKEN_STAGE_OPTIONS = (
-    scalar("beta", lambda c: c.beta),
-    scalar("gamma", lambda c: c.gamma),
-    scalar("tau", lambda c: c.tau),
-    scalar("q_min", lambda c: c.q_min),
-    scalar("q_max", lambda c: c.q_max),
-    scalar("eps_low", lambda c: c.eps_low),
-    scalar("eps_high", lambda c: c.eps_high),
-    scalar("delta_clip", lambda c: c.delta_clip or 0.0),
-    scalar("dual_clip_c", lambda c: c.dual_clip_c or 0.0),
-    scalar("entropy_coef", lambda c: c.entropy_coef),
-    scalar("sapo_t_pos", lambda c: c.sapo_temperature_pos),
-    scalar("sapo_t_neg", lambda c: c.sapo_temperature_neg),
-    scalar("vespo_k_pos", lambda c: c.vespo_k_pos),
-    scalar("vespo_lambda_pos", lambda c: c.vespo_lambda_pos),
-    scalar("vespo_k_neg", lambda c: c.vespo_k_neg),
-    scalar("vespo_lambda_neg", lambda c: c.vespo_lambda_neg),
-    scalar("kl_clamp", lambda c: c.kl_clamp or 0.0),
-    scalar("off_policy_threshold", lambda c: c.off_policy_mask_threshold or 0.0),
-    scalar("dppo_ratio_cap", lambda c: c.dppo_ratio_cap),
+    scalar("beta"),
+    scalar("gamma"),
+    scalar("tau"),
+    scalar("q_min"),
+    scalar("q_max"),
+    scalar("eps_low"),
+    scalar("eps_high"),
+    optional("delta_clip"),
+    optional("dual_clip_c"),
+    scalar("entropy_coef"),
+    scalar("sapo_t_pos", "sapo_temperature_pos"),
+    scalar("sapo_t_neg", "sapo_temperature_neg"),
+    scalar("vespo_k_pos"),
+    scalar("vespo_lambda_pos"),
+    scalar("vespo_k_neg"),
+    scalar("vespo_lambda_neg"),
+    optional("kl_clamp"),
+    optional("off_policy_threshold", "off_policy_mask_threshold"),
+    scalar("dppo_ratio_cap"),
     constexpr("KL", lambda c: KL_CODES[c.kl]),
     constexpr("BRANCH", lambda c: c.guide == "branch"),
     constexpr("SEQUENCE", lambda c: c.importance_sampling == "sequence"),
     constexpr("LOSS", lambda c: LOSS_TYPES[c.loss_type].code),
-    constexpr("PADDED", lambda c: c.luspo_include_padding),
+    constexpr("PADDED", attrgetter("luspo_include_padding")),
     constexpr("PER_SEQUENCE_MEAN", lambda c: LOSS_TYPES[c.loss_type].aggregation == "sequence_mean"),
-    constexpr("BIAS_CORRECTION", lambda c: c.use_bias_correction_kl),
-    constexpr("HAS_DELTA", lambda c: c.delta_clip is not None),
-    constexpr("HAS_DUAL", lambda c: c.dual_clip_c is not None),
-    constexpr("HAS_KL_CLAMP", lambda c: c.kl_clamp is not None),
-    constexpr("OFF_POLICY", lambda c: c.off_policy_mask_threshold is not None),
+    constexpr("BIAS_CORRECTION", attrgetter("use_bias_correction_kl")),
+    present("HAS_DELTA", "delta_clip"),
+    present("HAS_DUAL", "dual_clip_c"),
+    present("HAS_KL_CLAMP", "kl_clamp"),
+    present("OFF_POLICY", "off_policy_mask_threshold"),
 )
 
 

@@ -19,30 +19,6 @@ from sage_kernels.spec import KL_CODES
 from sage_kernels.triton import token_stage
 from sage_kernels.triton.token_options import TOKEN_STAGE_OPTIONS, kernel_options
 
-#: the kernel's parameters that do not come from the config: its tensors, its sizes, and the layout
-#: of its row statistics and its chunk (the heuristics' flags are read from the kernel)
-TENSORS = (
-    "logp_ptr",
-    "entropy_ptr",
-    "mask_ptr",
-    "adv_ptr",
-    "old_ptr",
-    "ref_ptr",
-    "isw_ptr",
-    "log_q_ptr",
-    "sampling_ptr",
-    "threshold_ptr",
-    "inv_norm_ptr",
-    "q_ptr",
-    "kl_ptr",
-    "ratio_ptr",
-    "g_ptr",
-    "c_ptr",
-    "row_stats_ptr",
-)
-SIZES = ("B", "L")
-LAYOUT = ("COLUMNS", "BLOCK_L")
-
 
 def kernel_signature():
     """(the jit function's parameter names, the Python function's signature, the heuristics' flags)."""
@@ -55,38 +31,49 @@ def test_the_table_names_the_kernels_parameters_in_order():
     arg_names, signature, flags = kernel_signature()
     table = [option.name for option in TOKEN_STAGE_OPTIONS]
     assert len(set(table)) == len(table)
-    assert arg_names == list(TENSORS + SIZES) + table + flags + list(LAYOUT)
+    # the tensors, the sizes, the table's options, the flags the heuristics read from the tensors, and
+    # the layout of the row statistics and of a chunk
+    sizes = arg_names.index("B")
+    assert all(name.endswith("_ptr") for name in arg_names[:sizes])
+    assert arg_names[sizes:] == ["B", "L"] + table + flags + ["COLUMNS", "BLOCK_L"]
     assert list(signature.parameters) == arg_names
     kinds = {name: "constexpr" in str(param.annotation) for name, param in signature.parameters.items()}
-    assert {option.name: kinds[option.name] for option in TOKEN_STAGE_OPTIONS} == {
-        option.name: option.constexpr for option in TOKEN_STAGE_OPTIONS
-    }
-    assert not any(kinds[name] for name in TENSORS + SIZES)
-    assert all(kinds[name] for name in flags + list(LAYOUT))
+    assert [kinds[option.name] for option in TOKEN_STAGE_OPTIONS] == [
+        option.constexpr for option in TOKEN_STAGE_OPTIONS
+    ]
+    assert not any(kinds[name] for name in arg_names[: sizes + 2])
+    assert all(kinds[name] for name in flags + ["COLUMNS", "BLOCK_L"])
 
 
 def hand_written_launch(c: LossConfig) -> dict:
-    """The options token_stage's launch passed before the table, as it spelled them."""
+    """The options token_stage's launch passed before the table, as it spelled them: the scalars by
+    position (the kernel's parameters after B and L, named here from the kernel's signature), then the
+    constexprs by name."""
+    arg_names, _, _ = kernel_signature()
+    scalars = (
+        c.beta,
+        c.gamma,
+        c.tau,
+        c.q_min,
+        c.q_max,
+        c.eps_low,
+        c.eps_high,
+        c.delta_clip or 0.0,
+        c.dual_clip_c or 0.0,
+        c.entropy_coef,
+        c.sapo_temperature_pos,
+        c.sapo_temperature_neg,
+        c.vespo_k_pos,
+        c.vespo_lambda_pos,
+        c.vespo_k_neg,
+        c.vespo_lambda_neg,
+        c.kl_clamp or 0.0,
+        c.off_policy_mask_threshold or 0.0,
+        c.dppo_ratio_cap,
+    )
+    first = arg_names.index("L") + 1
     return dict(
-        beta=float(c.beta),
-        gamma=float(c.gamma),
-        tau=float(c.tau),
-        q_min=float(c.q_min),
-        q_max=float(c.q_max),
-        eps_low=float(c.eps_low),
-        eps_high=float(c.eps_high),
-        delta_clip=float(c.delta_clip or 0.0),
-        dual_clip_c=float(c.dual_clip_c or 0.0),
-        entropy_coef=float(c.entropy_coef),
-        sapo_t_pos=float(c.sapo_temperature_pos),
-        sapo_t_neg=float(c.sapo_temperature_neg),
-        vespo_k_pos=float(c.vespo_k_pos),
-        vespo_lambda_pos=float(c.vespo_lambda_pos),
-        vespo_k_neg=float(c.vespo_k_neg),
-        vespo_lambda_neg=float(c.vespo_lambda_neg),
-        kl_clamp=float(c.kl_clamp or 0.0),
-        off_policy_threshold=float(c.off_policy_mask_threshold or 0.0),
-        dppo_ratio_cap=float(c.dppo_ratio_cap),
+        zip(arg_names[first : first + len(scalars)], (float(x) for x in scalars)),
         KL=KL_CODES[c.kl],
         BRANCH=c.guide == "branch",
         SEQUENCE=c.importance_sampling == "sequence",
@@ -101,36 +88,18 @@ def hand_written_launch(c: LossConfig) -> dict:
     )
 
 
+#: every scalar a different number, every optional one given, every flag off its default: a row reading
+#: a neighbour's field or the wrong flag shows
+EVERY_OPTION = dict(loss_type="dapo", beta=0.07, kl="fk3", guide="none", importance_sampling="sequence")
+EVERY_OPTION.update(gamma=0.11, tau=1.3, q_min=0.55, q_max=1.45, eps_low=0.21, eps_high=0.28, entropy_coef=0.013)
+EVERY_OPTION.update(delta_clip=3.5, dual_clip_c=2.5, kl_clamp=17.0, off_policy_mask_threshold=0.45)
+EVERY_OPTION.update(sapo_temperature_pos=0.9, sapo_temperature_neg=1.15, use_bias_correction_kl=True)
+EVERY_OPTION.update(vespo_k_pos=2.2, vespo_lambda_pos=3.3, vespo_k_neg=3.4, vespo_lambda_neg=2.1)
+EVERY_OPTION.update(dppo_ratio_cap=6)  # an int: the kernel still gets a float
+
 CONFIGS = {
     "default": {},
-    # every scalar a different number, every optional one given, every flag off its default: a row
-    # reading a neighbour's field or the wrong flag shows
-    "every option": dict(
-        loss_type="dapo",
-        beta=0.07,
-        kl="fk3",
-        guide="none",
-        gamma=0.11,
-        tau=1.3,
-        q_min=0.55,
-        q_max=1.45,
-        eps_low=0.21,
-        eps_high=0.28,
-        delta_clip=3.5,
-        dual_clip_c=2.5,
-        importance_sampling="sequence",
-        entropy_coef=0.013,
-        sapo_temperature_pos=0.9,
-        sapo_temperature_neg=1.15,
-        vespo_k_pos=2.2,
-        vespo_lambda_pos=3.3,
-        vespo_k_neg=3.4,
-        vespo_lambda_neg=2.1,
-        use_bias_correction_kl=True,
-        kl_clamp=17.0,
-        off_policy_mask_threshold=0.45,
-        dppo_ratio_cap=6,  # an int: the kernel still gets a float
-    ),
+    "every option": EVERY_OPTION,
     "luspo padded": dict(loss_type="luspo", luspo_include_padding=True, kl="k1+"),
     "gmpo": dict(loss_type="gmpo", kl="k3+", eps_low=0.4, eps_high=0.4),
     "cispo": dict(loss_type="cispo", eps_high=5.0, kl="k2", beta=0.0),
