@@ -38,7 +38,7 @@ import triton.language as tl
 from ..loss_types import LOSS_TYPES
 from ..metrics import COLUMNS, ROW_STATS
 from ..reference import loss_normaliser
-from ..spec import KL_CODES, LossConfig
+from ..spec import LossConfig
 from .tiles import interpreting, new_buffer
 from .token_math import (
     LOG_W_MAX,
@@ -51,6 +51,7 @@ from .token_math import (
     log_guide,
     policy_gradient,
 )
+from .token_options import kernel_options
 
 if TYPE_CHECKING:
     from .boundary import LossTensors
@@ -87,7 +88,7 @@ def _token_stage_kernel(
     row_stats_ptr,
     B,
     L,
-    beta,
+    beta,  # beta to OFF_POLICY: token_options.TOKEN_STAGE_OPTIONS, in its order
     gamma,
     tau,
     q_min,
@@ -402,41 +403,7 @@ def token_stage(logp, entropy, tensors: LossTensors, config: LossConfig) -> Stag
         row_stats,
         B,
         L,
-        *(
-            float(x)
-            for x in (
-                config.beta,
-                config.gamma,
-                config.tau,
-                config.q_min,
-                config.q_max,
-                config.eps_low,
-                config.eps_high,
-                config.delta_clip or 0.0,
-                config.dual_clip_c or 0.0,
-                config.entropy_coef,
-                config.sapo_temperature_pos,
-                config.sapo_temperature_neg,
-                config.vespo_k_pos,
-                config.vespo_lambda_pos,
-                config.vespo_k_neg,
-                config.vespo_lambda_neg,
-                config.kl_clamp or 0.0,
-                config.off_policy_mask_threshold or 0.0,
-                config.dppo_ratio_cap,
-            )
-        ),
-        KL=KL_CODES[config.kl],
-        BRANCH=config.guide == "branch",
-        SEQUENCE=config.importance_sampling == "sequence",
-        LOSS=LOSS_TYPES[config.loss_type].code,
-        PADDED=config.luspo_include_padding,
-        PER_SEQUENCE_MEAN=LOSS_TYPES[config.loss_type].aggregation == "sequence_mean",
-        BIAS_CORRECTION=config.use_bias_correction_kl,
-        HAS_DELTA=config.delta_clip is not None,
-        HAS_DUAL=config.dual_clip_c is not None,
-        HAS_KL_CLAMP=config.kl_clamp is not None,
-        OFF_POLICY=config.off_policy_mask_threshold is not None,
+        **kernel_options(config),
         COLUMNS=COLUMNS,
         BLOCK_L=block_l,
         num_warps=4,

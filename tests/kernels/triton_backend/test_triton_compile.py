@@ -181,6 +181,7 @@ def compile_all(every: bool = False) -> None:
     from sage_kernels.metrics import COLUMNS
     from sage_kernels.triton import sweep_bwd, sweep_fwd, three_matmul, token_stage
     from sage_kernels.triton.tiles import dot_precision, dot_upcast, sweep_tiles
+    from sage_kernels.triton.token_options import TOKEN_STAGE_OPTIONS
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     dz_types = {"bf16": tl.bfloat16, "fp32": tl.float32}
@@ -263,30 +264,7 @@ def compile_all(every: bool = False) -> None:
         mask_ptr="*u8",
         B="i32",
         L="i32",
-        **{
-            name: "fp32"
-            for name in (
-                "beta",
-                "gamma",
-                "tau",
-                "q_min",
-                "q_max",
-                "eps_low",
-                "eps_high",
-                "delta_clip",
-                "dual_clip_c",
-                "entropy_coef",
-                "sapo_t_pos",
-                "sapo_t_neg",
-                "vespo_k_pos",
-                "vespo_lambda_pos",
-                "vespo_k_neg",
-                "vespo_lambda_neg",
-                "kl_clamp",
-                "off_policy_threshold",
-                "dppo_ratio_cap",
-            )
-        },
+        **{option.name: "fp32" for option in TOKEN_STAGE_OPTIONS if not option.constexpr},
     )
     for kl, everything, loss_type in (
         (1, True, "grpo"),
