@@ -50,7 +50,10 @@ def finished_run(tmp_path) -> Path:
     ):
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(f"{name} of the finished run\n")
-    save_yaml(resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), "name": "done"})), run / "config.yaml")
+    save_yaml(
+        resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), "name": "done"})).to_dict(),
+        run / "config.yaml",
+    )
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY_RUN))
     return run
 
@@ -203,7 +206,9 @@ def test_a_changed_config_is_refused_on_resume_before_the_first_checkpoint(tmp_p
     run = tmp_path / "runs" / "warm"
     (run / "sft").mkdir(parents=True)
     (run / "sft" / "config.json").write_text("{}\n")
-    save_yaml(resolve(build({**values, "output_dir": str(tmp_path / "runs"), "name": "warm"})), run / "config.yaml")
+    save_yaml(
+        resolve(build({**values, "output_dir": str(tmp_path / "runs"), "name": "warm"})).to_dict(), run / "config.yaml"
+    )
     before = snapshot(tmp_path)
     status, lines = sage_train(
         capsys, "--config", tmp_path / "tiny.yaml", f"--output_dir={tmp_path / 'runs'}", "--name=warm", "--resume", arg

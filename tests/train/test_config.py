@@ -140,7 +140,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     from sage_train.config_files import save_yaml
 
     cfg = parse_args(["--algorithm=sage-random", "--task_options={digits: 3}"])
-    save_yaml(cfg, tmp_path / "c.yaml")
+    save_yaml(cfg.to_dict(), tmp_path / "c.yaml")
     assert load_yaml(tmp_path / "c.yaml") == cfg
     assert isinstance(cfg, TrainConfig)
 
@@ -149,15 +149,15 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
 def test_packaged_deepspeed_files_merge_and_must_agree_with_zero_stage(stage):
     import torch
 
-    from sage_train.inputs import deepspeed_config
+    from sage_train.inputs import deepspeed_config, run_settings
 
     cfg = resolve(build({"zero_stage": stage, "deepspeed_config": f"ds-zero{stage}"}))
-    merged = deepspeed_config(cfg, world=2, accumulation=4, device=torch.device("cpu"))
+    merged = deepspeed_config(run_settings(cfg).optim, world=2, accumulation=4, device=torch.device("cpu"))
     assert merged["zero_optimization"]["stage"] == stage and merged["zero_optimization"]["overlap_comm"]
     assert merged["train_batch_size"] == cfg.micro_batch_size * 4 * 2
     with pytest.raises(ConfigError, match="zero_stage"):
         deepspeed_config(
-            resolve(build({"zero_stage": 0, "deepspeed_config": f"ds-zero{stage}"})),
+            run_settings(resolve(build({"zero_stage": 0, "deepspeed_config": f"ds-zero{stage}"}))).optim,
             world=1,
             accumulation=1,
             device=torch.device("cpu"),
@@ -189,11 +189,12 @@ def test_train_problems_beyond_the_default_pool_draws_a_larger_pool_with_the_def
 
 def test_the_guide_keys_are_the_guide_settings_fields_and_read_back_through_them():
     from sage_train.config import FIELDS
-    from sage_train.guide import GUIDE_KEYS, GuideSettings, guide_settings, is_scheduled
+    from sage_train.guide import GUIDE_KEYS, GuideSettings, is_scheduled
+    from sage_train.records import settings_of
 
     assert set(GUIDE_KEYS) <= set(FIELDS) and len(GUIDE_KEYS) == len(dataclasses.fields(GuideSettings))
     cfg = resolve(build({"algorithm": "sage-random", "guide_eps_max": 0.2, "guide_num_cycles": 3}))
-    settings = guide_settings(cfg)
+    settings = settings_of(GuideSettings, cfg, "guide_")
     assert (settings.eps_max, settings.num_cycles, settings.sigma_max) == (0.2, 3, 0.15)  # the random guide's sigma
     assert [is_scheduled(g) for g in ("none", "branch", "token", "random")] == [False, False, True, True]
 
@@ -285,7 +286,7 @@ def test_quirky_strings_round_trip_through_the_saved_config_for_both_yaml_reader
 
     for text in YAML_11_QUIRKS + ["0.5_2.0", "true", "null", "12", ".inf"]:
         cfg = parse_args([f"--name={text}", "--rollout_rs=token_k1", "--rollout_rs_threshold=2_3"])
-        save_yaml(cfg, tmp_path / "c.yaml")
+        save_yaml(cfg.to_dict(), tmp_path / "c.yaml")
         assert load_yaml(tmp_path / "c.yaml") == cfg, text
         assert yaml.safe_load((tmp_path / "c.yaml").read_text())["name"] == text  # what sage-study reads back
 

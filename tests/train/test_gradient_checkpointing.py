@@ -10,7 +10,7 @@ import torch
 from tiny_models import completions, step_context, tiny_model
 
 from sage_train.build import build_engines
-from sage_train.inputs import engine_config
+from sage_train.inputs import engine_config, run_settings
 from sage_train.models.loading import build_char_tokenizer, decoder_of
 from sage_train.models.lora import with_lora
 from sage_train.policy import make_batch, score
@@ -22,13 +22,13 @@ CPU = torch.device("cpu")
 def step_gradients(cfg, tokenizer, batch, advantages):
     """(gradients handed to the optimizer by name, attention calls during scoring, during the update)."""
     model = tiny_model(tokenizer, seed=3, max_positions=64)
-    reference = None
+    reference, s = None, run_settings(cfg)
     if cfg.lora_rank:
         torch.manual_seed(5)  # peft draws the adapter's A from the global generator
-        model = with_lora(model, cfg)
+        model = with_lora(model, s.lora)
     else:
         reference = tiny_model(tokenizer, seed=4, max_positions=64).requires_grad_(False)
-    engine, reference = build_engines(cfg, model, reference, engine_config(cfg, 1, CPU), CPU)
+    engine, reference = build_engines(s.optim, model, reference, engine_config(s, 1, CPU), CPU, s.reward.beta != 0)
     captured, calls = {}, []
     engine.optimizer.register_step_pre_hook(
         lambda *_: captured.update(
@@ -80,9 +80,9 @@ def test_a_copy_of_a_checkpointed_model_runs_its_own_layers(tiny_config, distrib
     """The hf engine samples from a deepcopy in bf16: the copy's layers must run the copy's weights."""
     tokenizer = build_char_tokenizer()
     cfg = tiny_config(gradient_checkpointing=True, prompts_per_step=2, group_size=4, micro_batch_size=4)
-    engine, _ = build_engines(
-        cfg, tiny_model(tokenizer, seed=3, max_positions=64), None, engine_config(cfg, 1, CPU), CPU
-    )
+    s = run_settings(cfg)
+    model = tiny_model(tokenizer, seed=3, max_positions=64)
+    engine, _ = build_engines(s.optim, model, None, engine_config(s, 1, CPU), CPU, s.reward.beta != 0)
     lm = engine.module.lm
     replica = copy.deepcopy(lm)
     assert decoder_of(replica).layers[0].forward.__self__ is decoder_of(replica).layers[0]

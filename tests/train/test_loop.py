@@ -142,17 +142,19 @@ def test_resume_refuses_a_changed_config(tiny_config, distributed):
 
 
 def test_warm_start_stops_at_the_target_loss(tiny_config):
-    from sage_train.inputs import sft_examples
+    from sage_train.inputs import run_settings
     from sage_train.models.loading import load_model_and_tokenizer
-    from sage_train.sft import SFT_WINDOW, sft_warm_start
+    from sage_train.sft import SFT_WINDOW, sft_examples, sft_warm_start
     from sage_train.tasks import get_task
 
     task = get_task("arithmetic", digits=1)
     problems = task.problems("train", None, 0)
 
     def steps_taken(cfg) -> int:
-        model, tokenizer = load_model_and_tokenizer(cfg)
-        return sft_warm_start(model, tokenizer, sft_examples(task, problems, tokenizer, cfg), cfg)
+        s = run_settings(cfg)
+        model, tokenizer = load_model_and_tokenizer(s.model)
+        examples = sft_examples(task, problems, tokenizer, s.sft, cfg.sft_task or cfg.task)
+        return sft_warm_start(model, tokenizer, examples, s.sft)
 
     assert steps_taken(tiny_config(sft_steps=SFT_WINDOW + 5, sft_target_loss=0.0)) == SFT_WINDOW + 5
     assert (

@@ -179,7 +179,8 @@ def test_a_jsonl_tasks_held_out_split_is_not_its_rl_prompts(tmp_path, tiny_confi
     options = dict(task=str(path), task_options={}, prompts_per_step=2, eval_splits=["test"], eval_problems=8)
     cfg = tiny_config(train_problems=6, **options)
     inputs = check_inputs(cfg, world=1)
-    held_out = held_out_problems(cfg, inputs.task, inputs.train_problems)
+    evaluation = inputs.settings.evaluation
+    held_out = held_out_problems(evaluation, cfg.seed, cfg.task, inputs.task, inputs.train_problems)
     assert [p.id for p in held_out] == [f"ten/{i}" for i in range(6, 10)]  # the rows after the RL pool
     with pytest.raises(ConfigError, match="'test' has no held-out problem"):
         check_inputs(tiny_config(**options), world=1)
@@ -190,7 +191,8 @@ def test_a_fixed_held_out_seed_gives_every_run_seed_the_same_held_out_problems(t
         options = dict(task_options={"digits": 2}, eval_splits=["test"], eval_problems=16)
         cfg = tiny_config(seed=seed, held_out_seed=held_out_seed, **options)
         inputs = check_inputs(cfg, world=1)
-        return [p.id for p in held_out_problems(cfg, inputs.task, inputs.train_problems)]
+        evaluation = inputs.settings.evaluation
+        return [p.id for p in held_out_problems(evaluation, cfg.seed, cfg.task, inputs.task, inputs.train_problems)]
 
     assert held_out(1, 0) == held_out(2, 0) == held_out(0, None) and len(set(held_out(1, 0))) == 16
     assert held_out(1, None) != held_out(2, None)  # by default each seed draws its own

@@ -10,7 +10,7 @@ import torch
 from tiny_models import completions, step_context, tiny_model
 
 from sage_train.build import build_engines
-from sage_train.inputs import engine_config
+from sage_train.inputs import engine_config, run_settings
 from sage_train.models.loading import build_char_tokenizer
 from sage_train.policy import make_batch, score
 from sage_train.step import policy_update
@@ -21,7 +21,8 @@ CPU = torch.device("cpu")
 def optimizer_step_gradients(cfg, tokenizer, batch, advantages, seed):
     model = tiny_model(tokenizer, seed=seed, max_positions=64)
     reference = tiny_model(tokenizer, seed=seed + 1, max_positions=64).requires_grad_(False)
-    engine, reference = build_engines(cfg, model, reference, engine_config(cfg, 1, CPU), CPU)
+    s = run_settings(cfg)
+    engine, reference = build_engines(s.optim, model, reference, engine_config(s, 1, CPU), CPU, s.reward.beta != 0)
     captured = {}
 
     def capture(optimizer, args, kwargs):
@@ -80,7 +81,8 @@ def test_an_update_moves_log_probs_with_the_advantage(tiny_config, distributed, 
     cfg = tiny_config(algorithm=algorithm, prompts_per_step=2, group_size=4, micro_batch_size=4, lr=1e-3)
     model = tiny_model(tokenizer, seed=0, max_positions=64)
     reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
-    engine, reference = build_engines(cfg, model, reference, engine_config(cfg, 1, CPU), CPU)
+    s = run_settings(cfg)
+    engine, reference = build_engines(s.optim, model, reference, engine_config(s, 1, CPU), CPU, s.reward.beta != 0)
     ctx = step_context(cfg, engine, reference, tokenizer=tokenizer)
     batch = make_batch(completions(tokenizer, 8, seed=1), torch.device("cpu"), tokenizer.pad_token_id)
     advantages = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0])

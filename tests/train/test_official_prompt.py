@@ -7,8 +7,9 @@ import json
 from transformers import AutoTokenizer
 
 from sage_train.config import build, resolve
-from sage_train.inputs import sft_examples
+from sage_train.inputs import run_settings
 from sage_train.models.loading import build_char_tokenizer
+from sage_train.sft import sft_examples
 from sage_train.tasks import get_task
 from sage_train.tasks.chat import OFFICIAL_CHAT_TEMPLATE, SYSTEM_PROMPTS, ChatPromptTask
 
@@ -56,7 +57,7 @@ def test_official_warm_start_examples(tmp_path):
     task = ChatPromptTask(get_task(f"jsonl:{path}", template="plain"), tokenizer, "official", "official")
     problems = task.problems("train", None, 0)
     cfg = resolve(build({"sft_format": "official", "sft_max_example_tokens": 400, "sft_steps": 1}))
-    examples = sft_examples(task, problems, tokenizer, cfg)
+    examples = sft_examples(task, problems, tokenizer, run_settings(cfg).sft, cfg.sft_task or cfg.task)
     # "2x" is not numeric and the third example is longer than 400 tokens: one is left
     assert len(examples) == 1
     prompt, completion = examples[0]
@@ -71,7 +72,8 @@ def test_official_warm_start_examples(tmp_path):
         {"role": "assistant", "content": "<start_working_out>3*4 = 12<end_working_out><SOLUTION>12</SOLUTION>"},
     ]
     assert text == tokenizer.apply_chat_template(messages, tokenize=False)
-    raw = sft_examples(task, problems, tokenizer, resolve(build({"sft_steps": 1})))
+    raw_cfg = resolve(build({"sft_steps": 1}))
+    raw = sft_examples(task, problems, tokenizer, run_settings(raw_cfg).sft, raw_cfg.sft_task or raw_cfg.task)
     assert len(raw) == 3 and tokenizer.decode(raw[1][1]) == "x + x = 2x<eos>"
 
 

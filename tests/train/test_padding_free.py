@@ -20,7 +20,7 @@ from tiny_models import completions, step_context, tiny_model
 from sage_train.build import build_engines
 from sage_train.config import ConfigError
 from sage_train.guide import make_guide
-from sage_train.inputs import engine_config
+from sage_train.inputs import engine_config, run_settings
 from sage_train.micro_batches import padding_free, split, token_budget_groups
 from sage_train.models.loading import build_char_tokenizer, load_pretrained
 from sage_train.models.lora import with_lora
@@ -54,23 +54,23 @@ def one_step(cfg, kind, gguf_path, batch, packed: bool):
     """One optimizer step on `batch`: the gradients DeepSpeed hands the optimizer, the step's
     metrics and the behaviour log-probs, with the micro-batches packed or padded."""
     model, _, _ = load(kind, gguf_path)
-    reference = None
+    reference, s = None, run_settings(cfg)
     if cfg.lora_rank:
         torch.manual_seed(5)  # the same fresh adapter for both layouts
-        model = with_lora(model, cfg)
+        model = with_lora(model, s.lora)
     else:
         reference = copy.deepcopy(model).requires_grad_(False)
         with torch.no_grad():  # a reference that differs from the policy: the KL term is not 0
             for p in reference.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    engine, reference = build_engines(cfg, model, reference, engine_config(cfg, 1, CPU), CPU)
+    engine, reference = build_engines(s.optim, model, reference, engine_config(s, 1, CPU), CPU, s.reward.beta != 0)
     grads = {}
 
     def capture(optimizer, args, kwargs):
         grads.update({n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None})
 
     engine.optimizer.register_step_pre_hook(capture)
-    guide = make_guide(cfg, rank=0)
+    guide = make_guide(s.run.guide, s.loss, s.guide, steps=s.run.steps, seed=s.run.seed, rank=0)
     ctx = step_context(cfg, engine, reference, guide=guide, device=CPU, padding_free=packed)
     micro_batches = step_micro_batches(ctx, batch)
     old_logp, _ = score(engine, batch, micro_batches, cfg.temperature)
@@ -209,17 +209,22 @@ def test_a_micro_batch_of_empty_completions_scores_one_masked_slot():
 
 def test_which_models_pack_and_the_refusals(tiny_config):
     tokenizer = build_char_tokenizer()
-    assert padding_free(tiny_config(padding_free=True), tiny_model(tokenizer)) == (True, "")
-    assert padding_free(tiny_config(padding_free=False), tiny_model(tokenizer)) == (False, "padding_free: false")
+
+    def packs(cfg, lm):  # `padding_free` as `build_context` asks it: the step's shape, the loss's luspo option
+        s = run_settings(cfg)
+        return padding_free(s.step, s.loss.luspo_include_padding, lm)
+
+    assert packs(tiny_config(padding_free=True), tiny_model(tokenizer)) == (True, "")
+    assert packs(tiny_config(padding_free=False), tiny_model(tokenizer)) == (False, "padding_free: false")
     # sdpa: a dense mask over the packed row costs more than the padding; padded without a word
-    assert padding_free(tiny_config(), tiny_model(tokenizer)) == (False, "")
-    assert padding_free(tiny_config(micro_batch_size=1), tiny_model(tokenizer)) == (True, "")  # one causal row each
+    assert packs(tiny_config(), tiny_model(tokenizer)) == (False, "")
+    assert packs(tiny_config(micro_batch_size=1), tiny_model(tokenizer)) == (True, "")  # one causal row each
     bloom = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2))
     bloom.config._attn_implementation = "flash_attention_2"  # as loaded with flash-attn: null would pack
-    packed, why = padding_free(tiny_config(), bloom)  # ALiBi, no position ids: padded, and why
+    packed, why = packs(tiny_config(), bloom)  # ALiBi, no position ids: padded, and why
     assert not packed and "BloomForCausalLM" in why
     with pytest.raises(ConfigError, match="config key 'padding_free' must be false or null here: BloomForCausalLM"):
-        padding_free(tiny_config(padding_free=True), bloom)
+        packs(tiny_config(padding_free=True), bloom)
     luspo = tiny_config(padding_free=True, loss_type="luspo", luspo_include_padding=True)
     with pytest.raises(ConfigError, match="padding_free.*luspo_include_padding"):
-        padding_free(luspo, tiny_model(tokenizer))
+        packs(luspo, tiny_model(tokenizer))

@@ -52,7 +52,9 @@ def received(tmp_path) -> Path:
     for name in ("final/model.safetensors", "sft/config.json", "eval/records.jsonl", "metrics.jsonl"):
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(f"{name} of the received run\n")
-    save_yaml(resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), "name": "got"})), run / "config.yaml")
+    save_yaml(
+        resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), "name": "got"})).to_dict(), run / "config.yaml"
+    )
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY_RUN))
     return run
 
@@ -182,7 +184,10 @@ def finished(tmp_path) -> Path:
     tokenizer = build_char_tokenizer()
     tiny_model(tokenizer, layers=1, max_positions=64).save_pretrained(run / "final")
     tokenizer.save_pretrained(run / "final")
-    save_yaml(resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), "name": "done"})), run / "config.yaml")
+    save_yaml(
+        resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), "name": "done"})).to_dict(),
+        run / "config.yaml",
+    )
     return run
 
 

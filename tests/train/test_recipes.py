@@ -8,7 +8,7 @@ import yaml
 from sage_train.cli import train_main
 from sage_train.config import ConfigError, parse_args
 from sage_train.config_files import packaged_config_names, packaged_config_path
-from sage_train.inputs import deepspeed_config
+from sage_train.inputs import deepspeed_config, run_settings
 
 QWEN_ALGORITHMS = [
     "grpo",
@@ -149,7 +149,7 @@ def test_recipes_split_over_processes_when_prompts_scale():
 @pytest.mark.parametrize("stage, file", [(2, "ds-zero2"), (3, "ds-zero3")])
 def test_recipe_with_each_zero_stage(stage, file):
     cfg = parse_args(["--config", RECIPES[1], f"--zero_stage={stage}", f"--deepspeed_config={file}"])
-    config = deepspeed_config(cfg, world=8, accumulation=16, device=torch.device("cpu"))
+    config = deepspeed_config(run_settings(cfg).optim, world=8, accumulation=16, device=torch.device("cpu"))
     assert config["zero_optimization"]["stage"] == stage
     assert config["train_batch_size"] == cfg.micro_batch_size * 16 * 8
 

@@ -515,7 +515,7 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
     from tiny_models import step_context, tiny_model
 
     from sage_train.build import build_engines
-    from sage_train.inputs import engine_config
+    from sage_train.inputs import engine_config, run_settings
     from sage_train.models.loading import build_char_tokenizer
     from sage_train.policy import make_batch, score
     from sage_train.rollout import Completion
@@ -531,9 +531,8 @@ def test_one_extreme_token_skips_the_optimizer_step_and_the_next_step_applies(ti
     advantages = torch.linspace(-1, 1, 8)
     model = tiny_model(tokenizer, seed=0, max_positions=64)
     reference = tiny_model(tokenizer, seed=0, max_positions=64).requires_grad_(False)
-    engine, reference = build_engines(
-        cfg, model, reference, engine_config(cfg, 1, torch.device("cpu")), torch.device("cpu")
-    )
+    s, cpu = run_settings(cfg), torch.device("cpu")
+    engine, reference = build_engines(s.optim, model, reference, engine_config(s, 1, cpu), cpu, s.reward.beta != 0)
     ctx = step_context(cfg, engine, reference, tokenizer=tokenizer)
     old_logp, _ = score(engine, batch, 4, cfg.temperature)
     ref_logp, _ = score(reference, batch, 4, cfg.temperature)

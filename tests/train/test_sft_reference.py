@@ -27,11 +27,14 @@ def reference_and_models(tiny_config, tmp_path, adapter):
     )
     task = get_task(cfg.task, **cfg.task_options)
     problems = task.problems("train", None, cfg.seed)
-    base, tokenizer = load_model_and_tokenizer(cfg)  # the same seeded weights the warm start begins from
     plan = check_inputs(cfg, world=1)
+    s, with_reference = plan.settings, plan.settings.reward.beta != 0
+    base, tokenizer = load_model_and_tokenizer(s.model)  # the same seeded weights the warm start begins from
     model, _ = initial_policy(plan, rank=0, resumed=False)
-    policy, reference_lm = policy_and_reference(cfg, model)
-    engine, reference = build_engines(cfg, policy, reference_lm, plan.deepspeed, torch.device("cpu"))
+    policy, reference_lm = policy_and_reference(s.lora, model, with_reference)
+    engine, reference = build_engines(
+        s.optim, policy, reference_lm, plan.deepspeed, torch.device("cpu"), with_reference
+    )
     groups = make_engine("hf", base, tokenizer).generate(
         [task.prompt(p) for p in problems[:4]], SamplingParams(n=2, max_new_tokens=6, seed=0)
     )

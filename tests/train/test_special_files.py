@@ -70,7 +70,7 @@ def finished(tmp_path) -> Path:
     tiny_model(tokenizer, layers=1, max_positions=64).save_pretrained(run / RUN_FILES.final)
     tokenizer.save_pretrained(run / RUN_FILES.final)
     config = resolve(build({**QUICK_RUN, "output_dir": str(tmp_path / "runs"), "name": "done"}))
-    save_yaml(config, run / RUN_FILES.config)
+    save_yaml(config.to_dict(), run / RUN_FILES.config)
     return run
 
 

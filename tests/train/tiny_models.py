@@ -6,8 +6,8 @@ import random
 import torch
 
 from sage_train.context import RunContext
+from sage_train.inputs import run_settings
 from sage_train.models.loading import build_tiny_model
-from sage_train.presets import loss_config
 from sage_train.rollout import Completion
 
 
@@ -39,9 +39,11 @@ def step_context(
     device=torch.device("cpu"),
     **state,
 ) -> RunContext:
-    """The `RunContext` of a test's own parts; its loss options built from `cfg` as `build_context` builds them."""
+    """The `RunContext` of a test's own parts: the settings records of `cfg` (`run_settings`), its loss options
+    their `Settings.loss`, as `build_context` takes them."""
+    settings = run_settings(cfg)
     return RunContext(
-        cfg,
+        settings,
         engine,
         reference,
         rollout,
@@ -52,7 +54,7 @@ def step_context(
         rank,
         world,
         device,
-        loss=loss_config(cfg),
+        loss=settings.loss,
         **state,
     )
 

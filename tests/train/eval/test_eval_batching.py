@@ -10,7 +10,7 @@ from tiny_models import step_context, tiny_model
 from sage_train.build import derived_max_model_len
 from sage_train.config import ConfigError
 from sage_train.eval.evaluate import evaluate_engine
-from sage_train.inputs import evaluation_sets, held_out_problems, run_prompts
+from sage_train.inputs import evaluation_sets, held_out_problems, run_prompts, run_settings
 from sage_train.models.loading import build_char_tokenizer
 from sage_train.rollout import SamplingParams
 from sage_train.rollout.base import derive_seed
@@ -110,7 +110,9 @@ def test_evaluate_once_one_call_per_split_inside_one_session(tiny_config, tmp_pa
     engine, tokenizer, task = engine_and_task()
     cfg = tiny_config(eval_problems=5, eval_samples=2, eval_splits=["train", "test"], task_options={"digits": 2})
     train_problems = list(task.problems("train", None, cfg.seed))
-    evaluations = evaluation_sets(cfg, task, task, train_problems, held_out_problems(cfg, task, train_problems))
+    evaluation = run_settings(cfg).evaluation
+    held_out = held_out_problems(evaluation, cfg.seed, cfg.task, task, train_problems)
+    evaluations = evaluation_sets(evaluation, task, task, train_problems, held_out)
     ctx = step_context(cfg, rollout=engine, tokenizer=tokenizer, task=task, problems=train_problems)
     ctx.evaluations = evaluations
     results = evaluate_once(ctx, tmp_path / "eval.json")
@@ -141,12 +143,16 @@ def test_vllm_context_length_is_the_longest_prompt_plus_the_longest_completion(t
     tokenizer = build_char_tokenizer()
     task = get_task("arithmetic", digits=3)
     train_problems = list(task.problems("train", None, cfg.seed))[:10]
-    held_out = held_out_problems(cfg, task, train_problems)
-    prompts = list(run_prompts(task, train_problems, evaluation_sets(cfg, task, task, train_problems, held_out)))
+    s = run_settings(cfg)
+    held_out = held_out_problems(s.evaluation, cfg.seed, cfg.task, task, train_problems)
+    prompts = list(
+        run_prompts(task, train_problems, evaluation_sets(s.evaluation, task, task, train_problems, held_out))
+    )
     assert len(prompts) == 10 + 3 + 3  # the RL pool, then each evaluation split
     assert prompts[-3:] == [task.prompt(p) for p in task.problems("test", 3, cfg.seed)]
     longest = max(map(len, prompts))  # one token per character
-    assert derived_max_model_len(cfg, tokenizer, prompts) == longest + 9
-    assert derived_max_model_len(tiny_config(max_new_tokens=12), tokenizer, prompts) == longest + 12
+    assert derived_max_model_len(s.rollout, tokenizer, prompts) == longest + 9
+    longer = run_settings(tiny_config(max_new_tokens=12)).rollout
+    assert derived_max_model_len(longer, tokenizer, prompts) == longest + 12
     with pytest.raises(ConfigError, match="'vllm_max_model_len' is 0"):
-        derived_max_model_len(cfg, tokenizer, [])
+        derived_max_model_len(s.rollout, tokenizer, [])

@@ -3,6 +3,7 @@ change the adapter only, the reference (adapter disabled) is the base model, the
 no gradient; the whole loop runs with LoRA and with the truncated-IS correction."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -13,13 +14,14 @@ from transformers import AutoModelForCausalLM
 
 from sage_train import checkpoint, report
 from sage_train.build import build_engines
-from sage_train.inputs import engine_config
+from sage_train.inputs import engine_config, run_settings
 from sage_train.models.loading import load_model_and_tokenizer
 from sage_train.models.lora import AdapterDisabled, is_lora, with_lora
 from sage_train.policy import PolicyHead, make_batch, score
+from sage_train.rl_maths import rollout_correction
 from sage_train.rollout import SamplingParams, make_engine
 from sage_train.run import train
-from sage_train.step import policy_update, rollout_correction
+from sage_train.step import policy_update
 from sage_train.tasks import get_task
 
 pytest.importorskip("peft")
@@ -28,10 +30,11 @@ pytest.importorskip("peft")
 def lora_setup(tiny_config, distributed, **overrides):
     cfg = tiny_config(lora_rank=4, lora_alpha=8.0, lr=0.05, zero_stage=overrides.pop("zero_stage", 0), **overrides)
     rank, world, device = distributed
-    model, tokenizer = load_model_and_tokenizer(cfg)
+    s = run_settings(cfg)
+    model, tokenizer = load_model_and_tokenizer(s.model)
     base = copy.deepcopy(model).eval()
-    model = with_lora(model, cfg)
-    engine, reference = build_engines(cfg, model, None, engine_config(cfg, world, device), device)
+    model = with_lora(model, s.lora)
+    engine, reference = build_engines(s.optim, model, None, engine_config(s, world, device), device, s.reward.beta != 0)
     rollout = make_engine("hf", engine.module.lm, tokenizer, device=device)
     task = get_task("arithmetic", digits=1)
     problems = list(task.problems("train", 16, 0))
@@ -115,12 +118,13 @@ def test_tis_weights_with_hf_engine_are_one(tiny_config, distributed):
     ctx, _ = lora_setup(tiny_config, distributed, tis_level="token", tis_cap=2.0)
     completions, batch = rollout_batch(ctx)
     train_logp, _ = score(ctx.engine, batch, 8, 1.0)
-    weights, metrics = rollout_correction(ctx.cfg, completions, train_logp, batch)
+    corrections, engine = ctx.settings.corrections, ctx.settings.rollout.rollout_engine
+    weights, metrics = rollout_correction(corrections, engine, completions, train_logp, batch)
     assert weights.shape == batch.completion_mask.shape
     torch.testing.assert_close(weights, torch.ones_like(weights), atol=1e-4, rtol=0)
     assert abs(float(metrics["tis/weight_mean"]) - 1) < 1e-4
-    off = ctx.cfg.__class__(**{**ctx.cfg.to_dict(), "tis_level": "off"})
-    assert rollout_correction(off, completions, train_logp, batch) == (None, {})
+    off = dataclasses.replace(corrections, tis_level="off")
+    assert rollout_correction(off, engine, completions, train_logp, batch) == (None, {})
 
 
 def test_lora_loop_end_to_end(tiny_config, distributed):
@@ -142,11 +146,11 @@ def test_merged_weights_out_of_place(tiny_config):
     from sage_train.models.lora import merged_named_weights
     from sage_train.rollout.vllm import policy_weights_for_vllm, weight_buckets
 
-    cfg = tiny_config(lora_rank=4)
-    model, _ = load_model_and_tokenizer(cfg)
+    s = run_settings(tiny_config(lora_rank=4))
+    model, _ = load_model_and_tokenizer(s.model)
     plain_before = {name: p.detach().clone() for name, p in model.named_parameters()}
     plain_names = set(plain_before)
-    model = with_lora(model, cfg)
+    model = with_lora(model, s.lora)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

@@ -112,7 +112,10 @@ def previous_run(tmp_path) -> Path:
     for name in ("checkpoints/step000002/mp_rank_00_model_states.pt", "final/model.safetensors", "metrics.jsonl"):
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(f"{name} of the finished run\n")
-    save_yaml(resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), "name": "done"})), run / "config.yaml")
+    save_yaml(
+        resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), "name": "done"})).to_dict(),
+        run / "config.yaml",
+    )
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY_RUN))
     return run
 

@@ -16,7 +16,7 @@ def finished_run(root, seed, before, after, problems=("p0", "p1", "p2"), n=4):
     """A run directory as sage-train leaves it (the files before_after reads)."""
     run = root / f"s{seed}"
     run.mkdir()
-    save_yaml(build({"seed": seed, "name": f"s{seed}"}), run / "config.yaml")
+    save_yaml(build({"seed": seed, "name": f"s{seed}"}).to_dict(), run / "config.yaml")
 
     def evaluation(correct):
         return {
