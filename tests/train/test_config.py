@@ -328,9 +328,12 @@ def choice_tables() -> dict[str, set]:
     from sage_kernels.backends import BACKEND_CHOICES
     from sage_kernels.guides import GUIDES
     from sage_kernels.loss_types import LOSS_TYPES
+    from sage_train.eval.evaluate import EVAL_SPLITS
+    from sage_train.optim import LR_SCHEDULES, ZERO_STAGES
     from sage_train.report import LOGGERS
     from sage_train.rl_maths import IS_MODES, TIS_LEVELS
-    from sage_train.rollout.base import ENGINES
+    from sage_train.rollout.base import ENGINES, HF_ROLLOUT_DTYPES
+    from sage_train.sft import SFT_ADAPTERS, SFT_FORMATS, SFT_LR_SCHEDULES
     from sage_train.tasks.chat import CHAT_TEMPLATES
 
     tables = {
@@ -343,6 +346,13 @@ def choice_tables() -> dict[str, set]:
         "loss_types.LOSS_TYPES": LOSS_TYPES,
         "presets.PRESETS": PRESETS,
         "tasks.chat.CHAT_TEMPLATES": CHAT_TEMPLATES,
+        "optim.LR_SCHEDULES": LR_SCHEDULES,
+        "optim.ZERO_STAGES": ZERO_STAGES,
+        "sft.SFT_FORMATS": SFT_FORMATS,
+        "sft.SFT_ADAPTERS": SFT_ADAPTERS,
+        "sft.SFT_LR_SCHEDULES": SFT_LR_SCHEDULES,
+        "rollout.base.HF_ROLLOUT_DTYPES": HF_ROLLOUT_DTYPES,
+        "eval.evaluate.EVAL_SPLITS": EVAL_SPLITS,
     }
     return {where: set(names) for where, names in tables.items()}
 
@@ -360,7 +370,7 @@ def test_config_rules_spell_no_tables_names():
     found = []
     for node in ast.walk(ast.parse(Path(rules.__file__).read_text())):
         if isinstance(node, (ast.List, ast.Tuple, ast.Set)) and node.elts:
-            if all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            if all(isinstance(e, ast.Constant) and isinstance(e.value, (str, int)) for e in node.elts):
                 names = {e.value for e in node.elts} - {""}  # "": a key's "none", in no table
                 found += [f"line {node.lineno}: {sorted(names)} re-spells {t}" for t, n in tables.items() if names <= n]
     assert not found, found
@@ -379,6 +389,13 @@ def test_config_choices_are_the_tables():
     assert set(CHOICES["vllm_importance_sampling_mode"]) == tables["rl_maths.IS_MODES"]
     assert CHOICES["loss_backend"] == ("auto", "reference", "cpu", "triton")
     assert CHOICES["chat_template"] == ("", "tokenizer", "official")
+    # the choices that were literal lists until their tables existed: the same values, the same order
+    assert CHOICES["zero_stage"] == (0, 1, 2, 3) and CHOICES["lr_schedule"] == ("constant", "cosine", "linear")
+    assert CHOICES["sft_adapter"] == ("merge", "continue") and CHOICES["sft_lr_schedule"] == ("cosine", "linear")
+    assert CHOICES["sft_format"] == ("raw", "official")
+    assert CHOICES["hf_rollout_dtype"] == ("", "bfloat16", "float16", "float32")
+    with pytest.raises(ConfigError, match="config key 'eval_splits' must be a list of 'train' and/or 'test'"):
+        build({"eval_splits": ["train", "valid"]})
     with pytest.raises(ConfigError) as error:
         build({"report_to": ["tensorboard", "mlflow"]})
     assert str(error.value).startswith(
