@@ -16,6 +16,7 @@ from tiny_models import tiny_model
 from sage_train.build import rollout_model_path
 from sage_train.cli import eval_main, train_main
 from sage_train.config import build, resolve
+from sage_train.inputs import run_settings
 from sage_train.models.loading import build_char_tokenizer
 from sage_train.run_dir import RunLock
 from sage_train.run_files import RUN_FILES
@@ -108,7 +109,7 @@ def test_the_rollout_model_of_a_cp_al_copy_is_saved_afresh(tmp_path, distributed
             before = snapshot(tmp_path / "runs" / "a")
         cfg = resolve(build({**QUICK_RUN, "rollout_engine": "vllm", "output_dir": str(tmp_path / output), "name": "a"}))
         model = tiny_model(tokenizer, seed=seed, layers=1, max_positions=64 * (1 + seed))
-        saved = rollout_model_path(SimpleNamespace(cfg=cfg, model=cfg.model), model, tokenizer, 0)
+        saved = rollout_model_path(SimpleNamespace(settings=run_settings(cfg), model=cfg.model), model, tokenizer, 0)
         assert saved == str(cfg.run_dir / RUN_FILES.rollout_init)
     assert snapshot(tmp_path / "runs" / "a") == before
     assert snapshot(tmp_path / "runs2" / "a") != before  # the copy holds the other model
