@@ -34,28 +34,24 @@ TINY_RUN = {
 #: a run of a few seconds on a CPU: a 1-layer, 32-wide model on 1-digit addition, checkpointed at
 #: every step, its completions logged
 QUICK_RUN = {
-    "model": "tiny",
-    "tiny_hidden_size": 32,
+    **TINY_RUN,
     "tiny_layers": 1,
-    "tiny_heads": 2,
-    "tiny_kv_heads": 1,
-    "tiny_intermediate_size": 64,
-    "task": "arithmetic",
-    "task_options": {"digits": 1},
-    "sft_steps": 0,
     "steps": 2,
     "prompts_per_step": 2,
     "group_size": 2,
     "micro_batch_size": 4,
-    "max_new_tokens": 4,
-    "eval_problems": 0,
     "save_every": 1,
     "log_completions": 2,
-    "progress": False,
-    "plots": False,
-    "report_to": [],
-    "cpu_threads": 1,
 }
+
+
+def write_entries(run: Path, names) -> Path:
+    """`run` holding each entry of `names` (a path inside it) as a file of its own content: what a
+    finished run leaves, for a command to keep or refuse to touch."""
+    for name in names:
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(f"{name} of the finished run\n")
+    return run
 
 
 def link_copy(source: Path, target: Path) -> Path:

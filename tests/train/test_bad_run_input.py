@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from run_copies import TINY_RUN
+from run_copies import TINY_RUN, write_entries
 
 from sage_train.cli import train_main
 from sage_train.config import ConfigError, RunOptions, build, parse_args, resolve
@@ -38,18 +38,18 @@ def sage_train(capsys, *argv) -> tuple[int, list[str]]:
 @pytest.fixture
 def finished_run(tmp_path) -> Path:
     """tmp_path/runs/done: what a finished run leaves (files of each kind), and a config file for it."""
-    run = tmp_path / "runs" / "done"
-    for name in (
-        "checkpoints/step000002/mp_rank_00_model_states.pt",
-        "final/model.safetensors",
-        "sft/config.json",
-        "eval/records.jsonl",
-        "tensorboard/events",
-        "metrics.jsonl",
-        "summary.json",
-    ):
-        (run / name).parent.mkdir(parents=True, exist_ok=True)
-        (run / name).write_text(f"{name} of the finished run\n")
+    run = write_entries(
+        tmp_path / "runs" / "done",
+        (
+            "checkpoints/step000002/mp_rank_00_model_states.pt",
+            "final/model.safetensors",
+            "sft/config.json",
+            "eval/records.jsonl",
+            "tensorboard/events",
+            "metrics.jsonl",
+            "summary.json",
+        ),
+    )
     save_yaml(
         resolve(build({**TINY_RUN, "output_dir": str(tmp_path / "runs"), "name": "done"})).to_dict(),
         run / "config.yaml",

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from run_copies import write_entries
 from safetensors.torch import load_file, save_file
 from tiny_models import tiny_model
 
@@ -69,19 +70,19 @@ def snapshot(folder: Path) -> dict:
 def previous_run(tmp_path) -> Path:
     """tmp_path/runs/done: a finished run's entries (checkpoints, final model, sft, metrics, summary,
     evaluations, config), each with its own content, for the --overwrite runs to keep."""
-    run = tmp_path / "runs" / "done"
-    for name in (
-        "checkpoints/step000001/mp_rank_00_model_states.pt",
-        "checkpoints/latest",
-        "final/model.safetensors",
-        "sft/model.safetensors",
-        "eval/records.jsonl",
-        "metrics.jsonl",
-        "summary.json",
-        "config.yaml",
-    ):
-        (run / name).parent.mkdir(parents=True, exist_ok=True)
-        (run / name).write_text(f"{name} of the finished run\n")
+    run = write_entries(
+        tmp_path / "runs" / "done",
+        (
+            "checkpoints/step000001/mp_rank_00_model_states.pt",
+            "checkpoints/latest",
+            "final/model.safetensors",
+            "sft/model.safetensors",
+            "eval/records.jsonl",
+            "metrics.jsonl",
+            "summary.json",
+            "config.yaml",
+        ),
+    )
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(RUN))
     return run
 

@@ -168,6 +168,18 @@ AGGREGATION = {
 }
 
 
+def both_losses(openrlhf, options: dict, logp, old, A, mask, rollout, call: dict) -> list:
+    """[(outputs, d loss / d logp)] of our `SAGEPolicyLoss` then OpenRLHF's `PolicyLoss`, both built with
+    `options` and called on the same batch (`call`: the aggregation's call options)."""
+    results = []
+    for cls in (sage_openrlhf.SAGEPolicyLoss, openrlhf.PolicyLoss):
+        x = logp.clone().requires_grad_(True)
+        out = cls(**options)(x, old, A, action_mask=mask, rollout_log_probs=rollout, **call)
+        out[0].backward()
+        results.append((out, x.grad))
+    return results
+
+
 @pytest.mark.parametrize("aggregation", list(AGGREGATION))
 @pytest.mark.parametrize("correction", list(CORRECTIONS))
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
@@ -176,13 +188,7 @@ def test_policy_loss_equals_openrlhf(openrlhf, correction, aggregation, dual_cli
     agg = AGGREGATION[aggregation]
     options = dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=agg["token_level_loss"])
     options.update(CORRECTIONS[correction])
-    results = []
-    for cls in (sage_openrlhf.SAGEPolicyLoss, openrlhf.PolicyLoss):
-        x = logp.clone().requires_grad_(True)
-        out = cls(**options)(x, old, A, action_mask=mask, rollout_log_probs=rollout, **agg["call"])
-        out[0].backward()
-        results.append((out, x.grad))
-    (ours, ours_grad), (want, want_grad) = results
+    (ours, ours_grad), (want, want_grad) = both_losses(openrlhf, options, logp, old, A, mask, rollout, agg["call"])
     torch.testing.assert_close(ours_grad.double(), want_grad, rtol=1e-6, atol=1e-8)
     for name, a, b in zip(("loss", "clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"), ours, want):
         if b is None:
@@ -206,13 +212,7 @@ def test_gspo_equals_openrlhf(openrlhf, correction, aggregation):
         clip_eps_low=0.1, clip_eps_high=0.12, policy_loss_type="gspo", token_level_loss=agg["token_level_loss"]
     )
     options.update(CORRECTIONS[correction])
-    results = []
-    for cls in (sage_openrlhf.SAGEPolicyLoss, openrlhf.PolicyLoss):
-        x = logp.clone().requires_grad_(True)
-        out = cls(**options)(x, old, A, action_mask=mask, rollout_log_probs=rollout, **agg["call"])
-        out[0].backward()
-        results.append((out, x.grad))
-    (ours, ours_grad), (want, want_grad) = results
+    (ours, ours_grad), (want, want_grad) = both_losses(openrlhf, options, logp, old, A, mask, rollout, agg["call"])
     torch.testing.assert_close(ours_grad.double(), want_grad, rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(ours[0].double(), want[0], rtol=1e-6, atol=1e-8)
     torch.testing.assert_close(ours[1].double(), want[1].double(), rtol=1e-6, atol=1e-8)

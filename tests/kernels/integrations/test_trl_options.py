@@ -6,6 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("trl")
+from tiny_lm import tiny_decoder_options  # noqa: E402
 from trl_harness import DEFAULTS, FAR, assert_same, configure, loss_grads_metrics, make_batch, pair  # noqa: E402
 
 
@@ -92,23 +93,13 @@ def tiny_moe_dir(tmp_path_factory, tiny_lm_dir):
     path = tmp_path_factory.mktemp("tiny-qwen3-moe")
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        **tiny_decoder_options(tokenizer),  # the tests' tiny decoder, with its experts
         moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
         num_experts=4,
         num_experts_per_tok=2,
         decoder_sparse_step=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
         router_aux_loss_coef=0.01,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
     )
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(config).save_pretrained(path)
